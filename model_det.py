@@ -1,0 +1,248 @@
+"""Deterministic Llama-style decoder: the baseline every stochastic model in nanolatent is measured against."""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
+# files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def precompute_rope(head_dim, max_len, theta):
+    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos, k, v):
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): n_head query heads share n_kv_head key/value heads."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.kv_cache = None  # a KVCache while generate() runs
+
+    def forward(self, x, cos, sin, start_pos):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
+        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, start_pos):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+def sample_next_token(logits, temperature, top_k, generator):
+    """One token per row from (B, V) logits; temperature 0 means greedy decoding."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    block_size: int = 256  # context length: RoPE tables and the KV cache are sized for it
+    vocab_size: int = 65  # set from the dataset's meta.json by train.py
+    n_layer: int = 4  # a tiny default that trains on a 2-core CPU in minutes
+    n_head: int = 4  # query heads
+    n_kv_head: int = 2  # key/value heads; n_head % n_kv_head == 0 (GQA halves the KV cache here)
+    n_embd: int = 128  # model width
+    ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
+    ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
+    rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
+                             f"and n_head by n_kv_head={self.n_kv_head}")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.n_embd / 3)
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+
+class Model(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+
+    def forward(self, idx, targets=None, latents=None, start_pos=0):
+        """idx (B, T) token ids -> (logits, loss, stats). The det model has no latents; `latents` is ignored.
+
+        With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored).
+        Without: logits of the last position only, (B, 1, V). start_pos > 0 only in KV-cache decoding.
+        """
+        B, T = idx.shape
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+        if start_pos > 0 and T > 1:
+            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
+        sin = self.rope_sin[start_pos:start_pos + T]
+        x = self.tok_emb(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin, start_pos)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None, {}  # (B, 1, V)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss, {"ce": loss.detach()}
+
+    def sample_latents(self, batch_size, generator=None):
+        return None  # nothing stochastic to pin
+
+    def setup_kv_cache(self, batch_size, max_len):
+        p = self.tok_emb.weight
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
+                                          p.device, p.dtype)
+
+    def clear_kv_cache(self):
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds the context "
+                             f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
+        self.setup_kv_cache(B, total)
+        try:
+            logits, _, _ = self(idx, start_pos=0)  # (B, 1, V)
+            for pos in range(T, total):
+                idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+                if pos + 1 < total:
+                    logits, _, _ = self(idx_next, start_pos=pos)
+        finally:
+            self.clear_kv_cache()
+        return idx
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights
+        (the tied head's matmul included, the embedding lookup not) plus 12 * L * C * T for attention scores."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -1,0 +1,304 @@
+"""Train any nanolatent model. One process on a laptop CPU:
+
+    python train.py                                   # the Free Transformer synthetic task defaults below
+    python train.py config/det_shakespeare_char.py --max_iters=500
+
+Data parallel on one node, or across nodes (run the same command on every node):
+
+    torchrun --standalone --nproc_per_node=8 train.py config/det_fineweb_124m.py
+    torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=8 train.py ...
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+from configurator import configure
+
+# ----------------------------------------------------------------------------------------------------------------
+# defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for a 2-core CPU
+# I/O
+out_dir = "out"
+eval_interval = 250
+log_interval = 10
+eval_iters = 20  # batches per split per evaluation
+eval_only = False  # evaluate once and exit
+always_save_checkpoint = False  # save at every evaluation, not only when val loss improves
+init_from = "scratch"  # 'scratch', or 'resume' to continue the run in out_dir
+wandb_log = False  # Weights & Biases logging (pip install wandb)
+wandb_project = "nanolatent"
+wandb_run_name = "run"
+# data
+dataset = "synthetic"
+batch_size = 64  # sequences per micro-batch per process
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
+# model: model_<model>.py; any field of its Config (n_layer, kappa_bits, sigma, ...) may be set like the keys here
+model = "free"
+# AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+learning_rate = 1e-3
+max_iters = 1500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # 0 disables clipping
+warmup_iters = 100
+lr_decay_iters = 1500  # usually max_iters
+min_lr = 1e-4  # usually learning_rate / 10 (Chinchilla)
+max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the run stops
+# system
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
+compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
+seed = 1337
+# ----------------------------------------------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+config, model_config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
+                                 lambda values: common.config_fields(values["model"]))
+globals().update(config)
+# ----------------------------------------------------------------------------------------------------------------
+
+ddp = int(os.environ.get("RANK", -1)) != -1
+if ddp:
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if gradient_accumulation_steps % world_size:
+        common.die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+                   f"{world_size} processes: each one runs an equal share of the micro-batches")
+    gradient_accumulation_steps //= world_size
+else:
+    rank, world_size = 0, 1
+master = rank == 0  # only this process prints, logs and saves
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+if wandb_log and master:
+    try:
+        import wandb
+    except ImportError:
+        common.die("wandb_log=True needs the wandb package: pip install wandb (or run with --wandb_log=False)")
+
+# data: a flat token stream per split, read through a memmap
+meta = common.load_meta(dataset)
+train_data, val_data = (common.load_tokens(dataset, split, meta) for split in ("train", "val"))
+
+
+def seeded(*key):
+    """Every random draw derives from (seed, *key) (non-negative ints): a resumed run, or one on another number of
+    processes, sees exactly the batches and the noise of an uninterrupted single run, with no generator state saved."""
+    return np.random.default_rng([seed, *key])
+
+
+TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE = 0, 1, 2  # the streams seeded() draws from
+
+
+def get_batch(split, *key):
+    """A micro-batch of `split` drawn from the stream (TRAIN_BATCH, step, micro_step) or (EVAL_BATCH, rank, k)."""
+    data = train_data if split == "train" else val_data
+    T = model_config["block_size"]
+    rng = seeded(*key, split == "train")
+    if "doc_len" in meta:  # fixed-length sequences (synthetic task): windows start at a sequence's first token
+        starts = meta["doc_len"] * rng.integers(len(data) // meta["doc_len"], size=batch_size)
+    else:
+        starts = rng.integers(len(data) - T, size=batch_size)
+    x = torch.from_numpy(np.stack([data[i:i + T] for i in starts]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[i + 1:i + 1 + T] for i in starts]).astype(np.int64))
+    if device_type == "cuda":  # pinned memory lets the copy overlap with compute
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# model and optimizer, fresh or from the checkpoint in out_dir
+iter_num, best_val_loss = 0, float("inf")
+if init_from == "resume":
+    checkpoint = common.load_checkpoint(out_dir, device)
+    if checkpoint["model_type"] != model:
+        common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model={checkpoint['model_type']}")
+    model_config = checkpoint["model_config"]  # a resumed run keeps its architecture
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+elif init_from != "scratch":
+    common.die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+model_config.setdefault("vocab_size", meta["vocab_size"])
+model_config.setdefault("block_size", common.config_fields(model)["block_size"])
+if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
+    common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
+raw_model = common.build_model(model, model_config).to(device)
+model_config = common.config_dict(raw_model.config)
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == "resume":
+    raw_model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    del checkpoint
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
+train_model = torch.compile(raw_model) if compile else raw_model
+if ddp:
+    train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
+          f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}")
+
+
+# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops():
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def all_reduce_mean(values):
+    """{name: float} averaged over processes (every process evaluates its own batches)."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if ddp:
+        dist.all_reduce(tensor)
+        tensor /= world_size
+    return dict(zip(values, tensor.tolist()))
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss and stats on eval_iters fixed batches per split. For stochastic models also the CE with latents
+    drawn from the prior (sample_latents): the Free Transformer's honest number, since its posterior path reads
+    the future tokens through the encoder."""
+    train_model.eval()
+    out = {}
+    for split in ("train", "val"):
+        sums = {}
+        for k in range(eval_iters):
+            X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
+            with autocast:
+                _, loss, stats = raw_model(X, Y)
+                values = {"loss": loss, **stats}
+                latents = raw_model.sample_latents(X.size(0), torch.Generator(device).manual_seed(k))
+                if latents is not None:
+                    values["ce_prior"] = raw_model(X, Y, latents=latents)[2]["ce"]
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0.0) + float(value) / eval_iters
+        out.update({f"{split}_{name}": value for name, value in all_reduce_mean(sums).items()})
+    train_model.train()
+    return out
+
+
+def log_record(record):
+    """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if wandb_log:
+        wandb.log(record, step=record["iter"])
+
+
+def truncate_metrics(after_iter):
+    """A resumed run drops the records past its checkpoint, so a curve never doubles back."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["iter"] < after_iter]
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+
+if master:
+    if init_from == "resume":
+        truncate_metrics(iter_num)
+    else:
+        open(os.path.join(out_dir, "metrics.jsonl"), "w").close()
+    if wandb_log:
+        wandb.init(project=wandb_project, name=wandb_run_name, config={**config, **model_config})
+
+nonfinite_total, nonfinite_streak, last_stats = 0, 0, {}
+while True:
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        evals = estimate_loss()
+        if master:
+            print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+            log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
+            if (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
+                best_val_loss = min(best_val_loss, evals["val_loss"])
+                common.save_checkpoint({
+                    "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "model_type": model,
+                    "model_config": model_config, "config": config, "meta": meta,
+                    "iter_num": iter_num, "best_val_loss": best_val_loss}, os.path.join(out_dir, "ckpt.pt"))
+                print(f"saved checkpoint to {out_dir}/ckpt.pt")
+    if eval_only or iter_num == max_iters:
+        break
+
+    # The model's own noise (B-Trans minds, EVE eps, Free Z) comes from the global generator: seeded per step and
+    # per process, so ranks draw different noise and a resumed run draws the same noise as an uninterrupted one.
+    torch.manual_seed(int(seeded(MODEL_NOISE, rank, iter_num).integers(2**62)))
+    t0 = time.time()
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(gradient_accumulation_steps):
+        X, Y = get_batch("train", TRAIN_BATCH, iter_num, rank * gradient_accumulation_steps + micro_step)
+        if ddp:  # average gradients across processes only on the last micro-step (one all-reduce per step)
+            train_model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+        with autocast:
+            _, loss, stats = train_model(X, Y)
+            loss = loss / gradient_accumulation_steps
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    finite = torch.isfinite(loss_sum).float()
+    if ddp:  # every process takes the same decision
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item() == 0:
+        optimizer.zero_grad(set_to_none=True)
+        nonfinite_total, nonfinite_streak = nonfinite_total + 1, nonfinite_streak + 1
+        if nonfinite_streak >= max_nonfinite:
+            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged; lower "
+                       f"learning_rate, keep grad_clip on, or resume from the last checkpoint in {out_dir}")
+    else:
+        nonfinite_streak = 0
+        if grad_clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(raw_model, "update_controllers"):  # model-side controllers (EVE homeostat, beta controller)
+            raw_model.update_controllers(stats)
+
+    if iter_num % log_interval == 0 and master:
+        dt = time.time() - t0  # this one step (finite.item() above waited for the device)
+        peak = peak_flops()
+        mfu = raw_model.flops_per_token() * tokens_per_iter / world_size / dt / peak if peak else None
+        record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
+                  "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
+                  "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
+        print(f"iter {iter_num}: loss {record['loss']:.4f}, " + "".join(f"{k} {float(v):.4f}, " for k, v in stats.items())
+              + f"{dt * 1000:.1f} ms/iter, {record['tokens_per_s']:,.0f} tok/s"
+              + (f", mfu {mfu * 100:.1f}%" if mfu else "") + (f", skipped {nonfinite_total}" if nonfinite_total else ""))
+        log_record(record)
+    iter_num += 1
+
+if ddp:
+    dist.destroy_process_group()

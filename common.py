@@ -111,7 +111,9 @@ def repeat_latents(latents, n):
 
 
 def data_dir(dataset):
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", dataset)
+    """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
+    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    return os.path.join(root, dataset)
 
 
 def load_meta(dataset):

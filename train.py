@@ -135,6 +135,7 @@ model_config.setdefault("vocab_size", meta["vocab_size"])
 model_config.setdefault("block_size", common.config_fields(model)["block_size"])
 if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
     common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
+torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 model_config = common.config_dict(raw_model.config)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)

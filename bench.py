@@ -1,0 +1,161 @@
+"""Benchmark training and decoding for the four models at equal size, one table (nanoGPT's bench.py role).
+
+    python bench.py                                            # det, btrans, eve, free at 8 layers, d=256, T=256, B=8
+    python bench.py --models=det,free:latent_bits=16,free:latent_bits=16:mapper=dense
+    python bench.py --device=cuda --dtype=bfloat16 --compile=True --n_layer=12 --n_embd=768 --block_size=1024 ...
+
+A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
+max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
+Decode times are per generated token at a given context length, with the KV cache (generate) and, for contrast,
+without (a full forward over the context for every new token).
+"""
+
+import ast
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+import common
+from configurator import configure
+
+models = "det,btrans,eve,free"
+n_layer = 8
+n_embd = 256
+n_head = 4
+n_kv_head = 2
+vocab_size = 256
+block_size = 256  # training sequence length
+batch_size = 8
+steps = 10  # timed training steps, after `warmup` untimed ones
+warmup = 3
+decode_contexts = (64, 1024)  # positions at which decode time per token is measured
+decode_tokens = 16
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+compile = False
+one = ""  # internal: benchmark this single spec and print its JSON row
+# ----------------------------------------------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple))]
+config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
+globals().update(config)
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def parse_spec(spec):
+    model_type, *fields = spec.split(":")
+    overrides = {}
+    for field in fields:
+        key, _, value = field.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (SyntaxError, ValueError):
+            overrides[key] = value
+    return model_type, overrides
+
+
+def sync():
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(model_type, overrides, context):
+    torch.manual_seed(0)
+    return common.build_model(model_type, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
+                                               vocab_size=vocab_size, block_size=context, **overrides)).to(device)
+
+
+def bench_train(model_type, overrides):
+    model = build(model_type, overrides, block_size)
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+    train_model = torch.compile(model) if compile else model
+    x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+    y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+    autocast = torch.autocast(device_type, dtype=ptdtype, enabled=ptdtype != torch.float32)
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        with autocast:
+            _, loss, _ = train_model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    return model, dt
+
+
+@torch.no_grad()
+def bench_decode(model_type, overrides, context):
+    """ms per generated token at `context`: generate N tokens minus generate 1 (the prefill), over N - 1."""
+    model = build(model_type, overrides, context + decode_tokens).eval()
+    prompt = torch.randint(0, vocab_size, (1, context), device=device)
+    times = {}
+    for n in (1, decode_tokens):
+        model.generate(prompt, n, generator=torch.Generator(device).manual_seed(0))  # warm up
+        sync()
+        t0 = time.perf_counter()
+        model.generate(prompt, n, generator=torch.Generator(device).manual_seed(0))
+        sync()
+        times[n] = time.perf_counter() - t0
+    cached = (times[decode_tokens] - times[1]) / (decode_tokens - 1)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        model(prompt, latents=model.sample_latents(1))  # one full forward per new token without a cache
+    sync()
+    return cached * 1000, (time.perf_counter() - t0) / 3 * 1000
+
+
+def bench_one(spec):
+    model_type, overrides = parse_spec(spec)
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model, dt = bench_train(model_type, overrides)
+    tokens_per_s = batch_size * block_size / dt
+    peak = torch.cuda.max_memory_allocated() if device_type == "cuda" else resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = dict(spec=spec, params=model.num_params(), flops_per_token=model.flops_per_token(), step_ms=dt * 1000,
+               tokens_per_s=tokens_per_s, peak_mib=peak / 2**20)
+    name = torch.cuda.get_device_name() if device_type == "cuda" else None
+    peak_flops = next((f for k, f in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+                       if name and k in name), None)
+    row["mfu"] = model.flops_per_token() * tokens_per_s / peak_flops if peak_flops else None
+    del model
+    for context in decode_contexts:
+        row[f"decode_ms_{context}"], row[f"nocache_ms_{context}"] = bench_decode(model_type, overrides, context)
+    return row
+
+
+if one:
+    torch.set_float32_matmul_precision("high")
+    print(json.dumps(bench_one(one)))
+    sys.exit(0)
+
+rows = []
+for spec in models.split(","):
+    args = [f"--{k}={v!r}".replace(" ", "") for k, v in config.items() if k not in ("models", "one")]
+    proc = subprocess.run([sys.executable, __file__, *args, f"--one={spec}"], capture_output=True, text=True)
+    if proc.returncode:
+        common.die(f"benchmark of {spec} failed:\n{proc.stderr[-2000:]}")
+    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+base = next((r for r in rows if r["spec"] == "det"), rows[0])
+contexts = decode_contexts
+print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
+      f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}")
+header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det", "flop x det", "MFU", "peak MiB"]
+header += [f"dec@{c} ms" for c in contexts] + [f"nocache@{c} ms" for c in contexts]
+print(" | ".join(header))
+for r in rows:
+    cells = [r["spec"], f"{r['params'] / 1e6:.2f}M", f"{r['flops_per_token'] / 1e6:.1f}", f"{r['step_ms']:.1f}",
+             f"{r['tokens_per_s']:,.0f}", f"{r['step_ms'] / base['step_ms']:.2f}",
+             f"{r['flops_per_token'] / base['flops_per_token']:.2f}",
+             f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "-", f"{r['peak_mib']:,.0f}"]
+    cells += [f"{r[f'decode_ms_{c}']:.2f}" for c in contexts] + [f"{r[f'nocache_ms_{c}']:.2f}" for c in contexts]
+    print(" | ".join(cells))

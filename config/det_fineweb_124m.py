@@ -1,0 +1,24 @@
+# GPT-2-124M-class Llama decoder on FineWeb-Edu, for one node of 8 GPUs:
+#   python prepare.py fineweb_edu --max_docs=5000000
+#   torchrun --standalone --nproc_per_node=8 train.py config/det_fineweb_124m.py
+# 8 x 16 x 4 micro-batches x 1024 tokens = 524,288 tokens per step (GPT-3 small's batch), 10B tokens in 19,073 steps.
+model = "det"
+dataset = "fineweb_edu"
+out_dir = "out-det-124m"
+vocab_size = 50304  # 50,257 padded to a multiple of 64: faster matmuls; the extra rows are never targets
+block_size = 1024
+n_layer = 12
+n_embd = 768
+n_head = 12
+n_kv_head = 4
+batch_size = 16
+gradient_accumulation_steps = 32  # divided by the number of processes: 4 per GPU on 8 GPUs
+learning_rate = 6e-4
+min_lr = 6e-5
+warmup_iters = 700
+max_iters = 19073
+lr_decay_iters = 19073
+weight_decay = 0.1
+eval_interval = 1000
+eval_iters = 50
+log_interval = 10

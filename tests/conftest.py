@@ -1,0 +1,36 @@
+"""Shared test helpers: the repo root on sys.path, a prepared synthetic dataset, running the scripts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")  # ../shared/data: present for CI, not for users
+sys.path.insert(0, ROOT)
+torch.set_num_threads(2)
+
+
+def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
+    """Run `python <script> args...` with prepared data under data_dir; returns the CompletedProcess."""
+    env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") else list(map(str, args))
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    """A small synthetic dataset (Free Transformer §4.1) under a temporary NANOLATENT_DATA."""
+    root = tmp_path_factory.mktemp("data")
+    run_script("prepare.py", "synthetic", "--num_train=2000", "--num_val=200", data_dir=root)
+    return root
+
+
+# A tiny model and a short run: what the script tests train with.
+TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--batch_size=4", "--block_size=66",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20"]

@@ -1,0 +1,93 @@
+"""prepare.py: the synthetic task's format, local text files, and the GPT-2 path with the offline BPE file."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import SHARED_DATA, run_script
+
+import common
+
+GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
+SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
+
+
+def read(data_root, name, split):
+    with open(os.path.join(data_root, name, "meta.json")) as f:
+        meta = json.load(f)
+    return np.fromfile(os.path.join(data_root, name, f"{split}.bin"), dtype=meta["dtype"]), meta
+
+
+def test_synthetic_sequences_follow_the_papers_recipe(data_root):
+    tokens, meta = read(data_root, "synthetic", "train")
+    text = "".join(meta["chars"][i] for i in tokens)
+    docs = text.split("\n")[:-1]
+    assert len(docs) == 2000 and meta["doc_len"] == 67 and all(len(d) == 66 for d in docs)
+    bodies = [d[2:] for d in docs]
+    assert all(re.fullmatch(r"[A-Z]>[_!A-Z]{64}", d) for d in docs)
+    assert all(set(b) - {"_", "!"} <= {d[0]} for d, b in zip(docs, bodies))  # only the prompt's letter appears
+    noise = sum(b.count("!") for b in bodies) / (64 * len(bodies))
+    assert abs(noise - 1 / 16) < 0.005
+    letters = sum(b.count(d[0]) for d, b in zip(docs, bodies)) / len(bodies)
+    assert abs(letters - 8 * 15 / 16) < 0.1  # 8 target letters, each kept with probability 15/16
+    runs = [re.search(d[0] + "{8}", b) for d, b in zip(docs, bodies)]
+    assert 0.55 < np.mean([r is not None for r in runs]) < 0.65  # (15/16)^8 = 0.597 are intact
+    starts = [r.start() for r in runs if r]
+    assert min(starts) == 0 and max(starts) == 56
+
+
+def test_synthetic_is_seeded(tmp_path):
+    for name in ("a", "b"):
+        run_script("prepare.py", "synthetic", "--num_train=50", "--num_val=5", f"--name={name}", data_dir=tmp_path)
+    assert np.array_equal(read(tmp_path, "a", "train")[0], read(tmp_path, "b", "train")[0])
+
+
+def test_char_text_round_trips_and_splits_ninety_ten(tmp_path):
+    text = "hello world, the quick brown fox.\n" * 30
+    (tmp_path / "in.txt").write_text(text)
+    run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=t", data_dir=tmp_path)
+    train, meta = read(tmp_path, "t", "train")
+    val, _ = read(tmp_path, "t", "val")
+    encode, decode = common.tokenizer(meta)
+    assert decode(train.tolist()) + decode(val.tolist()) == text
+    assert len(train) == int(len(text) * 0.9) and encode("fox") == [meta["chars"].index(c) for c in "fox"]
+
+
+def test_jsonl_fields_become_one_document_each(tmp_path):
+    rows = [{"prompt": f"p{i}", "story": f"s{i}", "other": 1} for i in range(10)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_script("prepare.py", "text", f"--input={tmp_path / 'in.jsonl'}", "--fields=prompt,story", "--tokenizer=char",
+               "--name=j", data_dir=tmp_path)
+    val, meta = read(tmp_path, "j", "val")
+    assert "".join(meta["chars"][i] for i in val) == "p9\n\ns9"
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.jsonl'}", "--fields=title", data_dir=tmp_path,
+                      check=False)
+    assert proc.returncode == 2 and "available: prompt, story, other" in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_path):
+    proc = run_script("prepare.py", "text", f"--input={SHAKESPEARE}", f"--bpe_file={GPT2_BPE}", "--name=s",
+                      data_dir=tmp_path)
+    train, meta = read(tmp_path, "s", "train")
+    val, _ = read(tmp_path, "s", "val")
+    # reference 301,966 / 36,059 tokens, plus the <|endoftext|> that closes each document
+    assert (len(train), len(val)) == (301_967, 36_060) and train[-1] == val[-1] == 50256
+    assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+    encode, decode = common.tokenizer(meta)
+    assert encode("Hello world") == [15496, 995] and decode(train[:200].tolist()) in open(SHAKESPEARE).read()
+
+
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+def test_gpt2_falls_back_to_the_environment_variable_when_the_download_fails(tmp_path, monkeypatch):
+    import tiktoken
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
+    monkeypatch.setenv(common.GPT2_BPE_ENV, GPT2_BPE)
+    encoding, used = common.gpt2_encoding()
+    assert used == GPT2_BPE and encoding.encode("Hello world") == [15496, 995]
+    monkeypatch.delenv(common.GPT2_BPE_ENV)
+    with pytest.raises(SystemExit):
+        common.gpt2_encoding()

@@ -1,0 +1,107 @@
+"""train.py, sample.py and the configurator, run as a user runs them (subprocesses on a tiny synthetic dataset)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, run_script
+
+import common
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train(data_root, out_dir, *args, check=True):
+    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+
+
+def test_unknown_config_key_is_one_clear_error(data_root, tmp_path):
+    proc = train(data_root, tmp_path, "--n_layers=3", check=False)
+    assert proc.returncode == 2
+    assert "unknown config key 'n_layers' (did you mean n_layer" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_wrong_type_is_one_clear_error_but_an_int_may_stand_for_a_float(data_root, tmp_path):
+    proc = train(data_root, tmp_path, "--batch_size=2.5", check=False)
+    assert proc.returncode == 2 and "--batch_size expects a int" in proc.stderr
+    proc = train(data_root, tmp_path, "--learning_rate=1", "--max_iters=1", "--eval_interval=1")
+    assert "saved checkpoint" in proc.stdout
+
+
+def test_config_file_and_model_fields_reach_the_model_and_the_command_line_wins(data_root, tmp_path):
+    config = tmp_path / "cfg.py"
+    config.write_text("n_layer = 3\nrope_theta = 500000\nmax_iters = 2\neval_interval = 2\n")
+    train(data_root, tmp_path, config, "--ffn_multiple_of=16")  # TINY's --n_layer=2 comes after the file
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model_config = checkpoint["model_config"]
+    assert model_config["n_layer"] == 2 and model_config["rope_theta"] == 500000.0
+    assert model_config["ffn_multiple_of"] == 16 and model_config["ffn_hidden"] == 96
+    assert checkpoint["iter_num"] == 2 and checkpoint["config"]["max_iters"] == 2
+
+
+def test_missing_data_prints_the_prepare_command(tmp_path):
+    proc = run_script("train.py", "--dataset=tinystories", f"--out_dir={tmp_path}", data_dir=tmp_path, check=False)
+    assert proc.returncode == 2 and "run `python prepare.py tinystories`" in proc.stderr
+
+
+def test_checkpoint_round_trip_gives_identical_logits(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=3", "--eval_interval=3")
+    model, checkpoint = common.load_model(tmp_path)
+    assert not any(k.startswith(("_orig_mod", "module")) for k in checkpoint["model"])
+    fresh = common.build_model("det", checkpoint["model_config"])
+    fresh.load_state_dict(checkpoint["model"])
+    idx = torch.randint(0, checkpoint["model_config"]["vocab_size"], (2, 10))
+    assert torch.equal(model(idx)[0], fresh(idx)[0])
+    assert not os.path.exists(tmp_path / "ckpt.pt.tmp")
+
+
+def test_corrupt_checkpoint_is_one_clear_error(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
+    with open(tmp_path / "ckpt.pt", "r+b") as f:
+        f.truncate(1000)
+    proc = train(data_root, tmp_path, "--init_from=resume", check=False)
+    assert proc.returncode == 2 and "is unreadable" in proc.stderr and "truncated" in proc.stderr
+
+
+def test_resumed_run_logs_the_same_losses_as_the_uninterrupted_run(data_root, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ["--max_iters=8", "--eval_interval=4", "--always_save_checkpoint=True"]
+    train(data_root, full, *args)
+    train(data_root, part, "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True")
+    train(data_root, part, *args, "--init_from=resume")
+    loss = lambda out: [(r["iter"], r["loss"]) for r in metrics(out) if "loss" in r]
+    assert loss(part) == loss(full) and len(loss(full)) == 8
+    iters = [r["iter"] for r in metrics(part) if "loss" in r]
+    assert iters == sorted(set(iters))
+    a, b = (torch.load(p / "ckpt.pt", weights_only=True)["model"] for p in (full, part))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_process_ddp_averages_gradients_like_one_process_with_the_same_micro_batches(data_root, tmp_path):
+    args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
+    train(data_root, tmp_path / "single", *args)
+    run_script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "--model=det", f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_sample_refuses_a_prompt_longer_than_the_context(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
+    proc = run_script("sample.py", f"--out_dir={tmp_path}", "--start=" + "_" * 60, "--max_new_tokens=10",
+                      data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "exceeds the context (block_size=66)" in proc.stderr
+
+
+def test_sample_is_reproducible_with_a_seed(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
+    a, b = (run_script("sample.py", f"--out_dir={tmp_path}", "--start=K>", "--seed=3", data_dir=data_root).stdout
+            for _ in range(2))
+    assert a == b and a.count("K>") == 4

@@ -65,8 +65,8 @@ def sync():
 
 def build(model_type, overrides, context):
     torch.manual_seed(0)
-    return common.build_model(model_type, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
-                                               vocab_size=vocab_size, block_size=context, **overrides)).to(device)
+    sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
+    return common.build_model(model_type, {**sizes, **overrides, "block_size": context}).to(device)
 
 
 def bench_train(model_type, overrides):

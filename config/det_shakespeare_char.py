@@ -13,5 +13,6 @@ max_iters = 2000
 lr_decay_iters = 2000
 learning_rate = 1e-3
 min_lr = 1e-4
+beta2 = 0.99  # few tokens per iteration: a shorter second-moment memory (as in the btrans/eve configs)
 warmup_iters = 100
 eval_interval = 250

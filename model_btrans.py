@@ -1,0 +1,345 @@
+"""B-Trans ("Many Minds from One Model", Yang & Zhang): the det decoder with a random offset after every RMSNorm.
+
+Each wrapped norm computes h' = RMSNorm(h) + mu + sigma * eps (§4.1 Eq. 4). One eps per sequence, frozen for the
+prompt and every generated token (§3.2 Eq. 3, §4.3), makes each batch row a different "mind" of the same weights.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
+# files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+class BayesianBiasNorm(RMSNorm):
+    """§4.1 Eq. 4: RMSNorm(x) + mu + sigma * eps. The gain keeps RMSNorm's name `weight`, so det checkpoints load:
+    mu and log_sigma are the only new parameters (missing from a det state_dict, never unexpected)."""
+
+    def __init__(self, config, sigma):
+        super().__init__(config.n_embd, config.norm_eps)
+        # §4.1: mu is a hyperparameter that "can be 0 in RMSNorm": zeros, frozen unless config.learn_mu.
+        self.mu = nn.Parameter(torch.zeros(config.n_embd), requires_grad=config.learn_mu)
+        # Beyond the paper (§7 future work): a learned spread, one scalar per wrapped norm, positive as exp(.).
+        self.log_sigma = nn.Parameter(torch.full((1,), math.log(sigma))) if config.learn_sigma else None
+        self.fixed_sigma = sigma  # the spread when it is not learned (a float: no state_dict key)
+
+    @property
+    def sigma(self):
+        return self.fixed_sigma if self.log_sigma is None else self.log_sigma.exp()
+
+    def forward(self, x, eps=None):
+        # eps is (B, 1, C) per sequence, (B, T, C) per token, or None for the mean offset alone (§5 update phase).
+        offset = self.mu if eps is None else self.mu + self.sigma * eps  # (C,) or like eps
+        return super().forward(x) + offset  # (B, T, C)
+
+    def kl(self, prior_sigma):
+        """Beyond the paper: KL(N(mu, sigma^2 I) || N(0, prior_sigma^2 I)) of this offset, summed over channels."""
+        log_ratio = 2 * (self.log_sigma - math.log(prior_sigma))  # (1,) log(sigma^2 / prior_sigma^2)
+        per_channel = 0.5 * (log_ratio.exp() - 1 - log_ratio)  # (1,) the variance term, the same in every channel
+        return per_channel.sum() * self.mu.numel() + 0.5 * (self.mu / prior_sigma).pow(2).sum()
+
+
+def precompute_rope(head_dim, max_len, theta):
+    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos, k, v):
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): n_head query heads share n_kv_head key/value heads."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.kv_cache = None  # a KVCache while generate() runs
+
+    def forward(self, x, cos, sin, start_pos):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
+        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config, layer):
+        super().__init__()
+        self.attn_norm = BayesianBiasNorm(config, config.sigmas[2 * layer])
+        self.attn = Attention(config)
+        self.mlp_norm = BayesianBiasNorm(config, config.sigmas[2 * layer + 1])
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, start_pos, attn_eps, mlp_eps):
+        x = x + self.attn(self.attn_norm(x, attn_eps), cos, sin, start_pos)
+        x = x + self.mlp(self.mlp_norm(x, mlp_eps))
+        return x
+
+
+def sample_next_token(logits, temperature, top_k, generator):
+    """One token per row from (B, V) logits; temperature 0 means greedy decoding."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    block_size: int = 256  # context length: RoPE tables and the KV cache are sized for it
+    vocab_size: int = 65  # set from the dataset's meta.json by train.py
+    n_layer: int = 4  # a tiny default that trains on a 2-core CPU in minutes
+    n_head: int = 4  # query heads
+    n_kv_head: int = 2  # key/value heads; n_head % n_kv_head == 0 (GQA halves the KV cache here)
+    n_embd: int = 128  # model width
+    ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
+    ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
+    rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    # B-Trans (§4.1 Eq. 4). The paper gives no sigma; 0.02 is the default of the only public re-implementation.
+    sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm
+    # Or one sigma per wrapped norm, in forward order (attn_norm, mlp_norm of each block, then norm_f): 2L+1 of them.
+    sigma_per_layer: tuple = None
+    # 'sequence': one eps per row, frozen for the whole sequence (§3.2 Eq. 3, §4.3); 'token': a fresh eps at every
+    # position and every call (§6.1 ablation, Eq. 2); 'mean': mu only, deterministic (§5: the RL update phase).
+    noise_mode: str = "sequence"
+    learn_mu: bool = False  # §4.1 treats mu as a hyperparameter ("can be 0 in RMSNorm"): frozen at 0 by default
+    # Beyond the paper (§7 future work): learn one sigma per wrapped norm, with a KL to a N(0, prior_sigma^2) prior
+    learn_sigma: bool = False
+    prior_sigma: float = 0.02  # = the default sigma, so the KL is 0 at initialisation when mu = 0
+    kl_weight: float = 1e-6  # ~ 1 / training tokens: the ELBO spreads the one global KL over every token
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
+                             f"and n_head by n_kv_head={self.n_kv_head}")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.n_embd / 3)
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        self.n_norms = 2 * self.n_layer + 1  # every hidden-size RMSNorm is wrapped (§4: attn, mlp, final)
+        self.sigmas = (self.sigma,) * self.n_norms if self.sigma_per_layer is None else tuple(self.sigma_per_layer)
+        if len(self.sigmas) != self.n_norms or min(self.sigmas) < 0:
+            raise ValueError(f"sigma_per_layer needs 2 * n_layer + 1 = {self.n_norms} sigmas >= 0: {self.sigmas}")
+        if self.learn_sigma and min(self.sigmas) <= 0:
+            raise ValueError("learn_sigma parametrises log(sigma): every initial sigma must be > 0")
+        if self.noise_mode not in ("sequence", "token", "mean"):
+            raise ValueError(f"noise_mode={self.noise_mode!r} must be 'sequence', 'token' or 'mean'")
+
+
+class Model(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
+        self.norm_f = BayesianBiasNorm(config, config.sigmas[-1])
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+
+    def norms(self):
+        """The wrapped norms in forward order, the order of sample_latents' second axis and of sigma_per_layer."""
+        return [norm for block in self.blocks for norm in (block.attn_norm, block.mlp_norm)] + [self.norm_f]
+
+    def forward(self, idx, targets=None, latents=None, start_pos=0):
+        """idx (B, T) token ids -> (logits, loss, stats); row b is computed by mind latents[b] (B, n_norms, C).
+
+        With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus
+        kl_weight * KL when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0 only
+        in KV-cache decoding. latents=None in 'sequence' mode draws a fresh mind per row from the global RNG;
+        'token' and 'mean' modes ignore latents (config.noise_mode may be switched between calls, e.g. §5).
+        """
+        B, T = idx.shape
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+        if start_pos > 0 and T > 1:
+            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
+        sin = self.rope_sin[start_pos:start_pos + T]
+        eps = self.offset_noise(B, T, latents, start_pos)  # n_norms tensors (B, 1 or T, C), or Nones
+        x = self.tok_emb(idx)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, start_pos, eps[2 * i], eps[2 * i + 1])
+        x = self.norm_f(x, eps[-1])
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None, {}  # (B, 1, V)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        stats = {"ce": loss.detach()}
+        if self.config.learn_sigma:  # beyond the paper (§7): ELBO-style penalty on the learned offset posterior
+            kl = sum(norm.kl(self.config.prior_sigma) for norm in self.norms())
+            loss = loss + self.config.kl_weight * kl
+            stats["kl"] = kl.detach()
+        return logits, loss, stats
+
+    def offset_noise(self, B, T, latents, start_pos):
+        """The eps of each wrapped norm for this call, per config.noise_mode."""
+        cfg, p = self.config, self.tok_emb.weight
+        if cfg.noise_mode == "mean":  # §5: "keeping the update phase deterministic by using the mean shift only"
+            return [None] * cfg.n_norms
+        if cfg.noise_mode == "token":  # §6.1 ablation (Eq. 2): resampled at every position and every forward pass
+            return torch.randn(B, cfg.n_norms, T, cfg.n_embd, device=p.device, dtype=p.dtype).unbind(1)
+        # 'sequence', §3.2 Eq. 3 / §4.3: one eps per row, frozen for the prompt and every decode step after it.
+        if latents is None:
+            if start_pos > 0:
+                raise ValueError("a KV-cache decode step must reuse the prefill's latents (§4.3); pass latents=")
+            latents = self.sample_latents(B)
+        if latents.shape != (B, cfg.n_norms, cfg.n_embd):
+            raise ValueError(f"latents {tuple(latents.shape)} must be (B, n_norms, n_embd) = "
+                             f"{(B, cfg.n_norms, cfg.n_embd)}")
+        return latents.unsqueeze(2).unbind(1)  # n_norms x (B, 1, C): broadcast over positions
+
+    def sample_latents(self, batch_size, generator=None):
+        """batch_size minds: eps ~ N(0, I) of every wrapped norm, (B, n_norms, C) (§3.2: "draw a noise vector once
+        and freeze it"). Drawn on the generator's device, so a CPU generator gives the same minds on any device.
+        None in 'token' and 'mean' modes, which have nothing to pin."""
+        if self.config.noise_mode != "sequence":
+            return None
+        p, cfg = self.tok_emb.weight, self.config
+        device = p.device if generator is None else generator.device
+        eps = torch.randn(batch_size, cfg.n_norms, cfg.n_embd, generator=generator, device=device)
+        return eps.to(p.device, p.dtype)  # (B, n_norms, C)
+
+    def setup_kv_cache(self, batch_size, max_len):
+        p = self.tok_emb.weight
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
+                                          p.device, p.dtype)
+
+    def clear_kv_cache(self):
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
+        Row b is generated by mind latents[b]; latents=None draws B minds from `generator` once, first (§4.3)."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds the context "
+                             f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
+        if latents is None:
+            latents = self.sample_latents(B, generator)  # §4.3 (1) Initialization: sample once and cache
+        self.setup_kv_cache(B, total)
+        try:
+            logits, _, _ = self(idx, latents=latents, start_pos=0)  # (B, 1, V)
+            for pos in range(T, total):
+                idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+                if pos + 1 < total:  # §4.3 (2) Generation: every step applies the same frozen eps
+                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos)
+        finally:
+            self.clear_kv_cache()
+        return idx
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights
+        (the tied head's matmul included, the embedding lookup not) plus 12 * L * C * T for attention scores.
+        B-Trans adds no matmul (§4.3: "an element-wise addition of a cached tensor"): mu and log_sigma are left out
+        of N, and the offset costs 3 FLOPs per element per token, n_norms * C elements: 1 for the add forward, <= 2
+        backward (its gradient passes x unchanged; the sums for learned mu, sigma). mu + sigma * eps is per row."""
+        cfg = self.config
+        n_offset = sum(p.numel() for norm in self.norms() for p in (norm.mu, norm.log_sigma) if p is not None)
+        return (6 * (self.num_params() - n_offset) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+                + 3 * cfg.n_norms * cfg.n_embd)

@@ -1,0 +1,81 @@
+"""Run records (out_dir/metrics.jsonl) and plot.py."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from conftest import TINY, run_script
+
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is optional (pip install matplotlib); CI installs it")
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train(data_root, out_dir, *args, check=True):
+    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+
+
+def test_training_writes_one_record_per_log_step_and_per_eval(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=6", "--eval_interval=3", "--log_interval=2")
+    logs = [r for r in records(tmp_path) if "loss" in r]
+    evals = [r for r in records(tmp_path) if "val_loss" in r]
+    assert [r["iter"] for r in logs] == [0, 2, 4] and [r["iter"] for r in evals] == [0, 3, 6]
+    assert {"iter", "tokens", "lr", "loss", "ce", "tokens_per_s", "mfu", "nonfinite"} <= set(logs[0])
+    assert {"train_loss", "val_loss", "train_ce", "val_ce"} <= set(evals[0])
+    assert logs[1]["tokens"] == 3 * 4 * 66  # (iter + 1) steps of batch_size x block_size tokens
+
+
+def test_resume_drops_records_past_the_checkpoint(data_root, tmp_path):
+    train(data_root, tmp_path, "--max_iters=4", "--eval_interval=2", "--always_save_checkpoint=True")
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # records a crashed run wrote after its last checkpoint
+        f.write(json.dumps({"iter": 5, "loss": 9.0}) + "\n")
+    train(data_root, tmp_path, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    for kind in ("loss", "val_loss"):
+        iters = [r["iter"] for r in records(tmp_path) if kind in r]
+        assert iters == sorted(set(iters)) and iters[-1] == 6 - (kind == "loss")
+    assert 9.0 not in [r.get("loss") for r in records(tmp_path)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_the_package_is_one_clear_error_before_training(data_root, tmp_path):
+    proc = train(data_root, tmp_path, "--wandb_log=True", check=False)
+    assert proc.returncode == 2 and "pip install wandb" in proc.stderr and "iter 0" not in proc.stdout
+
+
+@needs_matplotlib
+def test_plot_draws_two_runs_to_a_png(data_root, tmp_path):
+    for run in ("a", "b"):
+        train(data_root, tmp_path / run, "--max_iters=4", "--eval_interval=2")
+    out = tmp_path / "curves.png"
+    run_script("plot.py", tmp_path / "a", tmp_path / "b", "--keys=val_ce,loss", f"--out={out}", data_dir=tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@needs_matplotlib
+def test_plot_draws_evaluate_json_files_with_exact_zeros_on_a_floor(tmp_path):
+    for name, mi in (("det", 0.0), ("eve", 0.03)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"runs": {name: {"mc_nll": 1.2, "ece": 0.02, "mutual_information": mi, "flip_rate": mi}}}))
+    out = tmp_path / "eval.png"
+    run_script("plot.py", "--eval", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_records", "has no metrics.jsonl"),
+    ("empty", "is empty"),
+    ("unknown_key", "unknown key 'val_cee'; the records have: "),
+])
+def test_plot_bad_input_is_one_clear_line(tmp_path, case, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    if case != "no_records":
+        (run / "metrics.jsonl").write_text("" if case == "empty" else json.dumps({"iter": 0, "val_ce": 1.0}) + "\n")
+    proc = run_script("plot.py", run, "--keys=val_cee", data_dir=tmp_path, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1

@@ -1,6 +1,7 @@
 """Tokenize a dataset into data/<name>/{train,val}.bin (a flat uint16/uint32 token stream) and meta.json.
 
     python prepare.py synthetic                                  # Free Transformer §4.1 task, no download
+    python prepare.py arith                                      # "37*12=444" lines for rlvr.py, no download
     python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
     python prepare.py text --input=wp.jsonl --fields=prompt,story --name=wp
     python prepare.py writingprompts | tinystories | fineweb_edu  # Hugging Face hub, GPT-2 BPE
@@ -80,6 +81,30 @@ def prepare_synthetic(args):
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars,
                 doc_len=len(train[0]))  # fixed-length sequences: train.py aligns batches to their starts
     write_dataset(args.name or "synthetic", {"train": encode(train), "val": encode(val)}, meta)
+
+
+def arith_lines(n, rng, exclude=frozenset()):
+    """n distinct problems "a+b=c" or "a*b=c" with 2- or 3-digit operands, none of them in `exclude`."""
+    lines = set()
+    while len(lines) < n:
+        a, b = rng.integers(10, 1000, size=2)
+        op = "+*"[rng.integers(2)]
+        line = f"{a}{op}{b}={a + b if op == '+' else a * b}\n"
+        if line not in exclude:
+            lines.add(line)
+    return sorted(lines, key=lambda _: rng.random())
+
+
+def prepare_arith(args):
+    """Arithmetic with a verifiable answer (rlvr.py): one problem a line; validation problems never occur in training."""
+    rng = np.random.default_rng(args.seed)
+    val = arith_lines(args.num_val, rng)
+    train = arith_lines(args.num_train, rng, exclude=frozenset(val))
+    chars = sorted("0123456789+*=\n")
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    encode = lambda lines: [np.array([stoi[c] for c in "".join(lines)])]
+    meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars, task="arith")
+    write_dataset(args.name or "arith", {"train": encode(train), "val": encode(val)}, meta)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,6 +205,11 @@ def main(argv=None):
     p.add_argument("--num_val", type=int, default=5_000)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--name", default=None, help="output folder under data/ (default: synthetic)")
+    p = sub.add_parser("arith", help="two- and three-digit addition and multiplication, one problem a line")
+    p.add_argument("--num_train", type=int, default=200_000)
+    p.add_argument("--num_val", type=int, default=2_000)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--name", default=None, help="output folder under data/ (default: arith)")
     p = sub.add_parser("text", help="a local .txt (one document) or .jsonl (one document a line)")
     p.add_argument("--input", required=True)
     p.add_argument("--val_input", default=None, help="a separate validation file (default: split off the input)")
@@ -195,7 +225,7 @@ def main(argv=None):
         p.add_argument("--bpe_file", default=None)
         p.add_argument("--name", default=None)
     args = parser.parse_args(argv)
-    {"synthetic": prepare_synthetic, "text": prepare_text}.get(args.source, prepare_hub)(args)
+    {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text}.get(args.source, prepare_hub)(args)
 
 
 if __name__ == "__main__":

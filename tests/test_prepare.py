@@ -91,3 +91,17 @@ def test_gpt2_falls_back_to_the_environment_variable_when_the_download_fails(tmp
     monkeypatch.delenv(common.GPT2_BPE_ENV)
     with pytest.raises(SystemExit):
         common.gpt2_encoding()
+
+
+def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_path):
+    run_script("prepare.py", "arith", "--num_train=3000", "--num_val=300", data_dir=tmp_path)
+    lines = {}
+    for split in ("train", "val"):
+        tokens, meta = read(tmp_path, "arith", split)
+        lines[split] = "".join(meta["chars"][i] for i in tokens).splitlines()
+    assert len(lines["train"]) == 3000 and len(lines["val"]) == 300 and meta["task"] == "arith"
+    assert not set(lines["train"]) & set(lines["val"])
+    for line in lines["train"] + lines["val"]:
+        a, op, b, answer = re.fullmatch(r"(\d{2,3})([+*])(\d{2,3})=(\d+)", line).groups()
+        assert int(answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+    assert {line[line.index("+") if "+" in line else line.index("*")] for line in lines["val"]} == {"+", "*"}

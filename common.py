@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -99,6 +100,14 @@ def load_model(path, device="cpu", model_type=None, **overrides):
         print(f"loaded a {source_type} checkpoint into {model_type}; new parameters keep their init: "
               f"{', '.join(missing)}")
     return model.to(device), checkpoint
+
+
+def train_if_missing(out_dir, *train_args):
+    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
+    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        root = os.path.dirname(os.path.abspath(__file__))
+        subprocess.run([sys.executable, os.path.join(root, "train.py"), *train_args, f"--out_dir={out_dir}"],
+                       check=True)
 
 
 def repeat_latents(latents, n):

@@ -13,8 +13,7 @@ import sys
 import common
 
 # evaluate.py's Monte Carlo metrics, in the order of the EVE paper's Fig. 3 view
-EVAL_KEYS = ("mc_nll", "ece", "brier", "mutual_information", "conditional_variance", "flip_rate", "epistemic_ratio",
-             "predictive_entropy", "cvar_nll")
+EVAL_KEYS = ("nll", "cvar_nll", "ece", "brier", "entropy", "mi", "epistemic_ratio", "cond_var", "flip_rate")
 
 
 def pyplot():
@@ -60,11 +59,11 @@ def plot_runs(run_dirs, keys, x_key, out):
 
 
 def read_eval(path):
-    """evaluate.py's JSON: {'runs': {name: {metric: value}}} for one or several checkpoints."""
+    """evaluate.py's --out_json: {'results': {checkpoint: {metric: value}}, ...} for one or several checkpoints."""
     if not os.path.exists(path):
         common.die(f"{path} not found: write it with evaluate.py --out_json={path}")
     with open(path) as f:
-        runs = json.load(f).get("runs")
+        runs = json.load(f).get("results")
     if not runs:
         common.die(f"{path} holds no runs: is it evaluate.py's --out_json output?")
     return runs

@@ -61,7 +61,7 @@ def test_plot_draws_two_runs_to_a_png(data_root, tmp_path):
 def test_plot_draws_evaluate_json_files_with_exact_zeros_on_a_floor(tmp_path):
     for name, mi in (("det", 0.0), ("eve", 0.03)):
         (tmp_path / f"{name}.json").write_text(json.dumps(
-            {"runs": {name: {"mc_nll": 1.2, "ece": 0.02, "mutual_information": mi, "flip_rate": mi}}}))
+            {"task": "lm", "results": {name: {"model_type": name, "nll": 1.2, "ece": 0.02, "mi": mi, "flip_rate": mi}}}))
     out = tmp_path / "eval.png"
     run_script("plot.py", "--eval", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

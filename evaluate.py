@@ -1,0 +1,601 @@
+"""Evaluate any nanolatent model: Monte Carlo metrics on a token stream, multiple-choice benchmarks, and population
+metrics of K minds. Prints a table (one column per checkpoint, all on the same tokens) and optionally writes JSON.
+
+    python evaluate.py --out_dir=out-det-synthetic                        # lm metrics on the val split it trained on
+    python evaluate.py --ckpts=out-det,out-eve,out-free --mc_samples=16 --out_json=eval.json   # side by side
+    python evaluate.py --out_dir=out-free --iw_samples=32                 # + Free Transformer ELBO and IW bound
+    python evaluate.py --ckpts=out-det --model=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
+    python evaluate.py --task=mc --mc_file=hellaswag_val.jsonl --out_dir=out-gpt2   # or --mc_file=arc_easy (online)
+    python evaluate.py --task=population --ckpts=out-det,out-btrans --minds=8 --num_prompts=64
+
+Definitions (N predicted tokens, M passes, p_m the softmax of pass m, p̄ = (1/M) sum_m p_m, y the target token):
+    nll              -log p̄(y), computed as -(logsumexp_m log p_m(y) - log M); ppl = exp(nll)
+    acc              argmax p̄ == y
+    ece              15 equal-width bins [k/15, (k+1)/15) on max p̄ (the last bin closed: 1.0 falls in it),
+                     sum_b (n_b / N) |accuracy_b - mean confidence_b|
+    brier            sum_v (p̄_v - 1[v == y])^2, mean over tokens
+    entropy          H(p̄) in nats (total predictive uncertainty); expected_entropy = mean_m H(p_m) (aleatoric)
+    mi               H(p̄) - mean_m H(p_m): mutual information between the prediction and the latents (epistemic)
+    epistemic_ratio  mean mi / mean entropy (a ratio of means over tokens, so tokens with H(p̄) ~ 0 cannot blow up)
+    cond_var         Var_m p_m(y) (population variance over the M passes), mean over tokens
+    flip_rate        share of (pass, token) pairs with argmax p_m != argmax p̄
+    cvar_nll         mean of the worst ceil(5% N) token NLLs
+Each pass draws fresh latents with model.sample_latents(B, generator): EVE fresh eps, B-Trans one mind per sequence,
+the Free Transformer Z from its uniform prior (the honest, generation-time predictive). det has none: M = 1.
+For the Free Transformer also: neg_elbo (posterior CE + full KL, nats/token, from forward(x, y)) and iw_bound
+(-1/T log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x) per sequence, encoder as proposal); both are upper bounds on the NLL.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+from collections import Counter
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import common
+from configurator import configure
+
+# ----------------------------------------------------------------------------------------------------------------
+# what to evaluate
+out_dir = "out"  # the checkpoint folder (or ckpt.pt file) to evaluate
+ckpts = ""  # comma-separated checkpoints to compare side by side, e.g. out-det,out-eve (overrides out_dir)
+model = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
+task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task)
+out_json = ""  # also write the results to this file
+seed = 1337  # latents (and any other draw); reset for each checkpoint so all see the same windows and draws
+# lm: Monte Carlo metrics on a prepared dataset's token stream
+dataset = ""  # '' = the dataset the checkpoints were trained on (recorded in them)
+split = "val"
+seq_len = 0  # window length in tokens; 0 = the smallest block_size of the checkpoints
+max_tokens = 0  # evaluate about this many predicted tokens (0 = the whole split)
+batch_size = 8  # windows per forward; memory is a few (batch_size * seq_len, vocab) float32 tensors
+mc_samples = 8  # M stochastic passes per window (det: 1)
+iw_samples = 8  # Free Transformer: K encoder samples per sequence for the importance-weighted bound (0 = skip)
+ece_bins = 15
+cvar_alpha = 0.05  # cvar_nll averages the worst cvar_alpha share of token NLLs
+# mc: multiple-choice benchmarks
+mc_file = ""  # a local .jsonl ({"context", "choices", "label"} or HellaSwag's format), or a hub name (HF_TASKS)
+max_examples = 0  # 0 = all
+# population: K minds on the synthetic letters task (Free Transformer §4.1)
+minds = 8  # K: latents per prompt, one generation each
+num_prompts = 32  # prompts "K>" taken from the first sequences of the split
+max_new_tokens = 64
+temperature = 1.0  # 0 = greedy: then all diversity comes from the latents
+top_k = 0  # 0 = no top-k filtering
+ngram = 4  # n of distinct-n
+# system
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
+# ----------------------------------------------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+LATENTS = {"det": "none (deterministic)", "eve": "fresh eps per pass", "btrans": "one mind per pass",
+           "free": "Z from the uniform prior per pass"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Monte Carlo metrics: pure functions of log-probabilities, no model involved
+
+
+def entropy(p):
+    """H(p) in nats over the last axis; xlogy makes 0 log 0 = 0. (..., V) -> (...)"""
+    return -torch.special.xlogy(p, p).sum(-1)
+
+
+class MCStats:
+    """Running sums of the Monte Carlo metrics (see the module docstring), batch by batch.
+
+    add(passes, targets): passes yields the M log-softmaxes (N, V) of one batch one at a time (or is a (M, N, V)
+    tensor), targets is (N,). Only a few (N, V) tensors live at once, never (M, N, V). Every cross-pass quantity
+    is accumulated as a difference to the first pass (p̄ = p_1 + (1/M) sum_m (p_m - p_1), likewise the entropies
+    and p_m(y)): when all passes are identical (det, or M = 1) the differences are exactly 0, so p̄ is p_1 bit for
+    bit and mi, cond_var and flip_rate are exactly 0, not rounding noise.
+    """
+
+    def __init__(self, n_bins=15, cvar_alpha=0.05):
+        self.n_bins, self.cvar_alpha = n_bins, cvar_alpha
+        self.sums = Counter()  # float sums over tokens
+        self.n = 0  # tokens
+        self.passes = None
+        self.token_nll = []  # per-token NLL (CPU), for CVaR
+        self.bins = torch.zeros(3, n_bins, dtype=torch.float64)  # per ECE bin: count, sum of confidence, correct
+
+    @torch.no_grad()
+    def add(self, passes, targets):
+        targets = targets.reshape(-1, 1)  # (N, 1)
+        for m, log_p in enumerate(passes):
+            log_p = log_p.to(torch.promote_types(log_p.dtype, torch.float32))  # (N, V)
+            p = log_p.exp()
+            h = entropy(p)  # (N,)
+            log_py = log_p.gather(1, targets).squeeze(1)  # (N,)
+            if m == 0:
+                p_first, h_first, py_first, lse_y = p, h, log_py.exp(), log_py
+                sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h)
+                sum_dpy, sum_dpy2 = torch.zeros_like(h), torch.zeros_like(h)
+                argmaxes = [p.argmax(-1)]
+            else:
+                sum_dp += p - p_first
+                sum_dh += h - h_first
+                d = log_py.exp() - py_first
+                sum_dpy += d
+                sum_dpy2 += d * d
+                lse_y = torch.logaddexp(lse_y, log_py)
+                argmaxes.append(p.argmax(-1))
+        M = m + 1
+        if self.passes not in (None, M):
+            raise ValueError(f"every batch needs the same number of passes ({self.passes}), got {M}")
+        self.passes = M
+        p_bar = p_first + sum_dp / M  # (N, V)
+        h_bar = entropy(p_bar)  # (N,) H(p̄)
+        mean_h = h_first + sum_dh / M  # (N,) mean_m H(p_m)
+        nll = -(lse_y - math.log(M))  # (N,) -log p̄(y), from the log-softmaxes (logsumexp), never from averaged logits
+        pred = p_bar.argmax(-1)  # (N,) the same call as the passes' argmax: ties break alike
+        conf = p_bar.gather(1, pred[:, None]).squeeze(1)  # (N,) top-1 confidence of p̄
+        correct = (pred == targets.squeeze(1)).double()
+        py_bar = p_bar.gather(1, targets).squeeze(1)
+        brier = p_bar.pow(2).sum(-1) - 2 * py_bar + 1  # sum_v (p̄_v - onehot_v)^2 expanded
+        cond_var = (sum_dpy2 / M - (sum_dpy / M) ** 2).clamp_min(0)  # Var_m p_m(y) = Var_m (p_m(y) - p_1(y))
+        flips = sum((a != pred).double() for a in argmaxes) / M  # (N,)
+        for name, value in [("nll", nll), ("acc", correct), ("brier", brier), ("entropy", h_bar),
+                            ("expected_entropy", mean_h), ("mi", h_bar - mean_h), ("cond_var", cond_var),
+                            ("flip_rate", flips)]:
+            self.sums[name] += value.double().sum().item()
+        self.n += targets.size(0)
+        self.token_nll.append(nll.double().cpu())
+        b = (conf.double() * self.n_bins).long().clamp(max=self.n_bins - 1).cpu()  # conf == 1.0 -> last bin
+        for row, value in enumerate((torch.ones_like(conf), conf, correct)):
+            self.bins[row].index_add_(0, b, value.double().cpu())
+        return self
+
+    def result(self):
+        out = {name: total / self.n for name, total in self.sums.items()}
+        out["ppl"] = math.exp(out["nll"])
+        count, conf, correct = self.bins
+        out["ece"] = ((correct - conf).abs().sum() / self.n).item()
+        out["epistemic_ratio"] = out["mi"] / out["entropy"] if out["entropy"] > 0 else 0.0
+        nll = torch.cat(self.token_nll)
+        worst = torch.topk(nll, math.ceil(self.cvar_alpha * nll.numel())).values
+        out["cvar_nll"] = worst.double().mean().item()
+        out["tokens"], out["passes"] = self.n, self.passes
+        order = ["nll", "ppl", "acc", "ece", "brier", "entropy", "expected_entropy", "mi", "epistemic_ratio",
+                 "cond_var", "flip_rate", "cvar_nll", "tokens", "passes"]
+        return {k: out[k] for k in order}
+
+
+def mc_metrics(log_probs, targets, n_bins=15, cvar_alpha=0.05):
+    """The metrics of M passes over N tokens at once: log_probs (M, N, V) log-softmaxes, targets (N,)."""
+    return MCStats(n_bins, cvar_alpha).add(log_probs, targets).result()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# population metrics (rlvr.py imports these): pass@k, a verifier for the letters task, majority vote, diversity
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
+    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def letters_answer(text, strict=False, length=64, run=8):
+    """The letter a continuation of the synthetic task (Free Transformer §4.1, prepare.py) writes, or None.
+
+    The continuation's first `length` (64) characters must all be '_', '!' or one upper-case letter L, L must
+    appear, and some window of `run` (8) consecutive positions must hold every L while being L or '!' throughout:
+    the task's target of 8 L's, each of which the data's noise may have replaced by '!'. So the answer is L exactly
+    when the 64 characters could have come from the task's generator for prompt "L>". Characters past 64 (the
+    data's '\\n') are ignored. strict=True asks for the noise-free form: exactly 8 L's, consecutive."""
+    body = text[:length]
+    letters = set(body) - {"_", "!"}
+    if len(body) < length or len(letters) != 1 or not letters <= set(LETTERS):
+        return None
+    (letter,) = letters
+    if strict:
+        return letter if body.count(letter) == run and letter * run in body else None
+    pos = [i for i, ch in enumerate(body) if ch == letter]
+    for s in range(max(0, pos[-1] - run + 1), min(pos[0], length - run) + 1):  # the windows holding every L
+        if all(ch in (letter, "!") for ch in body[s:s + run]):
+            return letter
+    return None
+
+
+def verify_letters(prompt, text, strict=False):
+    """True when the continuation `text` of the prompt "L>" is well formed for L (see letters_answer)."""
+    if not re.fullmatch(r"[A-Z]>", prompt):
+        raise ValueError(f"a letters-task prompt is one upper-case letter and '>', got {prompt!r}")
+    return letters_answer(text, strict) == prompt[0]
+
+
+def majority_answer(answers):
+    """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
+    goes to the answer seen first. None when no answer parses."""
+    counts = Counter(a for a in answers if a is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def distinct_n(seqs, n):
+    """Distinct n-grams over a group of sequences (Li et al. 2016): unique n-grams / all n-grams, pooled."""
+    grams = [tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def edit_distance(a, b):
+    """Levenshtein distance (insertions, deletions, substitutions, each 1)."""
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def pairwise_distance(seqs):
+    """Mean over pairs of edit_distance(a, b) / max(len a, len b): 0 for identical, 1 for entirely different."""
+    pairs = [(a, b) for i, a in enumerate(seqs) for b in seqs[i + 1:]]
+    if not pairs:
+        return 0.0
+    return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multiple-choice data: {"context": str, "choices": [str], "label": int} examples
+
+HF_TASKS = {  # name: (hub path, config, split), loaded with datasets.load_dataset when online
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "piqa": ("ybisk/piqa", None, "validation"),
+}
+
+
+def hellaswag_preprocess(text):
+    """lm-evaluation-harness' HellaSwag cleanup: the brackets are artifacts of its WikiHow part."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag_example(doc):
+    ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+    return {"context": hellaswag_preprocess(doc["activity_label"] + ": " + ctx),
+            "choices": [hellaswag_preprocess(e) for e in doc["endings"]], "label": int(doc["label"])}
+
+
+def hub_example(name, doc):
+    """The harness' zero-shot prompts: ARC and PIQA as "Question: ...\\nAnswer:"."""
+    if name == "hellaswag":
+        return hellaswag_example(doc)
+    if name == "piqa":
+        return {"context": f"Question: {doc['goal']}\nAnswer:", "choices": [doc["sol1"], doc["sol2"]],
+                "label": int(doc["label"])}
+    return {"context": f"Question: {doc['question']}\nAnswer:", "choices": list(doc["choices"]["text"]),
+            "label": list(doc["choices"]["label"]).index(doc["answerKey"])}
+
+
+def load_mc_examples(source, limit=0):
+    """Examples from a local .jsonl (a line with "endings" is HellaSwag's original format), or a hub name."""
+    if os.path.exists(source):
+        examples = []
+        with open(source) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                doc = json.loads(line)
+                if "endings" in doc:
+                    examples.append(hellaswag_example(doc))
+                elif {"context", "choices", "label"} <= set(doc):
+                    examples.append({"context": doc["context"], "choices": doc["choices"], "label": int(doc["label"])})
+                else:
+                    common.die(f"{source} line {i} has keys {sorted(doc)}: expected context, choices, label "
+                               f"(or HellaSwag's activity_label, ctx_a, ctx_b, endings, label)")
+    elif source in HF_TASKS:
+        import datasets
+        path, name, hub_split = HF_TASKS[source]
+        try:
+            docs = datasets.load_dataset(path, name, split=hub_split)
+        except Exception as e:
+            common.die(f"could not load {path} from the Hugging Face hub ({type(e).__name__}); offline, pass a local "
+                       f"jsonl instead: --mc_file=FILE.jsonl with {{\"context\", \"choices\", \"label\"}} per line "
+                       f"(HellaSwag's original jsonl also works)")
+        examples = [hub_example(source, doc) for doc in docs]
+    else:
+        common.die(f"--mc_file={source!r} is neither a file nor one of {', '.join(HF_TASKS)}")
+    if not examples:
+        common.die(f"no examples in {source}")
+    return examples[:limit] if limit else examples
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# evaluation of a model
+
+
+def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
+    """Start offsets of non-overlapping windows (T inputs, T targets): every T tokens of the stream, or the start
+    of every fixed-length sequence (datasets with doc_len, like the synthetic task, as train.py batches them)."""
+    if doc_len:
+        starts = list(range(0, n_tokens - doc_len + 1, doc_len))
+    else:
+        starts = list(range(0, n_tokens - T, T))
+    if max_tokens:
+        starts = starts[:max(1, math.ceil(max_tokens / T))]
+    return starts
+
+
+def progress(iterable, **kwargs):
+    return tqdm(iterable, disable=not sys.stdout.isatty(), leave=False, **kwargs)
+
+
+@torch.no_grad()
+def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samples=0, n_bins=15, cvar_alpha=0.05,
+                autocast=nullcontext()):
+    """Monte Carlo metrics of net on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
+    stats, and for a model with an encoder (Free) the ELBO and the importance-weighted bound."""
+    device = net.tok_emb.weight.device
+    mc, stats, bounds, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), 0
+    for i in progress(range(0, len(starts), batch_size), desc="windows", unit="batch"):
+        rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
+        xy = torch.stack(rows).to(device)
+        x, y = xy[:, :-1], xy[:, 1:]  # (B, T) each
+        B = x.size(0)
+        with autocast:
+            # The model's own diagnostics: forward(x, y) as in training (EVE band stats; Free: encoder, KL, ELBO).
+            logits, _, batch_stats = net(x, y)  # (B, T, V)
+        stats.update({k: float(v) * B for k, v in batch_stats.items()})
+
+        def passes():
+            if is_deterministic(net):  # the forward above was the one pass there is
+                yield F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+                return
+            for _ in range(n_passes):  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
+                with autocast:
+                    pass_logits = net(x, y, latents=net.sample_latents(B, generator))[0]  # (B, T, V)
+                yield F.log_softmax(pass_logits.float(), dim=-1).flatten(0, 1)  # (B*T, V)
+        mc.add(passes(), y.reshape(-1))
+        if hasattr(net, "posterior") and iw_samples:
+            bounds["iw_bound"] += iw_bound(net, x, y, iw_samples, generator, autocast).sum().item()
+        n_seqs += B
+    out = {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""), **mc.result()}
+    if hasattr(net, "posterior"):  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
+        # -ELBO per token, nats: -log p(y|z) at one encoder sample z ~ q(Z|x) per sequence + the exact KL(q || uniform)
+        out["neg_elbo"] = stats.pop("elbo") / n_seqs
+        stats["ce_posterior"] = stats.pop("ce")  # CE given the encoder's Z, which reads the tokens: not a likelihood
+        if iw_samples:
+            out["iw_bound"] = bounds["iw_bound"] / (n_seqs * T)
+            out["iw_samples"] = iw_samples
+    out.update({f"stats/{k}": v / n_seqs for k, v in stats.items()})
+    return out
+
+
+@torch.no_grad()
+def iw_bound(net, x, y, K, generator, autocast=nullcontext()):
+    """Importance-weighted bound (Burda et al. 2016) with the encoder as proposal, per sequence:
+    -log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x), z_k ~ q(Z|x), p(z) uniform (-H log 2 per token). Z_t acts on every
+    later token, so the weights are per sequence, not per token. Returns (B,) nats per sequence."""
+    log_w = []
+    for _ in range(K):
+        with autocast:
+            codes, log_q = net.posterior(x, generator)  # (B, T) each
+            logits = net(x, y, latents=codes)[0]  # (B, T, V)
+        log_py = F.log_softmax(logits.float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        log_w.append(log_py.sum(1) + net.log_prior(codes).sum(1) - log_q.float().sum(1))  # (B,)
+    return -(torch.logsumexp(torch.stack(log_w), dim=0) - math.log(K))  # (B,)
+
+
+def choice_tokens(encode, context, choice):
+    """(context ids, continuation ids) for the continuation " " + choice, tokenized in context as
+    lm-evaluation-harness does: encode context + continuation and take the tokens past the context's."""
+    context = context.rstrip(" ")
+    ctx = encode(context)
+    if not ctx:
+        common.die("a multiple-choice example has an empty context")
+    return ctx, encode(context + " " + choice)[len(ctx):]
+
+
+@torch.no_grad()
+def score_choices(net, pairs, n_passes, generator, autocast=nullcontext()):
+    """Sum over each choice's continuation tokens of log p̄(token), p̄ the mean softmax of n_passes passes whose
+    latents are shared by all choices of the example. pairs: [(context ids, continuation ids)] -> (log-likelihoods
+    [float], token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens."""
+    device, T = net.tok_emb.weight.device, net.config.block_size
+    seqs = [(ctx + cont)[-(T + 1):] for ctx, cont in pairs]  # left-truncate
+    n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(pairs, seqs)]
+    L = max(len(seq) for seq in seqs) - 1
+    x = torch.zeros(len(seqs), L, dtype=torch.long)
+    y = torch.full((len(seqs), L), -1, dtype=torch.long)  # -1: not a continuation token (ignored)
+    for i, (seq, n) in enumerate(zip(seqs, n_cont)):  # right-padded: causal, so padding changes nothing before it
+        x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+        y[i, len(seq) - 1 - n:len(seq) - 1] = torch.tensor(seq[len(seq) - n:])
+    x, y = x.to(device), y.to(device)
+    lse = None
+    for _ in range(n_passes):
+        latents = net.sample_latents(1, generator)
+        latents = None if latents is None else common.repeat_latents(latents, len(seqs))  # same latents per choice
+        with autocast:
+            logits = net(x, y, latents=latents)[0]  # (n_choices, L, V)
+        log_p = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        lse = log_p if lse is None else torch.logaddexp(lse, log_p)
+    log_p_bar = (lse - math.log(n_passes)).masked_fill(y == -1, 0.0)  # (n_choices, L)
+    truncated = any(len(ctx) + len(cont) > T + 1 for ctx, cont in pairs)
+    return log_p_bar.sum(1).tolist(), n_cont, truncated
+
+
+def evaluate_mc(net, examples, encode, n_passes, generator, autocast=nullcontext()):
+    """acc: argmax of the summed log-likelihood; acc_char: of the sum / len(choice) in characters (the harness'
+    acc_norm); acc_completion: of the mean per token (ours). Stochastic models score with p̄ over n_passes."""
+    hits, truncated = Counter(), 0
+    for ex in progress(examples, desc="examples", unit="ex"):
+        pairs = [choice_tokens(encode, ex["context"], choice) for choice in ex["choices"]]
+        ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast)
+        truncated += cut
+        scores = {"acc": ll, "acc_char": [s / max(len(c), 1) for s, c in zip(ll, ex["choices"])],
+                  "acc_completion": [s / max(n, 1) for s, n in zip(ll, n_tokens)]}
+        for name, values in scores.items():
+            hits[name] += max(range(len(values)), key=values.__getitem__) == ex["label"]
+    return {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""),
+            **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
+            "examples": len(examples), "passes": n_passes, "truncated": truncated}
+
+
+@torch.no_grad()
+def evaluate_population(net, prompts, encode, decode, K, generator, max_new_tokens=64, temperature=1.0, top_k=0,
+                        n=4):
+    """K minds per prompt (latents from sample_latents, one generation each) on the letters task: mean pass@1 and
+    pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
+    device = net.tok_emb.weight.device
+    totals = Counter()
+    for prompt in progress(prompts, desc="prompts", unit="prompt"):
+        idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
+        out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                           latents=net.sample_latents(K, generator), generator=generator)
+        texts = [decode(row[idx.size(1):]) for row in out.tolist()]
+        answers = [letters_answer(t) for t in texts]
+        c = sum(a == prompt[0] for a in answers)
+        totals["pass@1"] += pass_at_k(K, c, 1)
+        totals[f"pass@{K}"] += pass_at_k(K, c, K)
+        totals["majority_acc"] += majority_answer(answers) == prompt[0]
+        totals[f"distinct_{n}"] += distinct_n(texts, n)
+        totals["pairwise_edit"] += pairwise_distance(texts)
+    return {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""),
+            **{k: v / len(prompts) for k, v in totals.items()}, "prompts": len(prompts), "minds": K}
+
+
+def is_deterministic(net):
+    """No latents and no noise: one pass is all there is (det, B-Trans in 'mean' mode)."""
+    return type(net).__module__ == "model_det" or getattr(net.config, "noise_mode", None) == "mean"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script
+
+
+def print_table(results):
+    """One row per metric, one column per checkpoint."""
+    names = list(results)
+    keys = list(dict.fromkeys(k for r in results.values() for k in r))
+    keys.sort(key=lambda k: k.startswith("stats/"))  # the model's own diagnostics last
+    fmt = lambda v: "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
+    cells = [[k] + [fmt(results[n].get(k)) for n in names] for k in keys]
+    widths = [max(len(row[i]) for row in cells + [["metric"] + names]) for i in range(len(names) + 1)]
+    for row in [["metric"] + names] + cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def main():
+    info = {}  # path -> (model_type, model_config, training config, meta), read once without keeping the weights
+
+    def model_fields(values):
+        """Config fields may be overridden (--sigma=0.05): those of any model the checkpoints are loaded into."""
+        fields = {}
+        for path in [p for p in values["ckpts"].split(",") if p] or [values["out_dir"]]:
+            checkpoint = common.load_checkpoint(path)
+            info[path] = (checkpoint["model_type"], checkpoint["model_config"], checkpoint.get("config", {}),
+                          checkpoint["meta"])
+            fields.update(common.config_fields(values["model"] or checkpoint["model_type"]))
+        return fields
+
+    config, overrides = configure(DEFAULTS, sys.argv[1:], model_fields)
+    cfg = SimpleNamespace(**config)
+    if cfg.task not in ("lm", "mc", "population"):
+        common.die(f"task must be lm, mc or population, got {cfg.task!r}")
+    device_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+    header = {"task": cfg.task, "seed": cfg.seed}
+
+    if cfg.task in ("lm", "population"):  # a prepared dataset every checkpoint's tokenizer fits
+        trained_on = {p: train_config.get("dataset") for p, (_, _, train_config, _) in info.items()}
+        ds = cfg.dataset or next(iter(trained_on.values()))
+        if not cfg.dataset and len(set(trained_on.values())) > 1:
+            common.die(f"the checkpoints were trained on different datasets ({trained_on}); choose one with --dataset=")
+        if not ds:
+            common.die("the checkpoint records no dataset: pass --dataset=NAME (a folder prepared by prepare.py)")
+        meta = common.load_meta(ds)
+        for path, (_, _, _, ckpt_meta) in info.items():
+            if (ckpt_meta["tokenizer"], ckpt_meta.get("chars")) != (meta["tokenizer"], meta.get("chars")):
+                common.die(f"{path} was trained with another tokenizer or vocabulary than dataset {ds!r}")
+        data = common.load_tokens(ds, cfg.split, meta)
+        header.update(dataset=ds, split=cfg.split)
+    if cfg.task == "lm":
+        block = min(overrides.get("block_size", model_config["block_size"]) for _, model_config, _, _ in info.values())
+        T = min(cfg.seq_len or block, meta["doc_len"] - 1) if "doc_len" in meta else (cfg.seq_len or block)
+        if T > block:
+            common.die(f"seq_len={T} exceeds the smallest block_size of the checkpoints ({block})")
+        starts = lm_windows(len(data), T, meta.get("doc_len"), cfg.max_tokens)
+        if not starts:
+            common.die(f"{ds}/{cfg.split}.bin holds {len(data)} tokens: too few for one window of {T + 1}")
+        print(f"lm: {len(starts) * T:,} tokens in {len(starts)} windows of {T} from {ds}/{cfg.split}.bin, "
+              f"mc_samples={cfg.mc_samples}")
+        header.update(seq_len=T, windows=len(starts), mc_samples=cfg.mc_samples, iw_samples=cfg.iw_samples)
+    elif cfg.task == "mc":
+        if not cfg.mc_file:
+            common.die(f"--task=mc needs --mc_file: a .jsonl file or one of {', '.join(HF_TASKS)}")
+        examples = load_mc_examples(cfg.mc_file, cfg.max_examples)
+        print(f"mc: {len(examples)} examples from {cfg.mc_file}; choices scored by the log-likelihood of "
+              f"' ' + choice; stochastic models by p̄ over {cfg.mc_samples} passes (latents shared by the choices)")
+        header.update(mc_file=cfg.mc_file, mc_samples=cfg.mc_samples)
+    else:
+        doc_len = meta.get("doc_len")
+        prompts = [] if not doc_len else [
+            "".join(meta["chars"][t] for t in data[i * doc_len:i * doc_len + 2])
+            for i in range(min(cfg.num_prompts, len(data) // doc_len))]
+        if not prompts or not all(re.fullmatch(r"[A-Z]>", p) for p in prompts):
+            common.die(f"--task=population runs on the synthetic letters task; {ds!r} is not it "
+                       f"(python prepare.py synthetic, then --dataset=synthetic)")
+        header.update(minds=cfg.minds, prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, top_k=cfg.top_k)
+
+    results = {}
+    for path, (model_type, _, _, _) in info.items():
+        target_type = cfg.model or model_type
+        fields = common.config_fields(target_type)
+        net, checkpoint = common.load_model(path, cfg.device, cfg.model or None,
+                                            **{k: v for k, v in overrides.items() if k in fields})
+        net.eval()
+        torch.manual_seed(cfg.seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
+        generator = torch.Generator(cfg.device).manual_seed(cfg.seed)
+        n_passes = 1 if is_deterministic(net) else cfg.mc_samples
+        if cfg.task == "lm":
+            r = evaluate_lm(net, data, starts, T, n_passes, generator, cfg.batch_size, cfg.iw_samples, cfg.ece_bins,
+                            cfg.cvar_alpha, autocast)
+        elif cfg.task == "mc":
+            encode, _ = common.tokenizer(checkpoint["meta"])
+            r = evaluate_mc(net, examples, encode, n_passes, generator, autocast)
+            if r["truncated"]:
+                print(f"{path}: {r['truncated']} examples longer than block_size={net.config.block_size} were "
+                      f"left-truncated (their first tokens dropped)")
+        else:
+            encode, decode = common.tokenizer(checkpoint["meta"])
+            with autocast:
+                r = evaluate_population(net, prompts, encode, decode, cfg.minds, generator, cfg.max_new_tokens,
+                                        cfg.temperature, cfg.top_k, cfg.ngram)
+        results[path] = {"model_type": target_type, **r}
+        del net, checkpoint
+
+    print_table(results)
+    if any(r["model_type"] == "free" for r in results.values()) and cfg.task == "lm":
+        print("free: nll ... cvar_nll use Z from the uniform prior (what generation sees); neg_elbo and iw_bound are "
+              "upper bounds on the NLL through the encoder; stats/ce_posterior reads the future, not a likelihood")
+    if cfg.out_json:
+        with open(cfg.out_json, "w") as f:
+            json.dump({**header, "results": results}, f, indent=1)
+        print(f"wrote {cfg.out_json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""evaluate.py: the Monte Carlo metrics on hand-built probabilities, the evaluation paths against direct forwards,
+multiple-choice scoring, HellaSwag preprocessing, population metrics, and the script end to end."""
+
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SHARED_DATA, TINY, run_script
+
+import common
+import evaluate
+
+TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
+CHARS = " abcdefghijklmnopqrstuvwxyz.:"
+STOI = {ch: i for i, ch in enumerate(CHARS)}
+
+
+def encode(text):
+    return [STOI[ch] for ch in text]
+
+
+def tiny(model_type, **kwargs):
+    torch.manual_seed(0)
+    return common.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
+
+
+def log(probs):
+    return torch.tensor(probs, dtype=torch.float64).log()  # log 0 = -inf, as a log-softmax can give
+
+
+def H(p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Monte Carlo metrics on hand-built probabilities
+
+
+def test_two_disagreeing_passes_give_mi_nll_and_cond_var_computed_by_hand():
+    p1 = [[0.7, 0.2, 0.1], [1.0, 0.0, 0.0]]  # pass 1, two tokens; the second has exact zeros (xlogy)
+    p2 = [[0.1, 0.2, 0.7], [0.0, 0.0, 1.0]]
+    m = evaluate.mc_metrics(torch.stack([log(p1), log(p2)]), torch.tensor([0, 0]))
+    mean = [[(a + b) / 2 for a, b in zip(r1, r2)] for r1, r2 in zip(p1, p2)]  # [[.4 .2 .4], [.5 0 .5]]
+    mi = [H(mean[i]) - (H(p1[i]) + H(p2[i])) / 2 for i in range(2)]
+    assert m["mi"] == pytest.approx(sum(mi) / 2, abs=1e-12)
+    assert mi[1] == pytest.approx(math.log(2))  # one-hot passes that disagree: one bit of information
+    assert m["entropy"] == pytest.approx((H(mean[0]) + H(mean[1])) / 2, abs=1e-12)
+    assert m["nll"] == pytest.approx(-(math.log(0.4) + math.log(0.5)) / 2, abs=1e-12)  # -log p̄(y), not mean NLL
+    assert m["cond_var"] == pytest.approx((0.3 ** 2 + 0.5 ** 2) / 2, abs=1e-12)  # Var_m p_m(y): 0.09 and 0.25
+    assert m["epistemic_ratio"] == pytest.approx(m["mi"] / m["entropy"])
+
+
+def test_identical_passes_give_exactly_zero_mi_cond_var_and_flip_rate():
+    torch.manual_seed(0)
+    one = F.log_softmax(torch.randn(1, 50, 11), dim=-1)
+    m = evaluate.mc_metrics(one.expand(3, -1, -1), torch.randint(11, (50,)))
+    assert m["mi"] == 0.0 and m["cond_var"] == 0.0 and m["flip_rate"] == 0.0
+    assert m["passes"] == 3
+
+
+def test_ece_is_zero_for_a_perfectly_calibrated_toy():
+    # 10 tokens at confidence 0.8 of which 8 are right, 5 at confidence 0.6 of which 3 are right
+    probs = [[0.8, 0.2]] * 10 + [[0.4, 0.6]] * 5
+    targets = [0] * 8 + [1] * 2 + [1] * 3 + [0] * 2
+    m = evaluate.mc_metrics(log(probs)[None], torch.tensor(targets))
+    assert m["ece"] == pytest.approx(0.0, abs=1e-12)
+    assert m["acc"] == pytest.approx(11 / 15)
+
+
+def test_confidence_of_exactly_one_lands_in_the_last_bin():
+    stats = evaluate.MCStats(n_bins=15).add(log([[1.0, 0.0], [0.55, 0.45]])[None], torch.tensor([1, 0]))
+    assert stats.bins[0].tolist() == [0.0] * 8 + [1.0] + [0.0] * 5 + [1.0]  # 0.55 -> bin 8, 1.0 -> bin 14
+    # token 1: confidence 1.0, wrong, |0 - 1|; token 2: confidence 0.55, right, |1 - 0.55|
+    assert stats.result()["ece"] == pytest.approx((1.0 + 0.45) / 2)
+
+
+def test_brier_score_matches_hand_computation():
+    m = evaluate.mc_metrics(log([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])[None], torch.tensor([1, 2]))
+    by_hand = ((0.5 ** 2 + 0.7 ** 2 + 0.2 ** 2) + (0.1 ** 2 + 0.1 ** 2 + 0.2 ** 2)) / 2
+    assert m["brier"] == pytest.approx(by_hand, abs=1e-12)
+
+
+def test_cvar_nll_is_the_mean_of_the_worst_five_percent_by_sorting():
+    torch.manual_seed(1)
+    log_probs = F.log_softmax(torch.randn(2, 130, 7, dtype=torch.float64), dim=-1)
+    targets = torch.randint(7, (130,))
+    m = evaluate.mc_metrics(log_probs, targets)
+    p_bar = log_probs.exp().mean(0)
+    nll = sorted((-p_bar[i, t].log().item() for i, t in enumerate(targets.tolist())), reverse=True)
+    assert m["cvar_nll"] == pytest.approx(sum(nll[:7]) / 7, abs=1e-9)  # ceil(0.05 * 130) = 7
+    assert m["nll"] == pytest.approx(sum(nll) / 130, abs=1e-9)
+
+
+def test_flip_rate_counts_passes_whose_argmax_differs_from_that_of_the_mean():
+    passes = [[[0.6, 0.3, 0.1], [0.5, 0.1, 0.4]],
+              [[0.5, 0.4, 0.1], [0.1, 0.6, 0.3]],
+              [[0.2, 0.7, 0.1], [0.1, 0.5, 0.4]]]
+    # mean token 0: [.433 .467 .1] -> argmax 1, passes 0 0 1: two flips; token 1: [.233 .4 .367] -> 1, passes 0 1 1: one
+    m = evaluate.mc_metrics(log(passes), torch.tensor([1, 2]))
+    assert m["flip_rate"] == pytest.approx(3 / 6)
+    assert m["acc"] == pytest.approx(1 / 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the evaluation paths against direct forwards
+
+
+def windows(data, starts, T):
+    xy = torch.stack([torch.from_numpy(data[s:s + T + 1].astype(np.int64)) for s in starts])
+    return xy[:, :-1], xy[:, 1:]
+
+
+def test_det_model_gives_exactly_zero_mi_and_flip_and_the_plain_cross_entropy():
+    net = tiny("det")
+    data = np.random.default_rng(0).integers(len(CHARS), size=400).astype(np.uint16)
+    T = 20
+    starts = evaluate.lm_windows(len(data), T)
+    out = evaluate.evaluate_lm(net, data, starts, T, n_passes=4, generator=torch.Generator().manual_seed(0),
+                               batch_size=3)
+    assert out["mi"] == 0.0 and out["flip_rate"] == 0.0 and out["cond_var"] == 0.0 and out["passes"] == 1
+    x, y = windows(data, starts, T)
+    logits = net(x, y)[0]
+    assert out["tokens"] == len(starts) * T == 19 * 20
+    assert out["nll"] == pytest.approx(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item(), abs=1e-5)
+    assert out["acc"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+    assert out["stats/ce"] == pytest.approx(out["nll"], abs=1e-5)
+
+
+def test_btrans_metrics_average_the_softmaxes_of_one_fresh_mind_per_pass():
+    net = tiny("btrans", sigma=1.0)
+    data = np.random.default_rng(1).integers(len(CHARS), size=200).astype(np.uint16)
+    T, M, B = 16, 3, 4
+    starts = evaluate.lm_windows(len(data), T)
+    out = evaluate.evaluate_lm(net, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
+    gen = torch.Generator().manual_seed(5)  # the same minds, drawn in the same order: per batch, per pass
+    x, y = windows(data, starts, T)
+    probs = torch.cat([torch.stack([F.softmax(net(xb, yb, latents=net.sample_latents(xb.size(0), gen))[0], -1)
+                                    for _ in range(M)]) for xb, yb in zip(x.split(B), y.split(B))], dim=1)
+    p_bar = probs.mean(0)  # (N windows, T, V)
+    ent = lambda p: -(p * p.log()).sum(-1)
+    assert out["nll"] == pytest.approx(-p_bar.gather(-1, y[..., None]).log().mean().item(), abs=1e-5)
+    assert out["mi"] == pytest.approx((ent(p_bar) - ent(probs).mean(0)).mean().item(), abs=1e-5)
+    assert out["mi"] > 1e-3 and out["passes"] == M
+
+
+def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
+    net = tiny("free", latent_bits=3)
+    data = np.random.default_rng(2).integers(len(CHARS), size=100).astype(np.uint16)
+    T, K = 16, 5
+    x, y = windows(data, [0, 20], T)
+    bound = evaluate.iw_bound(net, x, y, K, torch.Generator().manual_seed(3))
+    gen, log_w = torch.Generator().manual_seed(3), []
+    for _ in range(K):
+        codes, log_q = net.posterior(x, gen)
+        log_py = F.log_softmax(net(x, y, latents=codes)[0], -1).gather(-1, y[..., None]).squeeze(-1).sum(1)
+        log_w.append(log_py - T * 3 * math.log(2) - log_q.sum(1))  # uniform prior over 2^3 codes per token
+    log_w = torch.stack(log_w)  # (K, 2)
+    assert torch.allclose(bound, -(log_w.exp().mean(0).log()), atol=1e-4)
+
+    torch.manual_seed(0)
+    out = evaluate.evaluate_lm(net, data, [0, 20], T, 2, torch.Generator().manual_seed(3), iw_samples=K)
+    torch.manual_seed(0)
+    assert out["neg_elbo"] == pytest.approx(net(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
+    assert "stats/ce" not in out and "stats/ce_posterior" in out  # the posterior CE is never the model's loss
+    assert out["iw_bound"] > 0 and out["iw_samples"] == K and out["latents"].startswith("Z from the uniform prior")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multiple choice
+
+
+def direct_loglik(net, ctx, cont, latents_list):
+    """log p̄ of the continuation from one unpadded forward per pass (left-truncated to block_size + 1 tokens)."""
+    ids = torch.tensor([(ctx + cont)[-(net.config.block_size + 1):]])
+    n = min(len(cont), ids.size(1) - 1)
+    lps = torch.stack([F.log_softmax(net(ids[:, :-1], ids[:, 1:], latents=lat)[0][0], -1) for lat in latents_list])
+    lp_bar = torch.logsumexp(lps, 0) - math.log(len(latents_list))  # (L, V)
+    L = ids.size(1) - 1
+    return sum(lp_bar[t, ids[0, t + 1]].item() for t in range(L - n, L))
+
+
+@pytest.mark.parametrize("model_type,passes", [("det", 1), ("btrans", 3)])
+def test_choice_scores_equal_a_direct_per_choice_forward(model_type, passes):
+    net = tiny(model_type, **({"sigma": 0.5} if model_type == "btrans" else {}))
+    context = "the cat sat on the"
+    choices = ["mat.", "moon", "a"]
+    pairs = [evaluate.choice_tokens(encode, context, c) for c in choices]
+    assert pairs[0] == (encode(context), encode(" mat."))
+    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, passes, torch.Generator().manual_seed(7))
+    for (ctx, cont), got in zip(pairs, ll):
+        gen = torch.Generator().manual_seed(7)  # the choices of an example share the latents of each pass
+        latents = [net.sample_latents(1, gen) for _ in range(passes)]
+        assert got == pytest.approx(direct_loglik(net, ctx, cont, latents), abs=1e-4)
+    assert n_tokens == [5, 5, 2] and not truncated
+
+
+def test_long_contexts_are_left_truncated_to_the_block_size():
+    net = tiny("det")
+    pairs = [evaluate.choice_tokens(encode, "a long context " * 4, c) for c in ("yes", "no")]  # 60 + tokens > 24
+    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, 1, None)
+    assert truncated and n_tokens == [4, 3]
+    assert ll[0] == pytest.approx(direct_loglik(net, *pairs[0], [None]), abs=1e-4)
+
+
+def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
+    net = tiny("det")
+    examples = [{"context": "the cat sat on the", "choices": ["mat.", "moon", "hat"], "label": 0},
+                {"context": "one two", "choices": ["three", "four.", "a"], "label": 1},
+                {"context": "x: y", "choices": ["zz", "y y y y"], "label": 1}]
+    path = tmp_path / "mc.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in examples) + "\n")
+    loaded = evaluate.load_mc_examples(str(path))
+    assert loaded == examples
+    out = evaluate.evaluate_mc(net, loaded, encode, 1, None)
+    hits = {"acc": 0, "acc_char": 0, "acc_completion": 0}
+    for ex in examples:
+        ll, n = [], []
+        for c in ex["choices"]:
+            cont = encode(ex["context"] + " " + c)[len(encode(ex["context"])):]
+            ll.append(direct_loglik(net, encode(ex["context"]), cont, [None]))
+            n.append(len(cont))
+        hits["acc"] += int(np.argmax(ll)) == ex["label"]
+        hits["acc_char"] += int(np.argmax([s / len(c) for s, c in zip(ll, ex["choices"])])) == ex["label"]
+        hits["acc_completion"] += int(np.argmax([s / k for s, k in zip(ll, n)])) == ex["label"]
+    for name, count in hits.items():
+        assert out[name] == pytest.approx(count / 3)
+    assert out["examples"] == 3 and out["truncated"] == 0
+
+
+HELLASWAG = os.path.join(SHARED_DATA, "hellaswag", "hellaswag_val_sample1000.jsonl")
+
+
+@pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} (../shared/data)")
+def test_hellaswag_preprocessing_follows_the_harness_on_the_shared_sample():
+    examples = evaluate.load_mc_examples(HELLASWAG)
+    assert len(examples) == 1000 and all(len(e["choices"]) == 4 for e in examples)
+    first = examples[0]  # ActivityNet: ctx_a + " " + ctx_b capitalized, after "activity_label: "
+    assert first["context"] == ("Pole vault: Pole vault is a sport where you run with a pole and stop and swing your "
+                                "body. A few women")
+    assert first["choices"][3] == "are in the gym practicing to do this pole vault, trying to do their best."
+    assert first["label"] == 3
+    wikihow = examples[3]  # " [title]" -> ". ", other brackets dropped, then one pass of "  " -> " "
+    assert wikihow["context"] == (
+        "Sports and Fitness: How to bowl the leg spinner's variations. To bowl a googly, you grip the ball the same "
+        "as you would for a leg break but hold it so your palm faces away from you. As you bowl, you bring your "
+        "elbow close to your head and cock your wrist so that back of your hand faces the batsman. You spin the "
+        "ball by rotating the fingers.")
+    assert wikihow["choices"][0] == (" If you're outside, the batsman only looks at the batsman as they dribble.. "
+                                     "If you're inside, the batsman lets you line up the batsman with you.")
+    assert not any("[" in e["context"] for e in examples)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# population metrics
+
+
+def test_pass_at_k_matches_brute_force_enumeration_of_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
+                assert evaluate.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    assert evaluate.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
+
+
+def test_letters_verifier_on_hand_made_strings():
+    good = "_" * 10 + "K" * 8 + "_" * 46
+    noisy = "_!__" + "KKK!KKKK" + "_" * 40 + "!" + "_" * 11  # '!' noise, also inside the target
+    edge = "!" + "K" * 7 + "_" * 56  # the first target character replaced by noise
+    for text in (good, good + "\n", noisy, edge, "_" * 56 + "K" * 8):
+        assert evaluate.verify_letters("K>", text), text
+    bad = {"wrong letter": "_" * 10 + "J" * 8 + "_" * 46,
+           "run of 9": "_" * 10 + "K" * 9 + "_" * 45,
+           "run of 7": "_" * 10 + "K" * 7 + "_" * 47,
+           "two runs": "K" * 8 + "_" * 8 + "K" * 8 + "_" * 40,
+           "too short": "_" * 10 + "K" * 8 + "_" * 10,
+           "two letters": "_" * 10 + "K" * 8 + "_" * 45 + "J",
+           "other character": "_" * 10 + "K" * 8 + "_" * 45 + ".",
+           "no letter": "_" * 64,
+           "letter outside the window": "_" * 10 + "K" * 8 + "_" * 20 + "K" + "_" * 25}
+    for reason, text in bad.items():
+        assert not evaluate.verify_letters("K>", text), reason
+    assert evaluate.letters_answer(bad["wrong letter"]) == "J"
+    assert evaluate.verify_letters("K>", good, strict=True) and not evaluate.verify_letters("K>", noisy, strict=True)
+
+
+def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
+    assert evaluate.majority_answer(["A", None, "B", "B", None, None]) == "B"  # None does not vote
+    assert evaluate.majority_answer(["A", "B"]) == "A" and evaluate.majority_answer([None]) is None
+    assert evaluate.distinct_n(["abab", "abc"], 2) == pytest.approx(3 / 5)  # ab ba ab | ab bc
+    assert evaluate.edit_distance("kitten", "sitting") == 3
+    assert evaluate.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
+
+
+def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
+    torch.manual_seed(0)
+    chars = sorted(set("\n!>_" + evaluate.LETTERS))
+    net = common.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
+    enc = lambda s: [chars.index(ch) for ch in s]
+    dec = lambda ids: "".join(chars[i] for i in ids)
+    out = evaluate.evaluate_population(net, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
+                                       temperature=0.0)
+    texts = [dec(net.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
+    correct = [evaluate.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
+    assert out["pairwise_edit"] == 0.0 and out["pass@1"] == out["pass@3"] == sum(correct) / 2
+    assert out["distinct_4"] == pytest.approx(sum(evaluate.distinct_n([t] * 3, 4) for t in texts) / 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script
+
+
+@pytest.fixture(scope="module")
+def det_ckpt(data_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("det")
+    run_script("train.py", "--model=det", f"--out_dir={out}", *TINY, "--max_iters=2", "--eval_interval=2",
+               data_dir=data_root)
+    return out
+
+
+def test_script_writes_json_whose_nll_is_the_models_cross_entropy_on_the_same_windows(data_root, det_ckpt, tmp_path):
+    path = tmp_path / "eval.json"
+    run_script("evaluate.py", f"--out_dir={det_ckpt}", "--max_tokens=300", f"--out_json={path}", data_dir=data_root)
+    report = json.loads(path.read_text())
+    assert report["task"] == "lm" and report["dataset"] == "synthetic" and report["seq_len"] == 66
+    r = report["results"][str(det_ckpt)]
+    expected = {"model_type", "latents", "nll", "ppl", "acc", "ece", "brier", "entropy", "expected_entropy", "mi",
+                "epistemic_ratio", "cond_var", "flip_rate", "cvar_nll", "tokens", "passes", "stats/ce"}
+    assert expected <= set(r)
+    assert r["mi"] == 0.0 and r["flip_rate"] == 0.0 and r["passes"] == 1
+    net, checkpoint = common.load_model(det_ckpt)
+    data = np.fromfile(data_root / "synthetic" / "val.bin", dtype=np.uint16)
+    x, y = windows(data, [0, 67, 134, 201, 268], 66)  # ceil(300 / 66) = 5 whole sequences
+    assert r["tokens"] == 5 * 66
+    assert r["nll"] == pytest.approx(F.cross_entropy(net(x, y)[0].flatten(0, 1), y.flatten()).item(), abs=1e-5)
+    assert r["ppl"] == pytest.approx(math.exp(r["nll"]))
+
+
+def test_population_task_runs_on_the_letters_prompts(data_root, det_ckpt, tmp_path):
+    path = tmp_path / "pop.json"
+    proc = run_script("evaluate.py", f"--out_dir={det_ckpt}", "--task=population", "--num_prompts=2", "--minds=2",
+                      f"--out_json={path}", data_dir=data_root)
+    r = json.loads(path.read_text())["results"][str(det_ckpt)]
+    assert r["prompts"] == 2 and r["minds"] == 2 and 0.0 <= r["pass@1"] <= r["pass@2"] <= 1.0
+    assert "majority_acc" in proc.stdout and "distinct_4" in proc.stdout
+
+
+def test_missing_checkpoint_is_one_clear_error(data_root, tmp_path):
+    proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'nowhere'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1

@@ -1,0 +1,556 @@
+"""EVE variational Transformer ("variational neurons", paper: eve_variational_neurons.txt): the det decoder whose
+feed-forward computation is a bank of local variational neurons (§3.2, §3.4).
+
+Per block and token, neuron i infers a posterior q(z_i | u, h_i) = N(mu_q, sigma_q^2) from u = RMSNorm(x), samples
+z_i = mu_q + sigma_q * eps (§3.2), decodes an activation y_i = g(z_i) and the bank is projected back to model width.
+A local autoregressive prior p(z_i | h_i) = N(mu_p, sigma_p^2), mu_p(t) = a * mu_p(t-1) + b * z(t-1) (§3.3), a KL
+term, a latent-energy band penalty and a homeostat (§3.3) join the cross-entropy in one objective (§3.6).
+
+The paper numbers no equations; comments cite its sections and the symbols it uses. Where it leaves a detail open
+(decoder g, form of f_AR, L_AR, control penalty, head layer weights: see its README) the choice is marked "choice:".
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
+# files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
+# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`), the head (layer weights) and the loss.
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def precompute_rope(head_dim, max_len, theta):
+    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos, k, v):
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+
+
+class PriorCache(nn.Module):
+    """The AR prior's state of one layer in generation (§3.3): the prior mean of the next position, mu_p(t + 1)."""
+
+    def __init__(self, batch_size, n_latent, device):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(batch_size, n_latent, device=device), persistent=False)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): n_head query heads share n_kv_head key/value heads."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.kv_cache = None  # a KVCache while generate() runs
+
+    def forward(self, x, cos, sin, start_pos):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
+        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
+    """KL(N(mu_q, var_q) || N(mu_p, e^logvar_p)) per coordinate in nats (the KL of §3.3, closed form), from
+    sq_dist = (mu_q - mu_p)^2. Linear in logvar_q, var_q and sq_dist: fed their means over tokens, it returns the
+    mean KL over tokens, as long as logvar_p is the same at every token (it is: the prior scale is static)."""
+    return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
+
+
+def scan(x, a):
+    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,), in ceil(log2 T) doubling steps
+    (Hillis & Steele 1986): the step with stride k does h[t] += a^k h[t-k], after which h[t] = sum_{j<2k} a^j x[t-j]."""
+    h, a_k, k = x.clone(), a, 1
+    while k < h.size(1):
+        h[:, k:] += a_k * h[:, :-k]  # the product is a new tensor, so reading and writing h do not overlap
+        a_k, k = a_k * a_k, 2 * k
+    return h
+
+
+class LinearScan(torch.autograd.Function):
+    """scan() with a hand-written backward: the gradient of a linear recurrence is the same recurrence run in
+    reverse, dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]. Half the time of autograd through
+    the doubling steps, and it keeps only h for backward instead of log2(T) intermediates."""
+
+    @staticmethod
+    def forward(ctx, x, a):
+        h = scan(x, a)
+        ctx.save_for_backward(h, a)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        h, a = ctx.saved_tensors
+        grad_x = scan(grad_h.flip(1), a).flip(1)  # (B, T, D)
+        grad_a = (grad_x[:, 1:] * h[:, :-1]).sum((0, 1))  # (D,)
+        return grad_x, grad_a
+
+
+linear_scan = LinearScan.apply  # (x (B, T, D), a (D,)) -> h (B, T, D)
+
+
+class VariationalMLP(nn.Module):
+    """§3.2/§3.4: a bank of n_neurons local variational neurons in place of the SwiGLU feed-forward. Like SwiGLU it
+    holds three matrices of n_embd x (n_neurons * latent_dim): w_mu, w_logvar (the posterior) and w2 (back to C)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        N, dz = config.n_neurons, config.latent_dim
+        D = N * dz  # latent coordinates of the layer, neuron-major: coordinate n * dz + j is dim j of neuron n
+        # §3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): per-neuron linear heads on u. The memory
+        # h_i enters through the prior only (choice: the posterior reads u, the prior carries the memory).
+        self.w_mu = nn.Linear(config.n_embd, D, bias=False)
+        self.w_logvar = nn.Linear(config.n_embd, D, bias=True)  # bias: sigma_q starts at config.sigma_init
+        # §3.2 decoder y = g_theta(z). Choice: per neuron y_i = silu(d_i . z_i + c_i), a gain vector d_i (dz,) and a
+        # bias c_i; elementwise, so the decoder adds no matmul. With dz = 1 it starts as y_i = silu(z_i).
+        self.dec_gain = nn.Parameter(torch.full((N, dz), 1.0 / math.sqrt(dz)))
+        self.dec_bias = nn.Parameter(torch.zeros(N))
+        self.w2 = nn.Linear(N, config.n_embd, bias=False)  # "projected back to the model space" (§3.4)
+        if config.ar_prior:
+            # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: the per-coordinate linear recurrence
+            # mu_p(t) = a * mu_p(t-1) + b * z(t-1), mu_p(0) = m0, with a = tanh(.) in (-1, 1) so it stays stable.
+            # The prior scale is learned per coordinate but static (§3.3: "an analogous update for the prior scale
+            # when used": not used here).
+            self.ar_a = nn.Parameter(torch.full((D,), math.atanh(config.ar_a_init)))  # a = tanh(ar_a)
+            self.ar_b = nn.Parameter(torch.full((D,), config.ar_b_init))
+            self.prior_m0 = nn.Parameter(torch.zeros(D))
+            self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
+        # Controller state (§3.3 control), updated by Model.update_controllers and saved in checkpoints.
+        self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # EMA of each neuron's latent energy
+        self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # per-unit KL weight (beta controller)
+        self.stash = None  # (2, N) detached [KL_u, mu2_u] of the last training forward, for update_controllers
+        self.prior_cache = None  # a PriorCache while generate() runs
+
+    def prior(self, z, start_pos):
+        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,), from the sampled z (B, T, D). Training and
+        prefill compute every position at once (linear_scan); a decode step reads and advances the cached state."""
+        a = torch.tanh(self.ar_a)
+        if self.prior_cache is not None and start_pos > 0:
+            mu_p = self.prior_cache.mean.unsqueeze(1).clone()  # (B, 1, D), a copy: the cache moves on below
+        elif start_pos > 0:
+            raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
+        else:
+            # Unrolled causally: the input at t is b * z(t-1) (m0 at t = 0), so mu_p(t) sees only z(< t).
+            drive = torch.cat([self.prior_m0.expand(z.size(0), 1, -1), self.ar_b * z[:, :-1]], dim=1)  # (B, T, D)
+            mu_p = linear_scan(drive, a)  # (B, T, D)
+        if self.prior_cache is not None:  # the next position's prior mean: the same recurrence, one step on
+            self.prior_cache.mean.copy_((a * mu_p[:, -1] + self.ar_b * z[:, -1]).detach())
+        return mu_p, self.prior_logvar.clamp(self.config.logvar_min, self.config.logvar_max)  # (B, T, D), (D,)
+
+    def forward(self, u, eps, start_pos=0, with_aux=False):
+        """u (B, T, C) normed residual stream, eps (B, T, D) -> (update (B, T, C), aux or None).
+        aux holds what the objective needs: per-unit KL_u and mu2_u (N,) averaged over tokens, L_AR, and counts."""
+        cfg = self.config
+        B, T, _ = u.shape
+        N, dz = cfg.n_neurons, cfg.latent_dim
+        mu_q = self.w_mu(u)  # (B, T, D)
+        logvar_q = self.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2, (B, T, D)
+        sigma_q = torch.exp(0.5 * logvar_q)
+        z = torch.addcmul(mu_q, sigma_q, eps)  # §3.2 reparameterisation z = mu_q + sigma_q * eps, (B, T, D)
+        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N): one fused pass
+            y = F.silu(torch.addcmul(self.dec_bias, z, self.dec_gain.view(N)))
+        else:
+            y = F.silu((z.view(B, T, N, dz) * self.dec_gain).sum(-1) + self.dec_bias)
+        out = self.w2(y)  # (B, T, C)
+        if not (with_aux or (cfg.ar_prior and self.prior_cache is not None)):
+            return out, None
+        if cfg.ar_prior:
+            mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
+        if not with_aux:
+            return out, None
+        # The objective and the controllers need only per-coordinate means over the tokens (B, T): reduce first,
+        # then finish the closed forms on (D,) vectors (the KL is linear in the three means, see gaussian_kl).
+        mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
+        if cfg.ar_prior:
+            sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))  # (D,)
+            # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared
+            # one-step error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The
+            # stop-gradient keeps it from pulling the posterior toward the prior (the KL does that, weighted by
+            # beta); it trains f_AR and, through z(t-1), asks past latents to predict the next: §3.3's "temporal
+            # continuity".
+            ar = (mu_p - mu_q.detach()).pow(2).mean()
+        else:  # config switch: the fixed isotropic prior N(0, I)
+            sq_dist, logvar_p, ar = mu2, mu_q.new_zeros(()), mu_q.new_zeros(())
+        kl = gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)  # (D,) §3.3 KL
+        aux = {"kl_u": kl.view(N, dz).sum(-1),  # (N,) KL of each neuron, summed over its dims, mean over tokens
+               "mu2_u": mu2.view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2, mean over tokens
+               "ar": ar, "sigma": sigma_q.detach().mean()}
+        if self.training:  # for update_controllers: the last training forward's per-unit measurements
+            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach()  # (2, N)
+        return out, aux
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) with variational neurons (§3.4)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = VariationalMLP(config)
+
+    def forward(self, x, cos, sin, start_pos, eps, with_aux):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+        update, aux = self.mlp(self.mlp_norm(x), eps, start_pos, with_aux)  # §3.4: u = RMSNorm(x), bank, project
+        return x + update, aux
+
+
+def sample_next_token(logits, temperature, top_k, generator):
+    """One token per row from (B, V) logits; temperature 0 means greedy decoding."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    block_size: int = 256  # context length: RoPE tables and the KV cache are sized for it
+    vocab_size: int = 65  # set from the dataset's meta.json by train.py
+    n_layer: int = 4  # a tiny default that trains on a 2-core CPU in minutes
+    n_head: int = 4  # query heads
+    n_kv_head: int = 2  # key/value heads; n_head % n_kv_head == 0 (GQA halves the KV cache here)
+    n_embd: int = 128  # model width
+    ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
+    ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
+    rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    # EVE variational neurons (§3.2, §3.4). The paper gives no sizes or coefficients; these defaults are ours.
+    n_neurons: int = None  # neurons per block; None = ffn_hidden // latent_dim: latent width D = det's SwiGLU width
+    latent_dim: int = 1  # d_z, latent dimensions per neuron
+    sigma_init: float = 0.8  # initial sigma_q of every neuron (the paper reports sigma_mean = 0.89 in §4.4)
+    logvar_min: float = -6.0  # log sigma^2 (posterior and prior) clipped to [logvar_min, logvar_max]
+    logvar_max: float = 2.0
+    ar_prior: bool = True  # §3.3 autoregressive local prior; False: the fixed prior N(0, I)
+    ar_a_init: float = 0.5  # initial AR coefficient a of mu_p(t) = a mu_p(t-1) + b z(t-1)
+    ar_b_init: float = 0.0  # initial b: the prior starts as N(0, 1) (m0 = 0) and learns its dynamics
+    # §3.6 objective L = CE + beta KL + L_control + alpha_AR L_AR
+    kl_beta: float = 0.2  # beta; KL counted in nats per neuron and token, summed over layers (see objective())
+    alpha_ar: float = 0.1  # alpha_AR
+    mu2_target: float = 0.10  # §3.3 target latent energy mu^2_target
+    mu2_band: tuple = (0.08, 0.145)  # §3.3 admissible band around the target
+    control_weight: float = 1.0  # weight of the squared-hinge band penalty L_control; 0 turns it off
+    homeostat: bool = True  # §3.3 "homeostatic regulation": rescale each neuron's mu weights toward the target
+    homeostat_ema: float = 0.9  # decay of the per-neuron EMA of mu^2 (~10 steps: one rescale period)
+    homeostat_warmup: int = 100  # optimizer steps before the first rescale
+    homeostat_every: int = 10  # steps between rescales
+    homeostat_max_step: float = 0.05  # per rescale, each neuron's mu scales by a factor in [1/(1+m), 1+m]
+    beta_control: bool = False  # optional per-unit beta controller keeping each unit's KL inside kl_band
+    kl_band: tuple = (0.05, 0.30)  # nats per unit
+    beta_rate: float = 0.01  # per step, a unit's beta is multiplied or divided by 1 + beta_rate
+    beta_range: tuple = (0.01, 2.0)  # bounds of a unit's beta
+    layer_weights: bool = True  # §4.2 head layer weights: the head reads a softmax mix of the blocks' outputs
+    n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
+                             f"and n_head by n_kv_head={self.n_kv_head}")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.n_embd / 3)
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        if self.n_neurons is None:
+            self.n_neurons = self.ffn_hidden // self.latent_dim
+        self.n_latent = self.n_neurons * self.latent_dim  # D, latent coordinates per block
+        if min(self.n_neurons, self.latent_dim, self.n_samples) < 1 or self.sigma_init <= 0:
+            raise ValueError("n_neurons, latent_dim, n_samples must be >= 1 and sigma_init > 0")
+        if not self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max:
+            raise ValueError(f"2 log sigma_init = {2 * math.log(self.sigma_init):.2f} lies outside "
+                             f"[logvar_min, logvar_max] = [{self.logvar_min}, {self.logvar_max}]")
+        if not -1 < self.ar_a_init < 1:
+            raise ValueError(f"ar_a_init={self.ar_a_init} must lie in (-1, 1), a = tanh(.) keeps the AR prior stable")
+        if not (self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1] and self.kl_band[0] <= self.kl_band[1]):
+            raise ValueError("need mu2_band[0] <= mu2_target <= mu2_band[1] and kl_band[0] <= kl_band[1]")
+
+
+class Model(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives no init).
+        self.layer_logits = nn.Parameter(torch.zeros(config.n_layer)) if config.layer_weights else None
+        self.register_buffer("ctrl_step", torch.zeros((), dtype=torch.long))  # update_controllers calls so far
+        self.apply(self._init_weights)
+        # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for block in self.blocks:
+            # u = RMSNorm(x) has unit mean square, so std sqrt(mu2_target / C) starts every neuron at E[mu_q^2] =
+            # mu2_target (§3.3); a zero w_logvar starts every sigma_q at exactly sigma_init.
+            nn.init.normal_(block.mlp.w_mu.weight, mean=0.0, std=math.sqrt(config.mu2_target / config.n_embd))
+            nn.init.zeros_(block.mlp.w_logvar.weight)
+            nn.init.constant_(block.mlp.w_logvar.bias, 2 * math.log(config.sigma_init))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+
+    def forward(self, idx, targets=None, latents=None, start_pos=0):
+        """idx (B, T) token ids -> (logits, loss, stats). latents (B, block_size, n_layer, D) pin the neurons' eps
+        (sample_latents); None draws fresh eps from the global RNG, one per token, layer and latent coordinate.
+
+        With targets: logits (B, T, V) and loss = the §3.6 objective CE + beta KL + L_control + alpha_AR L_AR
+        (targets == -1 are ignored by the CE). Without: logits of the last position only, (B, 1, V). start_pos > 0
+        only in KV-cache decoding. One forward is one stochastic pass: §3.5's Monte Carlo average is evaluate.py's.
+        """
+        cfg = self.config
+        B, T = idx.shape
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+        if start_pos > 0 and T > 1:
+            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        # n_samples > 1 in training: the batch repeated S times with independent eps; the mean CE and the per-unit
+        # averages below are then the objective averaged over the S draws.
+        S = cfg.n_samples if self.training and targets is not None and latents is None else 1
+        if S > 1:
+            idx, targets = idx.repeat(S, 1), targets.repeat(S, 1)
+        p = self.tok_emb.weight
+        if latents is None:
+            eps = torch.randn(S * B, T, cfg.n_layer, cfg.n_latent, device=p.device, dtype=p.dtype)  # §3.2 eps
+        else:
+            eps = latents[:, start_pos:start_pos + T].to(p.device, p.dtype)  # (B, T, L, D)
+        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
+        sin = self.rope_sin[start_pos:start_pos + T]
+        x = self.tok_emb(idx)  # (B, T, C)
+        outs, auxs = [], []
+        for i, block in enumerate(self.blocks):
+            x, aux = block(x, cos, sin, start_pos, eps[:, :, i], targets is not None)
+            outs.append(x if targets is not None else x[:, [-1], :])
+            auxs.append(aux)
+        x = self.norm_f(self.head_input(outs))
+        if targets is None:
+            return self.lm_head(x), None, {}  # (B, 1, V)
+        logits = self.lm_head(x)  # (B, T, V)
+        ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss, stats = self.objective(ce, logits, auxs)
+        if S > 1:  # the logits of the S-draw predictive mean, log (1/S) sum_s softmax(y_s) (§3.5)
+            logprobs = F.log_softmax(logits.float(), dim=-1).view(S, B, T, -1)
+            logits = torch.logsumexp(logprobs, dim=0) - math.log(S)  # (B, T, V)
+        return logits, loss, stats
+
+    def head_input(self, outs):
+        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for the paper's head layer
+        weights (§4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
+        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), as in det."""
+        if self.layer_logits is None:
+            return outs[-1]
+        w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)
+        return (torch.stack(outs, dim=-1) * w).sum(-1)  # (B, T, C)
+
+    def objective(self, ce, logits, auxs):
+        """§3.6 L = L_LM + beta L_KL + L_control + alpha_AR L_AR from the blocks' aux, and the diagnostics of §3.3
+        and §4.2. Each layer's KL is in nats per neuron and token (the scale of the paper's KL_l and of the
+        [0.05, 0.30] unit range); L_KL sums the layers. Returns (loss, stats)."""
+        cfg = self.config
+        lo, hi = cfg.mu2_band
+        kl_u = torch.stack([aux["kl_u"] for aux in auxs])  # (L, N) per-unit KL averaged over tokens
+        mu2_u = torch.stack([aux["mu2_u"] for aux in auxs])  # (L, N) per-neuron latent energy over tokens
+        beta = torch.stack([b.mlp.beta_unit for b in self.blocks]) if cfg.beta_control else cfg.kl_beta
+        kl_term = (beta * kl_u).mean(1).sum()  # beta L_KL (per-unit beta under the beta controller)
+        # L_control (choice, §3.3 band): squared hinge on each neuron's batch latent energy outside mu2_band. It acts
+        # on the neuron's regime, mean_t mu^2, not per token, so the token-to-token variation that carries
+        # information is free; the homeostat (update_controllers) does the pulling toward mu2_target.
+        band = F.relu(lo - mu2_u).pow(2) + F.relu(mu2_u - hi).pow(2)  # (L, N)
+        control = cfg.control_weight * band.mean(1).sum()
+        ar = sum(aux["ar"] for aux in auxs)
+        loss = ce + kl_term + control + cfg.alpha_ar * ar
+        # Diagnostics (§3.3, §4.2), all 0-dim and detached. Band fractions are over the L * N neurons' batch energies.
+        kl_u, mu2_u = kl_u.detach(), mu2_u.detach()
+        stats = {"ce": ce.detach(), "kl": kl_u.mean(1).sum(), "control": control.detach(), "ar": ar.detach()}
+        stats.update({f"kl_{i}": kl_u[i].mean() for i in range(cfg.n_layer)})
+        stats.update({f"mu2_{i}": mu2_u[i].mean() for i in range(cfg.n_layer)})
+        stats["band_in"] = ((mu2_u >= lo) & (mu2_u <= hi)).float().mean()  # inside-band mass
+        stats["band_low"] = (mu2_u < lo).float().mean()  # fraction too low
+        stats["band_high"] = (mu2_u > hi).float().mean()  # fraction too high
+        stats["target_gap"] = (mu2_u - cfg.mu2_target).abs().mean()  # mean |mu^2 - mu^2_target| over neurons
+        stats["active_frac"] = (kl_u > 1e-4).float().mean()  # units with KL_u > 1e-4 nats
+        stats["sigma"] = sum(aux["sigma"] for aux in auxs) / cfg.n_layer  # mean sigma_q (§4.4's sigma_mean)
+        if self.layer_logits is not None:
+            w = F.softmax(self.layer_logits.detach(), dim=0)
+            stats.update({f"w_{i}": w[i] for i in range(cfg.n_layer)})
+        # Non-finite values among the logits and the per-unit KL and mu^2 (a NaN or inf in any token's posterior
+        # reaches its unit's means, so this counts affected units without another pass over the latents).
+        stats["nonfinite"] = sum((~torch.isfinite(t)).sum() for t in (logits.detach(), kl_u, mu2_u))
+        return loss, stats
+
+    @torch.no_grad()
+    def update_controllers(self, stats=None):
+        """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()). Reads the per-unit
+        KL_u and mu2_u each block stashed in its last training forward (`stats` is unused), averaged over processes
+        so every rank applies the same update and the weights stay identical:
+        - EMA of each neuron's mu^2 (buffer mu2_ema);
+        - beta controller (beta_control): a unit's beta grows by 1 + beta_rate while its KL is above kl_band and
+          shrinks while below, within beta_range (buffer beta_unit);
+        - homeostat (homeostat): after homeostat_warmup steps, every homeostat_every steps, each neuron's rows of
+          w_mu are scaled by sqrt(mu2_target / EMA) bounded to [1/(1+m), 1+m]; mu_q is linear in them, so its mu^2
+          moves by that factor squared toward the target (and the EMA is moved with it)."""
+        cfg = self.config
+        mlps = [block.mlp for block in self.blocks]
+        if any(m.stash is None for m in mlps):
+            return  # no training forward since the last update
+        measured = torch.stack([m.stash for m in mlps])  # (L, 2, N)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(measured)
+            measured /= dist.get_world_size()
+        step = int(self.ctrl_step)
+        since = step - cfg.homeostat_warmup
+        rescale = cfg.homeostat and since >= 0 and since % cfg.homeostat_every == 0
+        for m, (kl_u, mu2_u) in zip(mlps, measured):
+            m.stash = None
+            if step == 0:
+                m.mu2_ema.copy_(mu2_u)
+            else:
+                m.mu2_ema.lerp_(mu2_u, 1.0 - cfg.homeostat_ema)
+            if cfg.beta_control:
+                up, down = kl_u > cfg.kl_band[1], kl_u < cfg.kl_band[0]
+                factor = torch.where(up, 1.0 + cfg.beta_rate, torch.where(down, 1.0 / (1.0 + cfg.beta_rate), 1.0))
+                m.beta_unit.mul_(factor).clamp_(*cfg.beta_range)
+            if rescale:
+                bound = 1.0 + cfg.homeostat_max_step
+                scale = (cfg.mu2_target / m.mu2_ema.clamp_min(1e-12)).sqrt().clamp(1.0 / bound, bound)  # (N,)
+                m.w_mu.weight.view(cfg.n_neurons, cfg.latent_dim, -1).mul_(scale.view(-1, 1, 1))
+                m.mu2_ema.mul_(scale.pow(2))
+        self.ctrl_step += 1
+
+    def sample_latents(self, batch_size, generator=None):
+        """Pinned noise: the eps of every neuron at every position and layer, (B, block_size, n_layer, D) ~ N(0, I).
+        Same latents -> same output (forward and generate). Drawn on the generator's device, so a CPU generator
+        gives the same latents on any device."""
+        cfg, p = self.config, self.tok_emb.weight
+        device = p.device if generator is None else generator.device
+        eps = torch.randn(batch_size, cfg.block_size, cfg.n_layer, cfg.n_latent, generator=generator, device=device)
+        return eps.to(p.device, p.dtype)
+
+    def setup_kv_cache(self, batch_size, max_len):
+        p = self.tok_emb.weight
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
+                                          p.device, p.dtype)
+            if self.config.ar_prior:  # §3.3: the AR prior's recurrence state travels with the KV cache
+                block.mlp.prior_cache = PriorCache(batch_size, self.config.n_latent, p.device)
+
+    def clear_kv_cache(self):
+        for block in self.blocks:
+            block.attn.kv_cache = None
+            block.mlp.prior_cache = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token. The
+        neurons' noise is pinned for the whole call: `latents`, or one draw of sample_latents(B, generator)."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds the context "
+                             f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
+        if latents is None:
+            latents = self.sample_latents(B, generator)
+        self.setup_kv_cache(B, total)
+        try:
+            logits, _, _ = self(idx, latents=latents, start_pos=0)  # (B, 1, V)
+            for pos in range(T, total):
+                idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+                if pos + 1 < total:
+                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos)
+        finally:
+            self.clear_kv_cache()
+        return idx
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights (the tied
+        head's matmul and the variational heads w_mu, w_logvar, w2 included, the embedding lookup not) plus
+        12 * L * C * T for attention scores, plus the neurons' elementwise work per latent coordinate, forward
+        counted and x3 for forward + backward: 11 to sample and decode (clip, exp, z = mu + sigma eps, d z + c,
+        silu), 6 for the means behind the KL and mu^2, and with the AR prior 2 per scan step (ceil(log2 T) steps)
+        + 8 for its drive, the KL distance and L_AR. All of it times n_samples, the draws per training token."""
+        cfg = self.config
+        prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
+        variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent
+        dense = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return cfg.n_samples * (dense + variational)

@@ -1,0 +1,348 @@
+"""EVE (model_eve.py): KL and reparameterisation, causality of the model and its AR prior, KV-cache decoding with
+pinned noise, the sigma -> 0 limit, the homeostat and beta controller, diagnostics."""
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.distributions import Normal, kl_divergence
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import model_det  # noqa: E402
+import model_eve  # noqa: E402
+
+SMALL = dict(block_size=32, vocab_size=17, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+
+def make(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return model_eve.Model(model_eve.Config(**{**SMALL, **overrides})).eval()
+
+
+def tokens(B=3, T=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=g)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def record_priors(model):
+    """Wrap each block's AR prior so every call appends its (mu_p, logvar_p), each (B, T, D)."""
+    records = [[] for _ in model.blocks]
+    for block, record in zip(model.blocks, records):
+        prior = block.mlp.prior
+
+        def recording(z, start_pos, prior=prior, record=record):
+            out = prior(z, start_pos)
+            record.append(out)
+            return out
+        block.mlp.prior = recording
+    return records
+
+
+def test_gaussian_kl_equals_torch_distributions_per_token_and_in_the_mean_over_tokens():
+    g = gen(0)
+    mu_q, mu_p = torch.randn(4, 7, 5, generator=g), torch.randn(4, 7, 5, generator=g)
+    lv_q, lv_p = torch.randn(4, 7, 5, generator=g), torch.randn(5, generator=g)  # prior scale: per coordinate
+    ref = kl_divergence(Normal(mu_q, (0.5 * lv_q).exp()), Normal(mu_p, (0.5 * lv_p).exp()))  # (4, 7, 5)
+    ours = model_eve.gaussian_kl(lv_q, lv_q.exp(), (mu_q - mu_p).pow(2), lv_p)
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+    # linear in the three token statistics: their means over tokens give the mean KL, as the model uses it
+    means = [t.mean((0, 1)) for t in (lv_q, lv_q.exp(), (mu_q - mu_p).pow(2))]
+    assert torch.allclose(model_eve.gaussian_kl(*means, lv_p), ref.mean((0, 1)), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_kl_stat_equals_torch_distributions_kl_of_posterior_and_ar_prior():
+    model, idx = make(ar_b_init=0.3, latent_dim=2), tokens()
+    latents = model.sample_latents(3, gen(0))
+    inputs = []
+    model.blocks[0].mlp.register_forward_hook(lambda m, args, out: inputs.append(args[:2]))  # (u, eps)
+    _, _, stats = model(idx, targets=idx, latents=latents)
+    u, eps = inputs[0]
+    mlp = model.blocks[0].mlp
+    mu_q = mlp.w_mu(u)
+    sigma_q = (0.5 * mlp.w_logvar(u).clamp(-6, 2)).exp()
+    mu_p, logvar_p = mlp.prior(mu_q + sigma_q * eps, 0)
+    ref = kl_divergence(Normal(mu_q, sigma_q), Normal(mu_p, (0.5 * logvar_p).exp()))  # (B, T, D)
+    # per neuron: summed over its latent_dim = 2 coordinates, then averaged over tokens and neurons
+    assert torch.allclose(stats["kl_0"], ref.view(3, 12, -1, 2).sum(-1).mean(), atol=1e-6)
+    assert torch.allclose(stats["kl"], stats["kl_0"] + stats["kl_1"])
+
+
+def test_fixed_prior_switch_gives_kl_to_standard_normal_and_no_ar_parameters():
+    model, idx = make(ar_prior=False), tokens()
+    assert not any("ar_" in name or "prior_" in name for name, _ in model.named_parameters())
+    inputs = []
+    model.blocks[0].mlp.register_forward_hook(lambda m, args, out: inputs.append(args[0]))
+    _, _, stats = model(idx, targets=idx, latents=model.sample_latents(3, gen(0)))
+    mlp = model.blocks[0].mlp
+    q = Normal(mlp.w_mu(inputs[0]), (0.5 * mlp.w_logvar(inputs[0]).clamp(-6, 2)).exp())
+    assert torch.allclose(stats["kl_0"], kl_divergence(q, Normal(0.0, 1.0)).mean(), atol=1e-6)
+    assert stats["ar"].item() == 0.0
+
+
+def test_reparameterisation_gradients_reach_mu_and_sigma_params_through_the_cross_entropy_alone():
+    # beta, control and L_AR off: every gradient below comes from CE through z = mu_q + sigma_q * eps (§3.2).
+    model, idx = make(kl_beta=0.0, control_weight=0.0, alpha_ar=0.0), tokens()
+    latents = model.sample_latents(3, gen(0))
+    _, loss, stats = model(idx, targets=idx, latents=latents)
+    assert torch.equal(loss, stats["ce"])
+    loss.backward()
+    for block in model.blocks:
+        assert block.mlp.w_mu.weight.grad.abs().sum() > 0
+        assert block.mlp.w_logvar.weight.grad.abs().sum() > 0  # zero at init, still reached by the gradient
+        assert block.mlp.w_logvar.bias.grad.abs().sum() > 0
+    # With eps = 0 pinned, sigma_q has no path to the output: its gradient is exactly zero, mu_q's is not.
+    model.zero_grad()
+    model(idx, targets=idx, latents=torch.zeros_like(latents))[1].backward()
+    for block in model.blocks:
+        assert block.mlp.w_logvar.weight.grad.abs().sum().item() == 0.0
+        assert block.mlp.w_logvar.bias.grad.abs().sum().item() == 0.0
+        assert block.mlp.w_mu.weight.grad.abs().sum() > 0
+
+
+def test_kl_gradient_reaches_prior_parameters():
+    model, idx = make(ar_b_init=0.3), tokens()
+    model(idx, targets=idx, latents=model.sample_latents(3, gen(0)))[1].backward()
+    for name in ("ar_a", "ar_b", "prior_m0", "prior_logvar"):
+        assert getattr(model.blocks[0].mlp, name).grad.abs().sum() > 0, name
+
+
+def test_changing_a_future_token_never_changes_past_logits_or_ar_prior():
+    model = make(ar_b_init=0.5)
+    for block in model.blocks:
+        torch.nn.init.normal_(block.mlp.prior_m0)  # a non-trivial prior at every position
+    latents = model.sample_latents(2, gen(0))
+    idx, k = tokens(B=2, T=16), 9
+    changed = idx.clone()
+    changed[:, k] = (idx[:, k] + 1) % SMALL["vocab_size"]
+    records = record_priors(model)
+    logits_a = model(idx, targets=idx, latents=latents)[0]
+    logits_b = model(changed, targets=changed, latents=latents)[0]
+    assert torch.allclose(logits_a[:, :k], logits_b[:, :k], atol=1e-6)
+    assert (logits_a[:, k] - logits_b[:, k]).abs().max() > 1e-4  # the change is seen from position k on
+    for (mu_a, _), (mu_b, _) in records:  # mu_p(t) depends on z(< t): positions <= k are untouched
+        assert torch.allclose(mu_a[:, :k + 1], mu_b[:, :k + 1], atol=1e-6)
+    mu_a, mu_b = records[0][0][0], records[0][1][0]
+    assert (mu_a[:, k + 1] - mu_b[:, k + 1]).abs().max() > 1e-4  # ... and position k + 1 sees z(k)
+
+
+def test_linear_scan_equals_sequential_recurrence_and_its_backward_passes_gradcheck():
+    g = gen(0)
+    x, a = torch.randn(2, 37, 6, generator=g), torch.tanh(torch.randn(6, generator=g))
+    h, expected = torch.zeros(2, 6), []
+    for t in range(37):
+        h = a * h + x[:, t]
+        expected.append(h)
+    assert torch.allclose(model_eve.linear_scan(x, a), torch.stack(expected, dim=1), atol=1e-5)
+    xd = torch.randn(2, 11, 3, dtype=torch.double, generator=g, requires_grad=True)
+    ad = torch.tanh(torch.randn(3, dtype=torch.double, generator=g)).requires_grad_()
+    assert torch.autograd.gradcheck(model_eve.linear_scan, (xd, ad))
+
+
+def test_ar_prior_decode_steps_reproduce_the_parallel_scan():
+    mlp = make(ar_b_init=0.4).blocks[0].mlp
+    with torch.no_grad():
+        mlp.ar_a.normal_()
+        mlp.prior_m0.normal_()
+    z = torch.randn(2, 20, mlp.config.n_latent, generator=gen(3))
+    full_mu, full_lv = mlp.prior(z, 0)
+    mlp.prior_cache = model_eve.PriorCache(2, mlp.config.n_latent, z.device)
+    steps = [mlp.prior(z[:, :5], 0)[0]]  # prefill of 5 positions, then one position per call
+    steps += [mlp.prior(z[:, t:t + 1], t)[0] for t in range(5, 20)]
+    assert torch.allclose(torch.cat(steps, dim=1), full_mu, atol=1e-6)
+    assert torch.allclose(mlp.prior_cache.mean, torch.tanh(mlp.ar_a) * full_mu[:, -1] + mlp.ar_b * z[:, -1])
+    assert torch.equal(full_lv, mlp.prior_logvar)  # the static prior scale, (D,)
+
+
+def test_kv_cache_matches_full_forward_with_pinned_latents():
+    model = make(ar_b_init=0.3)
+    B, T, P = 2, 20, 6
+    idx, latents = tokens(B=B, T=T), model.sample_latents(B, gen(0))
+    full = model(idx, targets=idx, latents=latents)[0]  # (B, T, V)
+    model.setup_kv_cache(B, T)
+    try:
+        cached = [model(idx[:, :P], latents=latents, start_pos=0)[0]]  # the prompt's last position
+        cached += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
+    finally:
+        model.clear_kv_cache()
+    assert torch.allclose(torch.cat(cached, dim=1), full[:, P - 1:], atol=1e-5)
+
+
+def test_generate_with_same_latents_is_reproducible_and_equals_greedy_full_forwards():
+    model = make()
+    prompt, latents = tokens(B=2, T=4), model.sample_latents(2, gen(0))
+    out = model.generate(prompt, 12, temperature=0, latents=latents)
+    assert torch.equal(out, model.generate(prompt, 12, temperature=0, latents=latents))
+    seq = prompt
+    for _ in range(12):  # no cache: the whole sequence again at every step, same pinned eps
+        seq = torch.cat([seq, model(seq, latents=latents)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    sampled = [model.generate(prompt, 12, temperature=1.0, generator=gen(7)) for _ in range(2)]
+    assert torch.equal(sampled[0], sampled[1])  # the generator pins both the eps and the token draws
+
+
+def test_pinned_latents_give_identical_logits_and_fresh_noise_differs():
+    model, idx = make(), tokens()
+    latents = model.sample_latents(3, gen(0))
+    assert torch.equal(model(idx, targets=idx, latents=latents)[0], model(idx, targets=idx, latents=latents)[0])
+    assert (model(idx, targets=idx)[0] - model(idx, targets=idx)[0]).abs().max() > 1e-3
+
+
+def test_sigma_to_zero_without_control_is_deterministic():
+    # sigma_q = 1e-30: z = mu_q + sigma_q * eps rounds to mu_q in float32, so the eps drawn no longer matter.
+    model, idx = make(sigma_init=1e-30, logvar_min=-150.0, control_weight=0.0, homeostat=False), tokens()
+    model.train()  # training mode: fresh eps from the global RNG at every pass
+    torch.manual_seed(1)
+    logits_a, loss_a, _ = model(idx, targets=idx)
+    torch.manual_seed(2)
+    logits_b, loss_b, _ = model(idx, targets=idx)
+    assert torch.equal(logits_a, logits_b)
+    assert torch.equal(loss_a, loss_b)
+    zeros = torch.zeros_like(model.sample_latents(3))
+    assert torch.equal(logits_a, model(idx, targets=idx, latents=zeros)[0])  # = the eps = 0 network
+
+
+def train_toy(homeostat, steps=50):
+    """A tiny model on one fixed batch, mu_q of every neuron started at twice the target's scale (mu^2 ~ 0.4)."""
+    model = make(homeostat=homeostat, homeostat_warmup=5, homeostat_every=1, control_weight=0.0).train()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.w_mu.weight.mul_(2.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the shakespeare config's rate
+    idx = tokens(B=4, T=16)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        _, loss, stats = model(idx, targets=idx)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.update_controllers(stats)
+    return model, model(idx, targets=idx)[2]
+
+
+def test_homeostat_moves_mu2_toward_target_on_a_toy_problem():
+    start = train_toy(homeostat=True, steps=0)[1]
+    on_model, on = train_toy(homeostat=True)
+    off = train_toy(homeostat=False)[1]
+    assert start["target_gap"] > 0.2 and start["band_high"] > 0.9  # every neuron starts far above the band
+    assert on["target_gap"] < 0.25 * start["target_gap"]
+    assert on["target_gap"] < 0.5 * off["target_gap"]
+    assert on["band_in"] > 0.5 and on["band_in"] > off["band_in"] + 0.3
+    assert abs(on["mu2_0"] - 0.10) < 0.03
+    assert int(on_model.ctrl_step) == 50
+
+
+def test_homeostat_rescale_is_bounded_per_step_and_waits_for_warmup():
+    model = make(homeostat_warmup=2, homeostat_every=1, homeostat_max_step=0.05).train()
+    idx = tokens()
+    w0 = model.blocks[0].mlp.w_mu.weight.clone()
+    with torch.no_grad():
+        model.blocks[0].mlp.w_mu.weight.mul_(3.0)
+    for step in range(3):
+        before = model.blocks[0].mlp.w_mu.weight.clone()
+        model(idx, targets=idx)
+        model.update_controllers()
+        ratio = model.blocks[0].mlp.w_mu.weight / before  # (D, C), one factor per neuron
+        if step < 2:
+            assert torch.equal(ratio, torch.ones_like(ratio))  # warm-up: no rescale
+        else:  # mu^2 ~ 0.9 >> 0.1: every neuron scaled down by the bound 1 / 1.05
+            assert torch.allclose(ratio, torch.full_like(ratio, 1 / 1.05), atol=1e-6)
+    assert torch.allclose(model.blocks[0].mlp.w_mu.weight, w0 * 3.0 / 1.05)
+
+
+def test_beta_controller_moves_beta_per_unit_and_its_state_is_checkpointed():
+    model, idx = make(beta_control=True, kl_band=(0.05, 0.30), beta_rate=0.1, homeostat=False).train(), tokens()
+    model(idx, targets=idx)
+    kl_u = model.blocks[0].mlp.stash[0]  # (N,) the measured per-unit KL
+    model.update_controllers()
+    beta = model.blocks[0].mlp.beta_unit
+    expected = torch.where(kl_u > 0.30, 0.2 * 1.1, torch.where(kl_u < 0.05, 0.2 / 1.1, 0.2))
+    assert torch.allclose(beta, expected)
+    assert (kl_u < 0.05).any() or (kl_u > 0.30).any() or torch.allclose(beta, torch.full_like(beta, 0.2))
+    state = model.state_dict()
+    for key in ("blocks.0.mlp.mu2_ema", "blocks.0.mlp.beta_unit", "ctrl_step"):
+        assert key in state
+    assert int(state["ctrl_step"]) == 1
+    fresh = make(beta_control=True)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.blocks[0].mlp.beta_unit, beta)
+    assert model.blocks[0].mlp.stash is None  # consumed by update_controllers
+
+
+def test_update_controllers_under_torch_distributed_equals_single_process(tmp_path):
+    import torch.distributed as dist
+    idx = tokens()
+    solo = make(homeostat_warmup=0, homeostat_every=1).train()
+    torch.manual_seed(0)
+    solo(idx, targets=idx)
+    solo.update_controllers()
+    ranked = make(homeostat_warmup=0, homeostat_every=1).train()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ranked(idx, targets=idx)
+        ranked.update_controllers()
+    finally:
+        dist.destroy_process_group()
+    assert torch.allclose(ranked.blocks[1].mlp.w_mu.weight, solo.blocks[1].mlp.w_mu.weight)
+    assert torch.allclose(ranked.blocks[1].mlp.mu2_ema, solo.blocks[1].mlp.mu2_ema)
+
+
+def test_diagnostics_have_the_right_ranges():
+    model, idx = make(n_layer=3), tokens()
+    logits, loss, stats = model(idx, targets=idx, latents=model.sample_latents(3, gen(0)))
+    for name, value in stats.items():
+        assert value.dim() == 0 and not value.requires_grad, name
+    for name in ("band_in", "band_low", "band_high", "active_frac"):
+        assert 0.0 <= stats[name].item() <= 1.0, name
+    assert abs(stats["band_in"] + stats["band_low"] + stats["band_high"] - 1.0) < 1e-6
+    assert abs(sum(stats[f"w_{i}"] for i in range(3)) - 1.0) < 1e-6
+    assert torch.allclose(stats[f"w_0"], torch.tensor(1 / 3))  # uniform layer weights at init
+    assert torch.allclose(stats["kl"], sum(stats[f"kl_{i}"] for i in range(3)))
+    assert stats["active_frac"].item() == 1.0  # sigma_q = 0.8 vs sigma_p = 1: every unit has KL > 1e-4
+    assert stats["nonfinite"].item() == 0
+    assert torch.allclose(stats["sigma"], torch.tensor(0.8))  # sigma_init, w_logvar = 0 at init
+    # the initialisation puts every layer's energy at the target: E[mu_q^2] = C * std^2 = mu2_target
+    assert abs(stats["mu2_0"].item() - 0.10) < 0.02
+    expected = stats["ce"] + 0.2 * stats["kl"] + stats["control"] + 0.1 * stats["ar"]  # §3.6 with the defaults
+    assert torch.allclose(loss, expected)
+
+
+def test_layer_weights_off_reads_the_last_block_and_drops_w_stats():
+    model, idx = make(layer_weights=False), tokens()
+    stats = model(idx, targets=idx, latents=model.sample_latents(3, gen(0)))[2]
+    assert model.layer_logits is None and "w_0" not in stats
+
+
+def test_n_samples_averages_the_objective_and_returns_mc_predictive_logits():
+    model, idx = make(n_samples=3).train(), tokens()
+    torch.manual_seed(0)
+    logits, loss, stats = model(idx, targets=idx)
+    assert logits.shape == (3, 12, SMALL["vocab_size"])
+    assert torch.allclose(logits.exp().sum(-1), torch.ones(3, 12), atol=1e-5)  # log of a mean of softmaxes
+    assert model.blocks[0].mlp.stash.shape == (2, model.config.n_neurons)
+    # the same draws, run as three separate batches, average to the same CE
+    model.eval()
+    torch.manual_seed(0)
+    eps = torch.randn(9, 12, 2, model.config.n_latent)
+    padded = F.pad(eps, (0, 0, 0, 0, 0, SMALL["block_size"] - 12))  # (9, block_size, L, D)
+    ces = [model(idx, targets=idx, latents=padded[3 * s:3 * s + 3])[2]["ce"] for s in range(3)]
+    assert torch.allclose(stats["ce"], sum(ces) / 3, atol=1e-5)
+
+
+def test_parameters_match_det_at_equal_width_and_flops_count_the_variational_work():
+    eve, det = make(), model_det.Model(model_det.Config(**SMALL))
+    cfg = eve.config
+    N, D, L = cfg.n_neurons, cfg.n_latent, cfg.n_layer
+    assert N == det.config.ffn_hidden  # latent_dim = 1: one neuron per SwiGLU hidden unit
+    # w_mu, w_logvar, w2 replace w1, w3, w2; new: logvar bias, decoder gain and bias, AR a, b, m0, log sigma_p^2
+    extra = L * (D + 2 * N + 4 * D) + L  # + the layer-weight logits
+    assert eve.num_params() - det.num_params() == extra
+    prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8  # the AR scan: 5 doubling steps for block_size 32
+    assert eve.flops_per_token() == det.flops_per_token() + 6 * extra + 3 * (17 + prior) * L * D
+    assert make(n_samples=2).flops_per_token() == 2 * eve.flops_per_token()

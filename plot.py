@@ -77,7 +77,7 @@ def plot_eval(paths, out, floor=1e-6):
     if not keys:
         common.die(f"none of the Monte Carlo metrics {', '.join(EVAL_KEYS)} is in {', '.join(paths)}")
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 * len(keys) * len(runs) + 2, 4))
+    fig, ax = plt.subplots(figsize=(0.5 * len(keys) * len(runs) + 3, 4))
     width = 0.8 / len(runs)
     for i, (name, metrics) in enumerate(runs.items()):
         values = [metrics.get(k, float("nan")) for k in keys]

@@ -1,0 +1,147 @@
+"""The Free Transformer's synthetic experiment (§4.1, Fig. 3): what does Z encode at each free-bits threshold κ?
+
+    python -m experiments.free_synthetic                       # trains what is missing, then reports (CPU: ~8 min a run)
+    python -m experiments.free_synthetic --seeds=1, --parallel=2
+
+For every κ in {1/64, 1/8, 1, 8} bits and every seed, a Free Transformer trained on `prepare.py synthetic` with
+config/free_synthetic_k<κ>.py generates, for one prompt, an independent-Z group (a Z per sequence, Fig. 3's blue boxes)
+and shared-Z groups (one Z for the whole group, the green boxes). Numbers per run:
+  well-formed  share of independent-Z generations that are a valid sequence of the prompt's letter (evaluate.py's
+               letters verifier: one run of 8 letters, '!' noise allowed);
+  spread       standard deviation of the target's start position within each shared-Z group (averaged over groups)
+               and across the independent-Z samples. Z encoding the position makes the first much smaller;
+  KL           bits/token of the encoder's posterior, and the CE with Z from the posterior, from the prior, and the
+               -ELBO, from the run's last evaluation (train.py's metrics.jsonl).
+Expected (§4.1): at 1/64 bit Z is unused (shared groups no tighter than independent ones); from 1/8 to 1 bit the shared
+groups agree on the position; at 8 bits Z carries everything and prior samples degrade (fewer well-formed).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+import common
+from configurator import configure
+from evaluate import letters_answer
+
+kappas = ("1_64", "1_8", "1", "8")  # config/free_synthetic_k<kappa>.py
+seeds = (1, 2, 3)
+runs_dir = "out-free-synthetic"  # each run in runs_dir/k<kappa>_s<seed>
+letter = "K"  # the prompt is letter + ">"
+show = 8  # generations per printed group
+shared_groups = 8  # shared-Z groups for the numbers (of `show` generations each)
+independent = 64  # independent-Z generations for the numbers
+temperature = 1.0
+parallel = 1  # training runs at once (a GPU holds several of these small models)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+figure = "assets/free_synthetic.png"
+train_args = ""  # extra train.py arguments, e.g. "--max_iters=3000"
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))]
+config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
+globals().update(config)
+kappas = tuple(map(str, kappas))  # --kappas=1,8 arrives as numbers
+KAPPA_BITS = {"1_64": 1 / 64, "1_8": 1 / 8, "1": 1.0, "8": 8.0}
+
+
+def run_dir(kappa, seed):
+    return os.path.join(runs_dir, f"k{kappa}_s{seed}")
+
+
+def train_missing():
+    """train.py for every (κ, seed) without a checkpoint, `parallel` at a time; logs in each run's train.log."""
+    todo = [(k, s) for k in kappas for s in seeds if not os.path.exists(os.path.join(run_dir(k, s), "ckpt.pt"))]
+    running = []
+    for kappa, seed in todo:
+        out = run_dir(kappa, seed)
+        os.makedirs(out, exist_ok=True)
+        cmd = [sys.executable, "train.py", f"config/free_synthetic_k{kappa}.py", f"--out_dir={out}", f"--seed={seed}",
+               f"--device={device}", *train_args.split()]
+        if len(running) == parallel:
+            running.pop(0).wait()
+        print(" ".join(cmd))
+        running.append(subprocess.Popen(cmd, stdout=open(os.path.join(out, "train.log"), "w"), stderr=subprocess.STDOUT))
+    for process in running:
+        process.wait()
+    if any(not os.path.exists(os.path.join(run_dir(k, s), "ckpt.pt")) for k in kappas for s in seeds):
+        common.die(f"a training run failed: see the train.log files under {runs_dir}")
+
+
+def target_start(text):
+    """Where the target run starts in a well-formed continuation (the first position of its letter), else None."""
+    return text.index(letter) if letters_answer(text) == letter else None
+
+
+@torch.no_grad()
+def generate(model, latents, encode, decode, seed):
+    prompt = torch.tensor([encode(letter + ">")] * latents.size(0), device=device)
+    out = model.generate(prompt, 64, temperature=temperature, latents=latents,
+                         generator=torch.Generator(device).manual_seed(seed))
+    return [decode(row[2:]) for row in out.tolist()]
+
+
+def analyse(kappa, seed):
+    model, checkpoint = common.load_model(run_dir(kappa, seed), device)
+    model.eval()
+    encode, decode = common.tokenizer(checkpoint["meta"])
+    latent_gen = torch.Generator(device).manual_seed(seed)
+    indep = generate(model, model.sample_latents(independent, latent_gen), encode, decode, seed)
+    groups = [generate(model, common.repeat_latents(model.sample_latents(1, latent_gen), show), encode, decode,
+                       seed + g) for g in range(shared_groups)]
+    starts = lambda texts: [s for s in map(target_start, texts) if s is not None]
+    spread = lambda texts: float(np.std(starts(texts))) if len(starts(texts)) >= 2 else float("nan")
+    group_spreads = [spread(g) for g in groups if len(starts(g)) >= 2]
+    with open(os.path.join(run_dir(kappa, seed), "metrics.jsonl")) as f:
+        last_eval = [r for r in map(json.loads, f) if "val_loss" in r][-1]
+    return dict(kappa=kappa, seed=seed, iters=last_eval["iter"], kl_bits=last_eval["val_kl"],
+                ce_posterior=last_eval["val_ce"], ce_prior=last_eval["val_ce_prior"], neg_elbo=last_eval["val_elbo"],
+                well_formed=np.mean([letters_answer(t) == letter for t in indep]),
+                spread_shared=float(np.mean(group_spreads)) if group_spreads else float("nan"),
+                spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
+
+
+train_missing()
+results = [analyse(k, s) for k in kappas for s in seeds]
+print(f"\nprompt {letter}>, temperature {temperature}; spread = std of the target's start position "
+      f"({shared_groups} shared-Z groups of {show}, {independent} independent-Z samples)\n")
+print("| κ (bits) | seed | iters | KL bits/token | CE posterior | CE prior Z | -ELBO | well-formed | spread shared Z "
+      "| spread independent Z |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for r in results:
+    print(f"| {KAPPA_BITS[r['kappa']]:g} | {r['seed']} | {r['iters']} | {r['kl_bits']:.3f} | {r['ce_posterior']:.3f} | "
+          f"{r['ce_prior']:.3f} | {r['neg_elbo']:.3f} | {r['well_formed']:.2f} | {r['spread_shared']:.1f} | "
+          f"{r['spread_independent']:.1f} |")
+for r in results:
+    if r["seed"] != seeds[0]:
+        continue
+    print(f"\nκ = {KAPPA_BITS[r['kappa']]:g} bit, seed {r['seed']}\nindependent Z:")
+    print("\n".join(f"  {letter}>{t!r}" for t in r["indep"]))
+    for i, group in enumerate(r["groups"]):
+        print(f"shared Z #{i + 1}:")
+        print("\n".join(f"  {letter}>{t!r}" for t in group))
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    common.die("the table is above; the figure needs matplotlib: pip install matplotlib")
+firsts = [r for r in results if r["seed"] == seeds[0]]
+fig, axes = plt.subplots(2, 2, figsize=(13, 11))
+for ax, r in zip(axes.flat, firsts):
+    lines = [("independent Z", "black")] + [(f"{letter}>{t}", "tab:blue") for t in r["indep"]]
+    for i, group in enumerate(r["groups"]):
+        lines += [(f"shared Z #{i + 1}", "black")] + [(f"{letter}>{t}", "tab:green") for t in group]
+    for row, (text, color) in enumerate(lines):
+        ax.text(0, 1 - row / len(lines), text, family="monospace", fontsize=7, color=color, va="top",
+                transform=ax.transAxes)
+    ax.set_title(f"κ = {KAPPA_BITS[r['kappa']]:g} bit: KL {r['kl_bits']:.2f} bits/token, "
+                 f"well-formed {r['well_formed']:.2f}", fontsize=9)
+    ax.axis("off")
+fig.tight_layout()
+os.makedirs(os.path.dirname(figure), exist_ok=True)
+fig.savefig(figure, dpi=80)
+print(f"\nwrote {figure}")

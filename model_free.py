@@ -1,0 +1,482 @@
+"""The Free Transformer (Fleuret): a decoder conditioned on a random latent Z injected at its middle layer, trained as
+a conditional VAE with a one-block non-causal encoder, the Binary Mapper and token-wise free bits."""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
+# files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def precompute_rope(head_dim, max_len, theta):
+    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos, k, v):
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): n_head query heads share n_kv_head key/value heads.
+
+    §3.2-3.3: queries and keys/values may come from different inputs (x_kv), and the encoder's block is non-causal.
+    """
+
+    def __init__(self, config, causal=True):
+        super().__init__()
+        self.causal = causal
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.kv_cache = None  # a KVCache while generate() runs
+
+    def forward(self, x, cos, sin, start_pos, x_kv=None):
+        B, T, _ = x.shape
+        x_kv = x if x_kv is None else x_kv  # same length T as the queries
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.wv(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
+        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and T > 1,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With x_kv (Algorithm 2, lines 7 and 14) the attention takes queries from norm(x) and keys/values from
+    norm(x_kv), the same pre-norm applied to each input; the residual stream continues from x, the query side.
+    """
+
+    def __init__(self, config, causal=True):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = Attention(config, causal)
+        self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, start_pos, x_kv=None):
+        h = self.attn_norm(x)
+        h_kv = h if x_kv is None else self.attn_norm(x_kv)
+        x = x + self.attn(h, cos, sin, start_pos, h_kv)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+def sample_next_token(logits, temperature, top_k, generator):
+    """One token per row from (B, V) logits; temperature 0 means greedy decoding."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# §3.3-3.4: the latent Z_t is one of 2^H codes; the encoder gives H bit logits L_t per token. Code d has bits
+# U(d) = (U_0(d), ..., U_{H-1}(d)), d = sum_h 2^h U_h(d) (Eq. 7, 0-indexed). All probabilities are computed in at
+# least float32, from logits: log sigmoid(L) = L - softplus(L) and log(1 - sigmoid(L)) = -softplus(L).
+
+
+def code_bits(codes, n_bits):
+    """Binary encoding U(d) of integer codes (...) -> (..., n_bits) in {0, 1}, least significant bit first."""
+    return (codes.unsqueeze(-1) >> torch.arange(n_bits, device=codes.device)) & 1
+
+
+def sample_codes(bit_logits, generator=None):
+    """§3.4 Eq. 6-7: bits B_h ~ Bernoulli(sigmoid(L_h)) independently, code = sum_h 2^h B_h. (..., H) -> (...)"""
+    H = bit_logits.size(-1)
+    u = torch.rand(bit_logits.shape, generator=generator, device=bit_logits.device)
+    bits = (u < torch.sigmoid(bit_logits.float())).long()  # (..., H)
+    return (bits << torch.arange(H, device=bit_logits.device)).sum(-1)
+
+
+def log_q_codes(bit_logits, codes):
+    """log Q(Z_t = code | S) = log G_{t,code} = L_t . U(code) - sum_h softplus(L_{t,h}) (§3.4), in nats. (...)"""
+    L = bit_logits.to(torch.promote_types(bit_logits.dtype, torch.float32))
+    return (L * code_bits(codes, L.size(-1))).sum(-1) - F.softplus(L).sum(-1)
+
+
+def kl_per_token(bit_logits):
+    """Eq. 4, KL(Q(Z_t | S) || uniform) in nats. Q is a product of Bernoullis, so H log 2 + sum_z Q log Q is
+    sum_h (log 2 - h(sigmoid(L_h))), binary entropy h(sigmoid(L)) = softplus(L) - sigmoid(L) L. (..., H) -> (...)"""
+    L = bit_logits.to(torch.promote_types(bit_logits.dtype, torch.float32))
+    return (math.log(2) - F.softplus(L) + torch.sigmoid(L) * L).sum(-1)
+
+
+def dense_binary_mapper(bit_logits, codes, weight):
+    """The Binary Mapper and post-sampler as written in §3.4: builds G and Y of shape (..., 2^H), then R = W Z.
+
+    bit_logits (..., H) float32, codes (...), weight (C, 2^H) -> R (..., C). The reference for the factored path."""
+    H = bit_logits.size(-1)
+    U = code_bits(torch.arange(2 ** H, device=codes.device), H).to(bit_logits.dtype)  # (2^H, H)
+    log_G = bit_logits @ U.t() - F.softplus(bit_logits).sum(-1, keepdim=True)  # (..., 2^H), §3.4: log G_{t,d}
+    G = log_G.exp()
+    Y = torch.zeros_like(G).scatter_(-1, codes.unsqueeze(-1), 1.0)  # (..., 2^H), Eq. 7: one-hot of the code
+    Z = Y + (G - G.detach())  # Eq. 8; G - G.detach() is exactly 0, so the forward value is exactly Y
+    return F.linear(Z.to(weight.dtype), weight)  # (..., C)
+
+
+class FactoredBinaryMapper(torch.autograd.Function):
+    """dense_binary_mapper's forward value and gradients without any (tokens, 2^H) tensor beyond one chunk.
+
+    Forward: Z = Y + (G - sg G) equals Y exactly, so R_t = W Z_t = W[:, c_t], a column gather.
+    Backward, with g_t = dLoss/dR_t (C,) and v_{t,d} = g_t . W[:, d]:
+      dLoss/dW[:, d] = sum_{t: c_t = d} g_t                     (only Y carries a value: a scatter-add)
+      dLoss/dL_{t,h} = sum_d v_{t,d} dG_{t,d}/dL_{t,h} = sum_d v_{t,d} G_{t,d} (U_h(d) - sigmoid(L_{t,h}))
+    G_t = prod_h p_{t,h}(U_h(d)) with p_h(1) = sigmoid(L_h), p_h(0) = 1 - sigmoid(L_h), so
+    S_t = sum_d v_{t,d} G_{t,d} is multilinear in the p_h(1), and the second line is the chain rule through them:
+      dLoss/dL_{t,h} = sigmoid(L_h) (1 - sigmoid(L_h)) dS_t/dp_h(1), dS_t/dp_h(1) = S_t|_{bit h=1} - S_t|_{bit h=0}.
+    bitwise_grad gets every dS_t/dp_h(1) by summing v out one bit at a time (see there). v is computed for chunk
+    tokens at a time, so the largest tensor is (chunk, 2^H).
+    """
+
+    @staticmethod
+    def forward(ctx, bit_logits, codes, weight, chunk):
+        # bit_logits (N, H) float32 or wider, codes (N,) int64, weight (C, 2^H), chunk: tokens per slab
+        ctx.save_for_backward(bit_logits, codes, weight)
+        ctx.chunk = chunk
+        return weight.t()[codes]  # (N, C)
+
+    @staticmethod
+    def backward(ctx, grad_r):
+        bit_logits, codes, weight = ctx.saved_tensors
+        grad_logits = grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = torch.zeros_like(weight)  # (C, 2^H)
+            grad_weight.t().index_add_(0, codes, grad_r.to(weight.dtype))
+        if ctx.needs_input_grad[0]:
+            p1, p0 = torch.sigmoid(bit_logits), torch.sigmoid(-bit_logits)  # (N, H): P(B_h = 1), P(B_h = 0)
+            grad_logits = torch.empty_like(bit_logits)
+            for s in range(0, codes.numel(), ctx.chunk):
+                e = s + ctx.chunk
+                v = (grad_r[s:e].to(weight.dtype) @ weight).to(bit_logits.dtype)  # (chunk, 2^H)
+                grad_logits[s:e] = bitwise_grad(v, p0[s:e], p1[s:e]) * p0[s:e] * p1[s:e]
+        return grad_logits, None, grad_weight, None
+
+
+def bitwise_grad(v, p0, p1):
+    """dS/dp1_h for S = sum_d v_d prod_h p_h(U_h(d)), per row: v (n, 2^H), p0, p1 (n, H) -> (n, H).
+
+    Reverse mode through a bit-by-bit contraction, most significant bit first so every slice is a contiguous half.
+    Upward, high[j] (n, 2^(j+1)) is v with bits j+1..H-1 summed out against their probabilities:
+    high[j-1] = p0_j high[j][bit j = 0] + p1_j high[j][bit j = 1]. Downward, low (n, 2^j) is prod_{h<j} p_h, the
+    weight of each setting of the bits below j, extended by one bit per step in one preallocated buffer. Then
+    dS/dp1_j = sum over the bits below j of low * (high[j][bit j = 1] - high[j][bit j = 0]). G itself is never
+    formed: the largest tensors are v, high[H-2] and low, (n, 2^H), (n, 2^(H-1)) and (n, 2^(H-1)); ~8 2^H flops
+    and about 4H kernels per call.
+    """
+    n, H = p0.shape
+    high = [v]  # high[-1] keeps bits 0..j
+    for j in range(H - 1, 0, -1):
+        t = high[-1].view(n, 2, 2 ** j)  # axis 1 is bit j
+        high.append(torch.lerp(t[:, 0], t[:, 1], p1[:, j, None]))  # (n, 2^j): (1 - p1) t0 + p1 t1
+    high.reverse()  # high[j]: (n, 2^(j+1))
+    low = v.new_ones(n, 2 ** (H - 1))  # low[:, :2^j] = prod_{h<j} p_h over bits 0..j-1
+    ends = []  # (n, 2) per bit: sum over the bits below j of low * high[j][bit j = 0 or 1]
+    for j in range(H):
+        lo = low[:, :2 ** j]
+        ends.append(torch.bmm(high[j].view(n, 2, 2 ** j), lo.unsqueeze(2)).squeeze(2))
+        if j < H - 1:  # bit j joins low: U_j = 1 is the upper half, offset 2^j
+            torch.mul(lo, p1[:, j, None], out=low[:, 2 ** j:2 ** (j + 1)])
+            lo.mul_(p0[:, j, None])
+    ends = torch.stack(ends, dim=1)  # (n, H, 2)
+    return ends[..., 1] - ends[..., 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    block_size: int = 256  # context length: RoPE tables and the KV cache are sized for it
+    vocab_size: int = 65  # set from the dataset's meta.json by train.py
+    n_layer: int = 4  # a tiny default that trains on a 2-core CPU in minutes
+    n_head: int = 4  # query heads
+    n_kv_head: int = 2  # key/value heads; n_head % n_kv_head == 0 (GQA halves the KV cache here)
+    n_embd: int = 128  # model width
+    ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
+    ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
+    rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    latent_bits: int = 16  # H: Z_t is one of 2^H codes (§4.3 fixes H = 16; the synthetic configs use 8)
+    kappa_bits: float = 0.5  # free-bits threshold κ per token, in bits (§4.5: κ = log(2)/2, half a bit)
+    mapper: str = "factored"  # Binary Mapper: "dense" builds (B, T, 2^H) as §3.4 writes it; "factored" never does
+    mapper_chunk: int = 2 ** 24  # factored backward: slabs of mapper_chunk // 2^H tokens by 2^H, 64 MiB in float32
+    # (256 tokens at H = 16; measured best near 2 ** 22 on one CPU thread, 2 ** 26 on an H100)
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
+                             f"and n_head by n_kv_head={self.n_kv_head}")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.n_embd / 3)
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        if self.n_layer < 2 or self.n_layer % 2:
+            raise ValueError(f"n_layer={self.n_layer} must be even: Z enters after block n_layer/2 (§3.2)")
+        if self.mapper not in ("dense", "factored"):
+            raise ValueError(f"mapper={self.mapper!r} must be 'dense' or 'factored'")
+        self.kappa_nats = self.kappa_bits * math.log(2)  # Eq. 5 compares κ with KL in nats
+
+
+class Model(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # §3.3 encoder: a learned query embedding ζ, one non-causal block over the output of block L/2, and a
+        # linear readout to H bit logits. §3.2: the post-sampler maps the one-hot Z_t (2^H) to R_t (C). It has no
+        # bias: Z_t is one-hot, so W[:, c] + b is just another column; a bias would only duplicate parameters.
+        self.zeta = nn.Parameter(torch.empty(config.n_embd))
+        self.encoder = Block(config, causal=False)
+        self.encoder_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.encoder_readout = nn.Linear(config.n_embd, config.latent_bits, bias=False)
+        self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        nn.init.normal_(self.zeta, mean=0.0, std=0.02)  # like a token embedding
+        # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+
+    def forward(self, idx, targets=None, latents=None, start_pos=0, generator=None):
+        """idx (B, T) token ids -> (logits, loss, stats).
+
+        Z (Algorithm 2): `latents` (B, >= start_pos + T) codes in [0, 2^H) pin it, indexed by absolute position;
+        otherwise with targets (training) or at start_pos 0 (generation's prefill) it is sampled from the encoder,
+        and at a decode step it is uniform over the 2^H codes, drawn from `generator`.
+        With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus the free-bits
+        term when the encoder ran. Without: logits of the last position only, (B, 1, V).
+        """
+        B, T = idx.shape
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+        if start_pos > 0 and T > 1:
+            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        if latents is not None and latents.size(1) < start_pos + T:
+            raise ValueError(f"latents cover {latents.size(1)} positions, need {start_pos + T}")
+        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
+        sin = self.rope_sin[start_pos:start_pos + T]
+        x = self.tok_emb(idx)  # (B, T, C)
+        half = self.config.n_layer // 2
+        for block in self.blocks[:half]:
+            x = block(x, cos, sin, start_pos)
+        bit_logits = None
+        if latents is not None:
+            codes = latents[:, start_pos:start_pos + T]  # (B, T)
+        elif targets is not None or start_pos == 0:  # training, or the prefill: Z consistent with the tokens (§3.2)
+            bit_logits = self.encode(x, cos, sin)  # (B, T, H)
+            codes = sample_codes(bit_logits, generator)  # (B, T)
+        else:  # a new token: Z_t uniform (Fig. 1), drawn once; the KV cache keeps its effect on block L/2+1
+            codes = torch.randint(2 ** self.config.latent_bits, (B, T), generator=generator, device=idx.device)
+        r = self.post_sample(codes, bit_logits)  # (B, T, C)
+        # §3.2: block L/2+1 takes queries from X, keys/values from X + R. Its pre-norm sees the sum, RMSNorm(X + R),
+        # not RMSNorm(X) + R: Algorithm 2 hands the block in_kv = x + r, and R starts on the scale of the raw stream
+        # X (RMS 0.02 both at init), so Z counts from the first step instead of being swamped by unit-RMS RMSNorm(X).
+        x = self.blocks[half](x, cos, sin, start_pos, x_kv=x + r)
+        for block in self.blocks[half + 1:]:
+            x = block(x, cos, sin, start_pos)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None, {}  # (B, 1, V)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if bit_logits is None:
+            return logits, loss, {"ce": loss.detach()}
+        kl = kl_per_token(bit_logits)  # (B, T) nats, Eq. 4
+        free_bits = F.relu(kl - self.config.kappa_nats).mean()  # Eq. 5: token-wise free bits
+        # -ELBO per predicted token: E_Q[-log P(S | Z)] + KL(Q(Z | S) || P(Z)), every Z_t counted (Eq. 3).
+        elbo = loss + kl.sum() / (targets != -1).sum()
+        stats = {"ce": loss.detach(), "kl": kl.mean().detach() / math.log(2), "free_bits": free_bits.detach(),
+                 "elbo": elbo.detach()}
+        return logits, loss + free_bits, stats
+
+    def encode(self, x, cos, sin):
+        """§3.3 / Algorithm 2 lines 7-8: the encoder block's queries are ζ at every position, its keys/values the
+        output x (B, T, C) of block L/2; it is non-causal. RoPE on its queries and keys is the only thing that tells
+        the positions apart: without it every Z_t would have the same distribution. -> bit logits (B, T, H)"""
+        B, T, C = x.shape
+        y = self.encoder(self.zeta.expand(B, T, C), cos, sin, 0, x_kv=x)  # (B, T, C)
+        return self.encoder_readout(self.encoder_norm(y))  # (B, T, H)
+
+    def post_sample(self, codes, bit_logits=None):
+        """R = post_sampler(Z) (B, T, C) for codes (B, T); through the Binary Mapper when the encoder gave them."""
+        w = self.post_sampler.weight  # (C, 2^H)
+        if bit_logits is None:
+            return F.embedding(codes, w.t())  # one-hot Z from the prior or pinned: W Z_t is the column W[:, c_t]
+        L = bit_logits.float()  # §3.4 in float32 at least
+        if self.config.mapper == "dense":
+            return dense_binary_mapper(L, codes, w)
+        B, T, H = L.shape
+        chunk = max(1, self.config.mapper_chunk // 2 ** H)
+        return FactoredBinaryMapper.apply(L.view(-1, H), codes.reshape(-1), w, chunk).view(B, T, -1)
+
+    def encoder_logits(self, idx):
+        """Bit logits (B, T, H) of Q(Z | S) for a full sequence idx (B, T): blocks 1..L/2 then the encoder."""
+        T = idx.size(1)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.tok_emb(idx)
+        for block in self.blocks[:self.config.n_layer // 2]:
+            x = block(x, cos, sin, 0)
+        return self.encode(x, cos, sin)
+
+    def posterior(self, idx, generator=None):
+        """Z ~ Q(Z | S = idx): codes (B, T) and log Q(Z_t = code | S) (B, T) in nats. For an importance-weighted
+        bound, pair it with forward(idx, targets, latents=codes) (log P(S | Z)) and log_prior(codes)."""
+        bit_logits = self.encoder_logits(idx)
+        codes = sample_codes(bit_logits, generator)
+        return codes, log_q_codes(bit_logits, codes)
+
+    def posterior_latents(self, idx, generator=None):
+        return self.posterior(idx, generator)[0]  # (B, T)
+
+    def log_prior(self, codes):
+        """log P(Z_t = code) = -H log 2 per token (§3.3: uniform prior), shaped like codes."""
+        return torch.full(codes.shape, -self.config.latent_bits * math.log(2), device=codes.device)
+
+    def sample_latents(self, batch_size, generator=None):
+        """Codes (batch_size, block_size) from the uniform prior: pass to generate() to pin Z, or share one row."""
+        shape = (batch_size, self.config.block_size)
+        return torch.randint(2 ** self.config.latent_bits, shape, generator=generator, device=self.zeta.device)
+
+    def setup_kv_cache(self, batch_size, max_len):
+        p = self.tok_emb.weight
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
+                                          p.device, p.dtype)
+
+    def clear_kv_cache(self):
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
+
+        Z for the prompt comes from the encoder at the prefill, Z for each new token from the uniform prior; or all of
+        it from `latents` (B, L), e.g. one sample_latents() row repeated over a group, or posterior_latents() of a
+        reference; positions past L get uniform codes."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds the context "
+                             f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
+        if latents is not None and latents.size(1) < total:
+            extra = torch.randint(2 ** self.config.latent_bits, (B, total - latents.size(1)), generator=generator,
+                                  device=idx.device)
+            latents = torch.cat((latents.expand(B, -1), extra), dim=1)  # (B, total)
+        self.setup_kv_cache(B, total)
+        try:
+            logits, _, _ = self(idx, latents=latents, start_pos=0, generator=generator)  # (B, 1, V)
+            for pos in range(T, total):
+                idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+                if pos + 1 < total:
+                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos, generator=generator)
+        finally:
+            self.clear_kv_cache()
+        return idx
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights
+        (the tied head's matmul included, the embedding lookup not) plus 12 * L * C * T for attention scores.
+
+        The encoder block counts as one more layer. ζ is a lookup and the post-sampler is not a plain matmul, so
+        both leave N; the Binary Mapper's own work is added instead (K = 2^H codes per token):
+        dense: Z W^T forward and backward 6CK, L U^T and its backward 4HK;
+        factored: a gather forward, v = W g backward 2CK, bitwise_grad ~8K, the scatter-add into W C."""
+        cfg = self.config
+        C, H, K = cfg.n_embd, cfg.latent_bits, 2 ** cfg.latent_bits
+        n_matmul = self.num_params() - self.zeta.numel() - self.post_sampler.weight.numel()
+        mapper = 6 * C * K + 4 * H * K if cfg.mapper == "dense" else 2 * C * K + 8 * K + C
+        return 6 * n_matmul + 12 * (cfg.n_layer + 1) * cfg.n_embd * cfg.block_size + mapper

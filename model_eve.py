@@ -227,7 +227,7 @@ class VariationalMLP(nn.Module):
                "mu2_u": mu2.view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2, mean over tokens
                "ar": ar, "sigma": sigma_q.detach().mean()}
         if self.training:  # for update_controllers: the last training forward's per-unit measurements
-            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach()  # (2, N)
+            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach().float()  # (2, N), float32 like the buffers
         return out, aux
 
 

@@ -130,9 +130,16 @@ def record_text(record, fields):
     return "\n\n".join(str(record[f]).strip() for f in fields)
 
 
+def load_datasets():
+    import datasets
+    if not sys.stdout.isatty():
+        datasets.disable_progress_bars()  # quiet in logs and CI, like progress()
+    return datasets
+
+
 def load_local_documents(path, fields):
     """Documents of a local file through datasets' local loaders: a .txt is one document, a .jsonl one per line."""
-    import datasets
+    datasets = load_datasets()
     if not os.path.exists(path):
         common.die(f"input file {path} not found")
     if path.endswith((".jsonl", ".json")):
@@ -170,7 +177,7 @@ def prepare_text(args):
 
 
 def prepare_hub(args):
-    import datasets
+    datasets = load_datasets()
     spec = HUB_DATASETS[args.source]
     encoding, bpe_file = common.gpt2_encoding(args.bpe_file)
 

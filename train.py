@@ -3,15 +3,22 @@
     python train.py                                   # the Free Transformer synthetic task defaults below
     python train.py config/det_shakespeare_char.py --max_iters=500
 
-Data parallel on one node, or across nodes (run the same command on every node):
+Data parallel on one node, or across nodes (run the same command on every node); --fsdp=True shards the weights,
+gradients and AdamW state across the processes instead of replicating them (FSDP2):
 
     torchrun --standalone --nproc_per_node=8 train.py config/det_fineweb_124m.py
     torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=8 train.py ...
+    torchrun --standalone --nproc_per_node=8 train.py config/free_8b.py          # fsdp = True in the file
+
+Plan a run without running it (parameters, FLOPs, expected tokens/s and memory per GPU):
+
+    python train.py config/free_1b5.py --dry_run=True
 """
 
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -19,6 +26,11 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
@@ -58,13 +70,69 @@ max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the r
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
+fsdp = False  # under torchrun: shard weights, gradients and AdamW state across processes (FSDP2) instead of DDP
 seed = 1337
+# planning: --dry_run=True prints sizes, FLOPs, expected speed and memory per GPU for this config, then exits
+dry_run = False
+dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
+dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H100s reaches 0.35-0.5)
 # ----------------------------------------------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 config, model_config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
                                  lambda values: common.config_fields(values["model"]))
 globals().update(config)
 # ----------------------------------------------------------------------------------------------------------------
+
+# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(device):
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def transformer_blocks(model):
+    """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
+    all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Block")]
+
+
+if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
+    if "vocab_size" not in model_config:
+        model_config["vocab_size"] = common.load_meta(dataset)["vocab_size"]
+    model_config.setdefault("block_size", common.config_fields(model)["block_size"])
+    with torch.device("meta"):
+        planned = common.build_model(model, model_config)
+    cfg, gpus = planned.config, dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    n_params, flops = planned.num_params(), planned.flops_per_token()
+    peak = peak_flops(device) or PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
+    tokens_per_s = dry_run_mfu * peak / flops  # per GPU
+    tokens_per_step = gradient_accumulation_steps * batch_size * cfg.block_size  # all GPUs together
+    step_s = tokens_per_step / (tokens_per_s * gpus)
+    # fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter, on every GPU
+    # under DDP, a 1/gpus shard under FSDP.
+    states = 16 * n_params / (gpus if fsdp else 1)
+    # Activations saved for the backward pass, in bf16 without recomputation: Korthikanti et al. 2022 (Reducing
+    # Activation Recomputation in Large Transformer Models, §4.1) count B*T*d*(34 + 5*a*T/d) bytes per layer; flash
+    # attention keeps no T x T scores, which leaves 34*B*T*d. Plus the logits: B*T*V in bf16 (2) and in float for
+    # the loss (4).
+    B, T, d, V, n_blocks = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size, len(transformer_blocks(planned))
+    activations = 34 * B * T * d * n_blocks + 6 * B * T * V
+    GiB = 2 ** 30
+    print(f"dry run: {model} model, {n_params:,} parameters, {flops / 1e9:.3g} GFLOPs per token (forward + backward)")
+    print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {dry_run_mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; "
+          f"{gpus} GPU(s), {tokens_per_step:,} tokens per step: {step_s:.3g} s per step, "
+          f"{max_iters * step_s / 3600:.3g} h for {max_iters:,} steps, {max_iters * tokens_per_step / 1e9:.3g}B tokens")
+    print(f"memory per GPU: {(states + activations) / GiB:.2f} GiB = {states / GiB:.2f} GiB weights, gradients, "
+          f"AdamW (16 bytes per parameter, {f'sharded over {gpus} GPUs by FSDP' if fsdp else 'replicated by DDP'}) + "
+          f"{activations / GiB:.2f} GiB activations (34*B*T*d per block x {n_blocks} blocks + 6*B*T*V logits, "
+          f"B={B}, T={T}, d={d}, V={V})")
+    print("  not counted: model-specific activations (EVE's neurons, the Free Transformer's Binary Mapper), the "
+          "blocks FSDP gathers, the CUDA context and allocator slack (a few GiB)")
+    sys.exit(0)
 
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
@@ -79,6 +147,12 @@ if ddp:
     gradient_accumulation_steps //= world_size
 else:
     rank, world_size = 0, 1
+if fsdp and not ddp:
+    common.die("fsdp=True shards the model across processes: run under torchrun "
+               "(torchrun --standalone --nproc_per_node=N train.py ...)")
+if fsdp and dtype == "float16":
+    common.die("fsdp=True trains in bfloat16 or float32 (sharded gradients have no GradScaler here): "
+               "set --dtype=bfloat16")
 master = rank == 0  # only this process prints, logs and saves
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -123,8 +197,8 @@ def get_batch(split, *key):
 
 # model and optimizer, fresh or from the checkpoint in out_dir
 iter_num, best_val_loss = 0, float("inf")
-if init_from == "resume":
-    checkpoint = common.load_checkpoint(out_dir, device)
+if init_from == "resume":  # under FSDP the small ckpt_meta.pt first; the shards once the model is sharded
+    checkpoint = common.load_checkpoint(os.path.join(out_dir, "ckpt_meta.pt") if fsdp else out_dir, device)
     if checkpoint["model_type"] != model:
         common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model={checkpoint['model_type']}")
     model_config = checkpoint["model_config"]  # a resumed run keeps its architecture
@@ -138,31 +212,43 @@ if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 model_config = common.config_dict(raw_model.config)
+if fsdp:
+    # FSDP2 (ZeRO-3): every block is one unit, all-gathered just before its forward and backward and freed after;
+    # the root unit holds the rest (embedding, tied head, final norm, the Free Transformer's post-sampler). Each
+    # process keeps a 1/world_size shard of every parameter as a DTensor, its gradient and its AdamW moments.
+    # Under bf16, blocks are gathered in bf16 and gradients reduce-scattered in fp32; autocast stays on as in the
+    # DDP path (inputs are not cast, so the RoPE tables and the models' own noise keep their dtypes).
+    mesh = init_device_mesh(device_type, (world_size,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False) if ptdtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in transformer_blocks(raw_model):
+        if compile:
+            block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(raw_model, mesh=mesh, mp_policy=mp_policy)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if init_from == "resume":
+if init_from == "resume" and fsdp:  # DCP reads the shards this process owns, whatever world size wrote them
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "iter_num": -1}
+    dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt_dcp"))
+    if state["iter_num"] != iter_num:
+        common.die(f"{out_dir}/ckpt_dcp holds iter {state['iter_num']} but ckpt_meta.pt iter {iter_num}: the run "
+                   f"stopped while saving; resume from an earlier copy of {out_dir} or start from scratch")
+    set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    del checkpoint, state, model_state, optimizer_state
+elif init_from == "resume":
     raw_model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     del checkpoint
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
-train_model = torch.compile(raw_model) if compile else raw_model
-if ddp:
+train_model = torch.compile(raw_model) if compile and not fsdp else raw_model  # FSDP compiled its blocks above
+if ddp and not fsdp:
     train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
 if master:
     os.makedirs(out_dir, exist_ok=True)
     print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}")
-
-
-# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
-
-
-def peak_flops():
-    if device_type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
 def get_lr(it):
@@ -207,6 +293,30 @@ def estimate_loss():
     return out
 
 
+def save_checkpoint():
+    """Rank 0 writes out_dir/ckpt.pt. Under FSDP every process writes its own shards of the weights and AdamW state
+    (torch.distributed.checkpoint) to out_dir/ckpt_dcp, through a temporary folder renamed once complete, and
+    rank 0 the plain out_dir/ckpt_meta.pt (everything of ckpt.pt but the tensors) that a resume reads first."""
+    info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
+            "iter_num": iter_num, "best_val_loss": best_val_loss}
+    if fsdp:
+        path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
+        if master:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "iter_num": iter_num}, checkpoint_id=tmp)
+        if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+            common.save_checkpoint(info, os.path.join(out_dir, "ckpt_meta.pt"))
+            print(f"saved sharded checkpoint to {out_dir}/ckpt_dcp and {out_dir}/ckpt_meta.pt")
+    elif master:
+        common.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
+                               os.path.join(out_dir, "ckpt.pt"))
+        print(f"saved checkpoint to {out_dir}/ckpt.pt")
+
+
 def log_record(record):
     """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
@@ -244,13 +354,10 @@ while True:
         if master:
             print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
-            if (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
-                best_val_loss = min(best_val_loss, evals["val_loss"])
-                common.save_checkpoint({
-                    "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "model_type": model,
-                    "model_config": model_config, "config": config, "meta": meta,
-                    "iter_num": iter_num, "best_val_loss": best_val_loss}, os.path.join(out_dir, "ckpt.pt"))
-                print(f"saved checkpoint to {out_dir}/ckpt.pt")
+        # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
+        if (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
+            best_val_loss = min(best_val_loss, evals["val_loss"])
+            save_checkpoint()
     if eval_only or iter_num == max_iters:
         break
 
@@ -261,7 +368,10 @@ while True:
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(gradient_accumulation_steps):
         X, Y = get_batch("train", TRAIN_BATCH, iter_num, rank * gradient_accumulation_steps + micro_step)
-        if ddp:  # average gradients across processes only on the last micro-step (one all-reduce per step)
+        # DDP averages gradients across processes only on the last micro-step (one all-reduce per step). FSDP
+        # reduce-scatters after every micro-step instead: gradients then stay sharded and accumulate in fp32,
+        # where skipping the sync would hold full unsharded gradients (in bf16) until the last one.
+        if ddp and not fsdp:
             train_model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with autocast:
             _, loss, stats = train_model(X, Y)
@@ -281,16 +391,19 @@ while True:
         nonfinite_streak = 0
         if grad_clip:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)  # the global norm of DTensors too
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if hasattr(raw_model, "update_controllers"):  # model-side controllers (EVE homeostat, beta controller)
-            raw_model.update_controllers(stats)
+            # Under FSDP the weights they rescale are DTensor shards; implicit_replication lets the models' plain
+            # per-neuron tensors act on them as replicated DTensors, so each process scales its own rows.
+            with implicit_replication() if fsdp else nullcontext():
+                raw_model.update_controllers(stats)
 
     if iter_num % log_interval == 0 and master:
         dt = time.time() - t0  # this one step (finite.item() above waited for the device)
-        peak = peak_flops()
+        peak = peak_flops(device)
         mfu = raw_model.flops_per_token() * tokens_per_iter / world_size / dt / peak if peak else None
         record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
@@ -302,4 +415,5 @@ while True:
     iter_num += 1
 
 if ddp:
+    dist.barrier()  # rank 0 may still be writing a checkpoint: tear down together (gloo can abort otherwise)
     dist.destroy_process_group()

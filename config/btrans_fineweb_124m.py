@@ -1,0 +1,15 @@
+# B-Trans ("Many Minds from One Model") at GPT-2-124M class on FineWeb-Edu: config/det_fineweb_124m.py (8 GPUs,
+# 524,288 tokens per step, 10B tokens), plus the B-Trans norm offsets; only the lines below differ from it.
+#   torchrun --standalone --nproc_per_node=8 train.py config/btrans_fineweb_124m.py
+#
+# python train.py config/btrans_fineweb_124m.py --dry_run=True (8 GPUs, 40% MFU of an H100's 989 TFLOP/s):
+#   114,169,344 parameters, 0.80 GFLOPs per token; 495,612 tokens/s per GPU, 0.132 s per step, 0.701 h for 19,073 steps
+#   memory per GPU 11.09 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 9.39 GiB activations
+exec(open("config/det_fineweb_124m.py").read())
+model = "btrans"
+out_dir = "out-btrans-124m"
+dry_run_world_size = 8
+# §4.1 Eq. 4: every RMSNorm output gets mu + sigma * eps, one eps per training sequence (§3.2, §4.3)
+sigma = 0.02  # the paper gives no value; 0.02 is the only public re-implementation's default
+noise_mode = "sequence"
+learn_mu = False  # §4.1: mu is a hyperparameter, 0 for RMSNorm

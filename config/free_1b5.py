@@ -1,0 +1,41 @@
+# The Free Transformer paper's 1.5B model (§4.2): 28 layers, weight tying, d = 1536, 12 query heads, 2 key/value
+# heads, plus the encoder block (+1/28 = 3.6% compute, §4.2), H = 16 latent bits (§4.3). The paper trains it on 47B
+# tokens with 32 H100s in about 12 hours (§4.2): 47e9 / (32 x 43,200 s) = 34,000 tokens/s per GPU, close to the
+# dry run's 40% MFU below. The paper gives no SwiGLU width, context length, batch or optimizer settings (they were
+# "highly tuned for the baselines", §4.3); the values below are ours: 4,096-token sequences, 2^20 tokens per step,
+# a Llama-style AdamW schedule. Its vocabulary has 2^17 tokens; we use GPT-2's 50,257, padded to 50,304.
+# DDP fits in 80 GB; --fsdp=True frees the 22 GiB of replicated weights, gradients and AdamW state per GPU.
+#
+#   python prepare.py fineweb_edu          # sample-10BT: 47B tokens are ~4.7 passes; use a larger set if you have one
+#   torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/free_1b5.py
+#
+# python train.py config/free_1b5.py --dry_run=True (32 GPUs, 40% MFU of an H100's 989 TFLOP/s):
+#   1,535,036,928 parameters, 11.00 GFLOPs per token; 35,972 tokens/s per GPU, 0.911 s per step, 11.3 h for 44,823 steps
+#   memory per GPU 50.59 GiB: 22.87 GiB weights, gradients, AdamW (replicated by DDP) + 27.71 GiB activations
+model = "free"
+dataset = "fineweb_edu"
+out_dir = "out-free-1b5"
+vocab_size = 50304
+block_size = 4096
+n_layer = 28  # Z enters after block 14 (§3.2)
+n_embd = 1536
+n_head = 12
+n_kv_head = 2
+# The paper gives no SwiGLU width. 8,960 makes 28 layers of d = 1536 the paper's 1.5B parameters with its 2^17-token
+# vocabulary (it is Qwen2-1.5B's width, a model of exactly this shape); the 8/3 d rule would give 0.9B.
+ffn_hidden = 8960
+latent_bits = 16  # H (§4.3): 2^16 codes per token, comparable to the 2^17-token vocabulary
+kappa_bits = 0.5  # κ in bits per token; Table 2 trains 1/4, 1/2, 1 and 2 bits (4 bits collapses, §4.4)
+# 32 GPUs x 4 sequences x 2 micro-steps x 4,096 tokens = 1,048,576 tokens per step; 47B tokens in 44,823 steps
+batch_size = 4
+gradient_accumulation_steps = 64  # divided by the number of processes: 2 per GPU on 32 GPUs
+dry_run_world_size = 32
+learning_rate = 3e-4
+min_lr = 3e-5
+warmup_iters = 2000
+max_iters = 44823
+lr_decay_iters = 44823
+weight_decay = 0.1
+eval_interval = 1000
+eval_iters = 20
+log_interval = 10

@@ -240,7 +240,7 @@ def bitwise_grad(v, p0, p1):
         lo = low[:, :2 ** j]
         ends.append(torch.bmm(high[j].view(n, 2, 2 ** j), lo.unsqueeze(2)).squeeze(2))
         if j < H - 1:  # bit j joins low: U_j = 1 is the upper half, offset 2^j
-            torch.mul(lo, p1[:, j, None], out=low[:, 2 ** j:2 ** (j + 1)])
+            low[:, 2 ** j:2 ** (j + 1)] = lo * p1[:, j, None]  # not mul(out=): a strided out= breaks the graph
             lo.mul_(p0[:, j, None])
     ends = torch.stack(ends, dim=1)  # (n, H, 2)
     return ends[..., 1] - ends[..., 0]

@@ -1,5 +1,6 @@
 """Shared test helpers: the repo root on sys.path, a prepared synthetic dataset, running the scripts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,14 @@ def data_root(tmp_path_factory):
 # A tiny model and a short run: what the script tests train with.
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--batch_size=4", "--block_size=66",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20"]
+
+
+def train_det(data_root, out_dir, *args, check=True):
+    """train.py on the tiny det model."""
+    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+
+
+def records(out_dir):
+    """The run's metrics.jsonl, one dict per line."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

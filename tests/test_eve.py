@@ -302,7 +302,7 @@ def test_diagnostics_have_the_right_ranges():
         assert 0.0 <= stats[name].item() <= 1.0, name
     assert abs(stats["band_in"] + stats["band_low"] + stats["band_high"] - 1.0) < 1e-6
     assert abs(sum(stats[f"w_{i}"] for i in range(3)) - 1.0) < 1e-6
-    assert torch.allclose(stats[f"w_0"], torch.tensor(1 / 3))  # uniform layer weights at init
+    assert torch.allclose(stats["w_0"], torch.tensor(1 / 3))  # uniform layer weights at init
     assert torch.allclose(stats["kl"], sum(stats[f"kl_{i}"] for i in range(3)))
     assert stats["active_frac"].item() == 1.0  # sigma_q = 0.8 vs sigma_p = 1: every unit has KL > 1e-4
     assert stats["nonfinite"].item() == 0

@@ -70,8 +70,8 @@ def test_jsonl_fields_become_one_document_each(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_path):
-    proc = run_script("prepare.py", "text", f"--input={SHAKESPEARE}", f"--bpe_file={GPT2_BPE}", "--name=s",
-                      data_dir=tmp_path)
+    run_script("prepare.py", "text", f"--input={SHAKESPEARE}", f"--bpe_file={GPT2_BPE}", "--name=s",
+               data_dir=tmp_path)
     train, meta = read(tmp_path, "s", "train")
     val, _ = read(tmp_path, "s", "val")
     # reference 301,966 / 36,059 tokens, plus the <|endoftext|> that closes each document

@@ -2,23 +2,13 @@
 
 import importlib.util
 import json
-import os
 
 import pytest
 
-from conftest import TINY, run_script
+from conftest import records, run_script, train_det as train
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason="matplotlib is optional (pip install matplotlib); CI installs it")
-
-
-def records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def train(data_root, out_dir, *args, check=True):
-    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
 
 
 def test_training_writes_one_record_per_log_step_and_per_eval(data_root, tmp_path):

@@ -1,24 +1,13 @@
 """train.py, sample.py and the configurator, run as a user runs them (subprocesses on a tiny synthetic dataset)."""
 
-import json
 import os
 import sys
 
-import pytest
 import torch
 
-from conftest import ROOT, TINY, run_script
+from conftest import TINY, records, run_script, train_det as train
 
 import common
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def train(data_root, out_dir, *args, check=True):
-    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
 
 
 def test_unknown_config_key_is_one_clear_error(data_root, tmp_path):
@@ -76,9 +65,9 @@ def test_resumed_run_logs_the_same_losses_as_the_uninterrupted_run(data_root, tm
     train(data_root, full, *args)
     train(data_root, part, "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True")
     train(data_root, part, *args, "--init_from=resume")
-    loss = lambda out: [(r["iter"], r["loss"]) for r in metrics(out) if "loss" in r]
+    loss = lambda out: [(r["iter"], r["loss"]) for r in records(out) if "loss" in r]
     assert loss(part) == loss(full) and len(loss(full)) == 8
-    iters = [r["iter"] for r in metrics(part) if "loss" in r]
+    iters = [r["iter"] for r in records(part) if "loss" in r]
     assert iters == sorted(set(iters))
     a, b = (torch.load(p / "ckpt.pt", weights_only=True)["model"] for p in (full, part))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,137 @@
+"""GRPO rollouts at CPU scale (the paper's §5.2 question, §6.1 ablation): does a population of B-Trans minds explore
+better than temperature sampling, at the same group size, steps and seeds?
+
+    python -m experiments.rlvr_compare              # trains config/det_arith.py first if needed
+
+From one supervised det checkpoint on prepare.py's arithmetic task, rlvr.py runs GRPO with a verifier reward three
+ways, every other setting equal (config/rlvr_arith.py):
+  temperature  the det model, action-space noise only (token sampling at `temperature`)
+  minds        B-Trans: each rollout of a group its own mind, eps drawn once and frozen (§4.3), same temperature
+  token        the same sigma, a fresh eps at every step (§6.1)
+The updates and the evaluation use the mean model in every case (§5), so the three differ only in how rollouts are
+drawn. Printed: held-out pass@1, pass@k and greedy accuracy before and after (mean and spread over seeds), reward
+over the first and last `window` steps, distinct answers per group, the share of groups with a learning signal
+(rewards not all equal) and time per step; the reward curves go to `figure`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import common
+from configurator import configure
+
+sft_dir = "out-det-arith"
+runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
+modes = ("temperature", "minds", "token")
+seeds = (1, 2, 3)
+steps = 200
+group_size = 8
+prompts_per_step = 8
+sigma = 0.2  # minds and token; config/rlvr_arith.py says how it was chosen
+temperature = 1.0
+learning_rate = 1e-5
+eval_prompts = 200
+eval_samples = 8
+window = 20  # reward summary: mean over the first and the last `window` steps
+parallel = 2  # rlvr.py processes at once (one thread each)
+extra = ""  # more rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
+figure = "assets/rlvr_compare.png"
+device = "cpu"
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))]
+config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
+globals().update(config)
+
+common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(mode, seed):
+    """One rlvr.py run; its metrics.jsonl records."""
+    out = os.path.join(runs_dir, f"{mode}-s{seed}")
+    os.makedirs(out, exist_ok=True)
+    args = ["config/rlvr_arith.py", f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
+            f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
+            f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
+            f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
+            f"--device={device}", *extra.split()]
+    with open(os.path.join(out, "log.txt"), "w") as log:
+        proc = subprocess.run([sys.executable, os.path.join(root, "rlvr.py"), *args], check=False, stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        common.die(f"rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+jobs = [(mode, seed) for mode in modes for seed in seeds]
+print(f"{len(jobs)} GRPO runs of {steps} steps, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}, "
+      f"temperature={temperature}, lr={learning_rate}, from {sft_dir}; logs in {runs_dir}/")
+with ThreadPoolExecutor(parallel) as pool:
+    records = dict(zip(jobs, pool.map(lambda job: run(*job), jobs)))
+
+k = eval_samples
+columns = [("greedy", "eval_greedy"), ("pass@1", "eval_pass@1"), (f"pass@{k}", f"eval_pass@{k}")]
+summary = {}
+for mode in modes:
+    rows = []
+    for seed in seeds:
+        evals = [r for r in records[mode, seed] if "eval_pass@1" in r]
+        train = [r for r in records[mode, seed] if "reward" in r]
+        before, after = evals[0], evals[-1]
+        rows.append({**{f"{name} before": before[key] for name, key in columns},
+                     **{f"{name} after": after[key] for name, key in columns},
+                     "reward first": np.mean([r["reward"] for r in train[:window]]),
+                     "reward last": np.mean([r["reward"] for r in train[-window:]]),
+                     "distinct": np.mean([r["distinct"] for r in train]),
+                     "informative": np.mean([r["informative"] for r in train]),
+                     "s/step": np.mean([r["step_s"] for r in train]),
+                     "curve": [r["reward"] for r in train]})
+    summary[mode] = rows
+
+paired = [("greedy before -> after", "greedy"), ("pass@1 before -> after", "pass@1"),
+          (f"pass@{k} before -> after", f"pass@{k}"), ("reward first -> last", "reward")]
+single = ["distinct", "informative", "s/step"]
+print(f"\nmean over seeds {list(seeds)} (in brackets: the change, mean ± std over seeds); held-out: the first "
+      f"{eval_prompts} val problems, the mean model, greedy and {k} samples at T=1 (pass@1, pass@{k}); reward: the "
+      f"rollouts' mean over the first -> last {window} steps; distinct answers and share of informative groups "
+      f"(rewards not all equal) per group of {group_size}, averaged over steps\n")
+print("| rollout | " + " | ".join(name for name, _ in paired) + " | " + " | ".join(single) + " |")
+print("|---|" + "---|" * (len(paired) + len(single)))
+for mode, rows in summary.items():
+    cells = []
+    for _, key in paired:
+        first, last = ("reward first", "reward last") if key == "reward" else (f"{key} before", f"{key} after")
+        a, b = np.array([r[first] for r in rows]), np.array([r[last] for r in rows])
+        cells.append(f"{a.mean():.3f} -> {b.mean():.3f} ({np.mean(b - a):+.3f} ± {np.std(b - a):.3f})")
+    cells += [f"{np.mean([r[key] for r in rows]):.3f}" for key in single]
+    print(f"| {mode} | " + " | ".join(cells) + " |")
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    print("no figure: pip install matplotlib")
+    sys.exit(0)
+fig, ax = plt.subplots(figsize=(6, 4))
+for mode, rows in summary.items():
+    curves = np.array([r["curve"] for r in rows])  # (seeds, steps)
+    smooth = lambda c: np.convolve(c, np.ones(window) / window, mode="valid")  # moving mean over `window` steps
+    mean, lo, hi = smooth(curves.mean(0)), *(smooth(f(curves, 0)) for f in (np.min, np.max))
+    x = np.arange(len(mean)) + window - 1
+    ax.plot(x, mean, label=mode)
+    ax.fill_between(x, lo, hi, alpha=0.2)
+ax.set_xlabel("GRPO step")
+ax.set_ylabel(f"rollout reward ({window}-step moving mean)")
+ax.set_title(f"GRPO on arith, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
+             f"{len(seeds)} seeds, band: min-max", fontsize=9)
+ax.legend()
+fig.tight_layout()
+os.makedirs(os.path.dirname(figure) or ".", exist_ok=True)
+fig.savefig(figure, dpi=100)
+print(f"\nwrote {figure}")

@@ -1,0 +1,381 @@
+"""GRPO with B-Trans minds as the rollout population (Yang & Zhang, "Many Minds from One Model", §5.2), and label-free
+test-time RL with a majority-vote reward (§5.3), at CPU scale:
+
+    python prepare.py arith && python train.py config/det_arith.py      # the supervised phase: a tiny det model
+    python rlvr.py config/rlvr_arith.py                                 # GRPO, each rollout of a group its own mind
+    python rlvr.py config/rlvr_arith.py --rollout=temperature           # the det baseline: token sampling alone
+    python rlvr.py config/rlvr_arith.py --rollout=token                 # §6.1 ablation: a fresh eps at every step
+    python rlvr.py config/rlvr_arith.py --reward=ttrl --train_prompts=eval   # §5.3 TTRL: no labels read
+    python rlvr.py config/rlvr_synthetic.py                             # the letters task (Free Transformer §4.1)
+    python -m experiments.rlvr_compare                                  # temperature vs minds vs token, 3 seeds
+
+A det checkpoint is wrapped plug-and-play into B-Trans (§6.2: mu = 0, so the mean model is the det model). Every
+step draws prompts_per_step prompts and group_size rollouts of each, scores them (a verifier, or agreement with the
+group's majority answer), normalises the rewards within each group and takes updates_per_batch AdamW steps on the
+clipped policy-gradient objective of GRPO (Shao et al. 2024, DeepSeekMath Eq. 3), optionally with a KL to the initial
+model. As in the paper (§5), noise is injected only while rolling out: the update, and the held-out evaluation, use
+the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale every weight is trained.
+"""
+
+import copy
+import json
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import common
+from configurator import configure
+from evaluate import letters_answer, majority_answer, pass_at_k, verify_letters
+
+# ----------------------------------------------------------------------------------------------------------------
+# defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
+# I/O
+out_dir = "out-rlvr"
+init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; det is wrapped into B-Trans
+log_interval = 1
+eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval steps and after the last
+# task
+task = "arith"  # 'arith' (python prepare.py arith) or 'letters' (the synthetic task: python prepare.py synthetic)
+dataset = ""  # '' = the task's: arith, or synthetic for letters
+train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past the eval ones), 'eval' (TTRL only)
+eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split
+eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, evaluate.pass_at_k)
+eval_temperature = 1.0
+max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters
+# rollouts
+rollout = "minds"  # 'temperature' (det baseline), 'minds' (one eps per rollout, §4.3), 'token' (fresh eps, §6.1)
+temperature = 1.0  # token sampling temperature of the rollouts, every mode (0 = greedy: then only minds explore)
+reward = "verifier"  # 'verifier' (the task's answer check) or 'ttrl' (agreement with the group majority, no labels)
+group_size = 8  # G rollouts per prompt
+prompts_per_step = 8
+# GRPO and AdamW
+max_steps = 100
+learning_rate = 1e-5  # AdamW; 3e-5 already degraded the tiny det_arith model (config/rlvr_arith.py)
+updates_per_batch = 1  # optimizer steps per batch of rollouts (GRPO's mu); 1: the ratio is 1, the clip never acts
+clip_eps = 0.2  # PPO's ratio clip
+kl_coef = 0.0  # beta of the KL to the initial model (0: logged, not optimised)
+adv_eps = 1e-4  # (r - mean) / (std + adv_eps): TRL's GRPO value
+weight_decay = 0.0
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0  # 0 disables clipping
+# system
+device = "cuda" if torch.cuda.is_available() else "cpu"
+seed = 1337
+# ----------------------------------------------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+NOISE_MODE = {"temperature": "mean", "minds": "sequence", "token": "token"}  # rollout -> model_btrans noise_mode
+PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the streams seeded() draws from
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tasks: prompts and answers
+
+
+def arith_answer(text):
+    """The digits a continuation writes before its first '\\n' (all of it when the budget ran out first), or None
+    when that is empty or not only digits. Text after the '\\n' (the model's next problem) is ignored."""
+    answer = text.split("\n", 1)[0]
+    return answer if re.fullmatch("[0-9]+", answer) else None
+
+
+def verify_arith(prompt, text):
+    """Exact match with the true result as written in the data: '0444' is not 444, '444 ' is not either."""
+    a, op, b = re.fullmatch(r"\n?([0-9]+)([+*])([0-9]+)=", prompt).groups()
+    return arith_answer(text) == str(int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier
+    "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith),
+    "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters),
+}
+
+
+def load_prompts(task, dataset, split, meta):
+    """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
+    every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
+    letters: the first two characters "K>" of each fixed-length sequence."""
+    data = common.load_tokens(dataset, split, meta)
+    if task == "letters":
+        n = meta["doc_len"]
+        return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
+    text = "".join(np.array(meta["chars"])[np.asarray(data)])
+    return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPO
+
+
+@contextmanager
+def noise_mode(net, mode):
+    """Switch the B-Trans offsets for a while: 'mean' (mu only) to update and evaluate (§5)."""
+    saved, net.config.noise_mode = net.config.noise_mode, mode
+    try:
+        yield
+    finally:
+        net.config.noise_mode = saved
+
+
+@torch.no_grad()
+def rollouts(net, prompt_ids, G, max_new_tokens, temperature, generator, latent_generator):
+    """G completions of each prompt, as the net's noise_mode samples them: (P * G, max_new_tokens) token ids,
+    prompt-major, and the latents of each row ((P * G, n_norms, C) in 'sequence' mode, else None).
+
+    In 'sequence' mode row r is mind latents[r], drawn once before its first token and frozen through the prefill
+    and every cached decode step (§4.3). Latents come from their own generator, so the token draws are those of the
+    det model at the same seed (at sigma = 0 the rollouts are the det model's, tested). Prompts of equal length share
+    one generate() call; the model has no padding mask, so prompts of other lengths go in other calls."""
+    P, device = len(prompt_ids), net.tok_emb.weight.device
+    completions, latents = torch.empty(P, G, max_new_tokens, dtype=torch.long, device=device), None
+    for T in sorted({len(ids) for ids in prompt_ids}):
+        rows = [i for i, ids in enumerate(prompt_ids) if len(ids) == T]
+        idx = torch.tensor([prompt_ids[i] for i in rows], device=device).repeat_interleave(G, dim=0)  # (n*G, T)
+        pinned = net.sample_latents(idx.size(0), latent_generator)  # None for det, 'token' and 'mean'
+        out = net.generate(idx, max_new_tokens, temperature=temperature, latents=pinned, generator=generator)
+        completions[rows] = out[:, T:].view(len(rows), G, max_new_tokens)
+        if pinned is not None:
+            if latents is None:
+                latents = pinned.new_empty(P, G, *pinned.shape[1:])
+            latents[rows] = pinned.view(len(rows), G, *pinned.shape[1:])
+    return completions.flatten(0, 1), None if latents is None else latents.flatten(0, 1)
+
+
+def completion_mask(completions, stop_id):
+    """(N, L) bool: the tokens up to and including the first stop token ('\\n'); all of them when there is none.
+    What follows the stop (the model's next problem) is neither scored nor trained on."""
+    is_stop = (completions == stop_id).long()
+    return (is_stop.cumsum(1) - is_stop) == 0  # no stop strictly before this position
+
+
+def completion_logprobs(net, prompt_ids, completions):
+    """log pi(token | prefix) of every completion token under net as it is (its noise_mode), (N, L), in one forward.
+    Rows are right-padded to the longest prompt: the model is causal, so padding changes nothing before it."""
+    N, L = completions.shape
+    lens = torch.tensor([len(ids) for ids in prompt_ids], device=completions.device)
+    seqs = torch.zeros(N, int(lens.max()) + L, dtype=torch.long, device=completions.device)
+    for i, ids in enumerate(prompt_ids):
+        seqs[i, :len(ids)] = torch.tensor(ids)
+        seqs[i, len(ids):len(ids) + L] = completions[i]
+    logits, _, _ = net(seqs[:, :-1], targets=seqs[:, 1:])  # (N, T, V): targets ask for every position
+    pos = (lens - 1)[:, None] + torch.arange(L, device=lens.device)  # (N, L) positions predicting the completion
+    logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.size(-1)))  # (N, L, V)
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, completions[..., None]).squeeze(-1)  # (N, L)
+
+
+def group_advantages(rewards, eps=1e-4):
+    """(P, G) rewards -> (P, G) advantages (r - mean) / (std + eps) within each group, std with Bessel's correction
+    (torch.std, as TRL's GRPOTrainer). A group whose rewards are all equal gets advantage 0: no signal."""
+    return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + eps)
+
+
+def grpo_loss(logp, old_logp, ref_logp, mask, advantages, clip_eps=0.2, kl_coef=0.0):
+    """GRPO's objective (Shao et al. 2024, Eq. 3), negated: per token -min(rho A, clip(rho, 1 - eps, 1 + eps) A)
+    + beta KL, rho = pi / pi_old, averaged over each completion's tokens, then over completions. The KL to the
+    reference is the k3 estimator pi_ref / pi - log(pi_ref / pi) - 1 (Schulman 2020): >= 0 at every token.
+    logp, old_logp, ref_logp, mask: (N, L); advantages: (N,). Returns (loss, stats)."""
+    A = advantages[:, None]  # (N, 1): one advantage for every token of a completion
+    ratio = (logp - old_logp).exp()
+    policy = -torch.min(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)  # (N, L)
+    log_r = ref_logp - logp
+    kl = log_r.exp() - log_r - 1  # (N, L)
+    m = mask.float()
+    per_seq = lambda x: (x * m).sum(1) / m.sum(1).clamp_min(1)  # (N,) mean over each completion's tokens
+    loss = (per_seq(policy) + kl_coef * per_seq(kl)).mean()
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    return loss, {"kl": per_seq(kl).mean().item(), "clip_frac": per_seq(clipped).mean().item()}
+
+
+def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, updates=1, clip_eps=0.2,
+                kl_coef=0.0, grad_clip=1.0):
+    """updates optimizer steps on one batch of rollouts; the stats of the last.
+
+    §5: "we inject stochasticity only during rollout ... keeping the update phase deterministic by using the mean
+    shift only". The log-probabilities here are those of the mean model (offset mu, no eps), but the rollouts were
+    sampled from perturbed models (minds, or token-wise noise). So rho = pi_mean / pi_mean_old is not the true
+    importance weight of the behaviour policy: that one would be the minds' marginal, an integral over eps with no
+    closed form (or each mind's own probability, which would train every mind instead of the mean). The objective
+    treats the rollouts as if the mean model had sampled them. The paper accepts this bias, we do too: the update
+    stays deterministic and on-policy for the mean model, with the minds acting as a proposal that explores. With
+    updates = 1, old_logp is this very forward, detached: rho = 1 exactly, the clip never acts, and the gradient is
+    the plain policy gradient mean A grad log pi_mean (the clip matters only for updates > 1)."""
+    with noise_mode(net, "mean"):
+        with torch.no_grad():
+            ref_logp = completion_logprobs(ref, prompt_ids, completions)
+        for u in range(updates):
+            logp = completion_logprobs(net, prompt_ids, completions)
+            if u == 0:
+                old_logp = logp.detach()
+            loss, stats = grpo_loss(logp, old_logp, ref_logp, mask, advantages, clip_eps, kl_coef)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+            optimizer.step()
+    return {"loss": loss.item(), **stats}
+
+
+def ttrl_rewards(answers):
+    """§5.3: 1 for a rollout whose answer is its group's majority answer, else 0; no label is read.
+    evaluate.majority_answer's rules: None (unparseable) answers never vote and never win; a tie goes to the answer
+    seen first in the group; a group with no parseable answer gets 0 everywhere."""
+    majority = majority_answer(answers)
+    return [float(a is not None and a == majority) for a in answers]
+
+
+@torch.no_grad()
+def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed):
+    """The mean model (the one the updates train) on held-out prompts: greedy accuracy, and pass@1 and pass@k of k
+    samples at `temperature`."""
+    device = net.tok_emb.weight.device
+    ids = [encode(p) for p in prompts]
+    generator = torch.Generator(device).manual_seed(seed)
+    with noise_mode(net, "mean"):
+        greedy, _ = rollouts(net, ids, 1, max_new_tokens, 0.0, generator, generator)
+        sampled, _ = rollouts(net, ids, k, max_new_tokens, temperature, generator, generator)
+    greedy_ok = [verify(p, decode(c)) for p, c in zip(prompts, greedy.tolist())]
+    sampled_ok = np.array([verify(p, decode(c)) for p, c in zip(np.repeat(prompts, k), sampled.tolist())])
+    correct = sampled_ok.reshape(len(prompts), k).sum(1)
+    return {"eval_greedy": float(np.mean(greedy_ok)),
+            "eval_pass@1": float(np.mean([pass_at_k(k, int(c), 1) for c in correct])),
+            f"eval_pass@{k}": float(np.mean([pass_at_k(k, int(c), k) for c in correct]))}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script
+
+
+def main():
+    if "RANK" in os.environ:
+        common.die("rlvr.py runs in one process (RANK is set, as under torchrun): run it with plain python")
+
+    def model_fields(values):
+        return common.config_fields("btrans")  # the net is always B-Trans: sigma etc. are its Config fields
+
+    config, overrides = configure(DEFAULTS, sys.argv[1:], model_fields)
+    cfg = SimpleNamespace(**config)
+    if cfg.task not in TASKS:
+        common.die(f"task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
+    if cfg.rollout not in NOISE_MODE:
+        common.die(f"rollout must be one of {', '.join(NOISE_MODE)}, got {cfg.rollout!r}")
+    if cfg.reward not in ("verifier", "ttrl"):
+        common.die(f"reward must be verifier or ttrl, got {cfg.reward!r}")
+    if "noise_mode" in overrides:
+        common.die("the rollout mode sets the B-Trans noise_mode: use --rollout=temperature|minds|token")
+    if cfg.group_size < 2:
+        common.die("group_size must be >= 2: GRPO's advantages are relative to the rest of the group")
+    if cfg.train_prompts not in ("train", "val", "eval"):
+        common.die(f"train_prompts must be train, val or eval, got {cfg.train_prompts!r}")
+    if cfg.train_prompts == "eval" and cfg.reward != "ttrl":
+        common.die("train_prompts=eval trains on the held-out problems: only with reward=ttrl, which reads no label")
+    spec = TASKS[cfg.task]
+    dataset = cfg.dataset or spec.dataset
+    config["dataset"] = dataset  # recorded in the checkpoint, where evaluate.py looks for it
+    max_new = cfg.max_new_tokens or spec.max_new_tokens
+
+    # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
+    net, checkpoint = common.load_model(cfg.init_from, cfg.device, "btrans", **overrides,
+                                        noise_mode=NOISE_MODE[cfg.rollout])
+    meta = common.load_meta(dataset)
+    if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
+        common.die(f"{cfg.init_from} was trained with another tokenizer or vocabulary than dataset {dataset!r}")
+    ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
+    ref.config.noise_mode = "mean"
+    encode, decode = common.tokenizer(meta)
+    stop_id = encode("\n")[0]
+    device_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    optimizer = net.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+
+    # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
+    # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
+    # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
+    val = load_prompts(cfg.task, dataset, "val", meta)
+    eval_set = val[:cfg.eval_prompts]
+    pool = {"train": lambda: load_prompts(cfg.task, dataset, "train", meta), "val": lambda: val[cfg.eval_prompts:],
+            "eval": lambda: eval_set}[cfg.train_prompts]()
+    if len(pool) < cfg.prompts_per_step or not eval_set:
+        common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {dataset}: too few for "
+                   f"prompts_per_step={cfg.prompts_per_step} (prepare more, or lower eval_prompts)")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    print(f"rlvr: {cfg.task} from {cfg.init_from} as B-Trans (sigma={net.config.sigma}), rollout={cfg.rollout}, "
+          f"reward={cfg.reward}; {cfg.prompts_per_step} prompts x {cfg.group_size} rollouts per step from "
+          f"{len(pool):,} {cfg.train_prompts} prompts; held-out: {len(eval_set)} val prompts")
+
+    def seeded(*key):
+        """Every draw derives from (seed, *key): a run is reproducible whatever happened before a step."""
+        return np.random.default_rng([cfg.seed, *key])
+
+    def seed_of(*key):
+        return int(seeded(*key).integers(2**62))
+
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    open(metrics_path, "w").close()
+
+    def log_record(record):
+        """One JSON line per log step and per evaluation, train.py's format (plot.py reads it)."""
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(step):
+        """train.py's format; the net is B-Trans whose noise_mode is the rollout's. RL has no validation loss:
+        best_val_loss is inf, so a train.py resume from here saves at its first evaluation."""
+        common.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                                "model_type": "btrans", "model_config": common.config_dict(net.config),
+                                "config": config, "meta": meta, "iter_num": step, "best_val_loss": float("inf")},
+                               os.path.join(cfg.out_dir, "ckpt.pt"))
+
+    for step in range(cfg.max_steps + 1):
+        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+            evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, cfg.eval_samples,
+                                     cfg.eval_temperature, max_new, cfg.seed)
+            print(f"step {step}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
+            log_record({"iter": step, **evals})
+            if step > 0:
+                save_checkpoint(step)
+        if step == cfg.max_steps:
+            break
+
+        t0 = time.time()
+        rng = seeded(PROMPTS, step)
+        prompts = [pool[i] for i in rng.choice(len(pool), cfg.prompts_per_step, replace=False)]
+        prompt_ids = [encode(p) for p in prompts]
+        torch.manual_seed(seed_of(ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
+        completions, _ = rollouts(net, prompt_ids, cfg.group_size, max_new, cfg.temperature,
+                                  torch.Generator(cfg.device).manual_seed(seed_of(ROLLOUT_TOKENS, step)),
+                                  torch.Generator(cfg.device).manual_seed(seed_of(ROLLOUT_LATENTS, step)))
+        texts = [decode(c) for c in completions.tolist()]
+        group_prompts = [p for p in prompts for _ in range(cfg.group_size)]
+        correct = np.array([spec.verify(p, t) for p, t in zip(group_prompts, texts)], dtype=float)  # ttrl: logged only
+        answers = [spec.answer(t) for t in texts]
+        groups = [answers[i:i + cfg.group_size] for i in range(0, len(answers), cfg.group_size)]
+        rewards = correct if cfg.reward == "verifier" else np.array([r for g in groups for r in ttrl_rewards(g)])
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=cfg.device).view(-1, cfg.group_size)  # (P, G)
+        advantages = group_advantages(rewards, cfg.adv_eps)  # (P, G)
+        stats = grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+                            completions, completion_mask(completions, stop_id), advantages.flatten(),
+                            cfg.updates_per_batch, cfg.clip_eps, cfg.kl_coef, cfg.grad_clip)
+        dt = time.time() - t0
+
+        if step % cfg.log_interval == 0:
+            record = {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
+                      "adv_std": advantages.std().item(), **stats,
+                      "informative": (rewards.std(1) > 0).float().mean().item(),  # groups with a learning signal
+                      "distinct": float(np.mean([len(set(g)) for g in groups])),  # answers per group, None one of them
+                      "step_s": dt}
+            print(f"step {step}: reward {record['reward']:.3f}, pass {record['pass_rate']:.3f}, adv_std "
+                  f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "
+                  f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {dt * 1000:.0f} ms")
+            log_record(record)
+    print(f"saved {cfg.out_dir}/ckpt.pt")
+
+
+if __name__ == "__main__":
+    main()

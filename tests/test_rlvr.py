@@ -1,0 +1,183 @@
+"""rlvr.py: GRPO advantages and update, minds as rollouts (frozen per rollout, det at sigma = 0), the TTRL majority
+reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import records, run_script, train_det
+
+import common
+import rlvr
+
+TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=32, vocab_size=14)
+
+
+def tiny(model_type="btrans", seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return common.build_model(model_type, {**TINY_MODEL, **kwargs}).eval()
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_group_advantages_match_a_hand_computation():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv = rlvr.group_advantages(rewards, eps=1e-4)
+    # group 0: mean 1/2, std (Bessel) sqrt(4 * 1/4 / 3); group 1: no signal; group 2: mean 1/4, std 1/2
+    s0 = (1 / 3) ** 0.5
+    expected = [[0.5 / (s0 + 1e-4), -0.5 / (s0 + 1e-4), -0.5 / (s0 + 1e-4), 0.5 / (s0 + 1e-4)], [0.0] * 4,
+                [-0.25 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001, 0.75 / 0.5001]]
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+
+
+def test_clipped_objective_and_k3_kl_match_a_hand_computation():
+    ratios = torch.tensor([[1.5, 0.5], [1.5, 1.1]])  # pi / pi_old per token
+    old = torch.zeros(2, 2)
+    logp = ratios.log()
+    ref = torch.log(torch.tensor([[1.5, 0.5], [3.0, 1.1]]))  # pi_ref: equal to pi but at one token (ratio 2)
+    mask = torch.tensor([[True, True], [True, False]])  # the last token is past the stop: not scored
+    loss, stats = rlvr.grpo_loss(logp, old, ref, mask, torch.tensor([1.0, -1.0]), clip_eps=0.2, kl_coef=0.5)
+    # row 0, A = +1: min(1.5, 1.2) = 1.2 and min(0.5, 0.8) = 0.5; row 1, A = -1: min(-1.5, -1.2) = -1.5
+    policy = (-(1.2 + 0.5) / 2 + 1.5) / 2
+    kl = (0.0 + (2 - math.log(2) - 1)) / 2  # k3 = r - log r - 1, r = pi_ref / pi: 0 in row 0, r = 2 in row 1
+    assert loss.item() == pytest.approx(policy + 0.5 * kl, abs=1e-6)
+    assert stats["kl"] == pytest.approx(kl, abs=1e-6) and stats["clip_frac"] == pytest.approx((1.0 + 1.0) / 2)
+
+
+def test_minds_differ_within_a_group_and_each_stays_frozen_through_its_rollout_kv_cache_included():
+    net = tiny(sigma=0.5)
+    with torch.no_grad():  # larger weights than at init, so that greedy decoding does not just repeat a token
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    prompt, G, L = [3, 7, 1, 5, 13], 4, 12
+    completions, latents = rlvr.rollouts(net, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
+    assert latents.shape == (G, net.config.n_norms, 32)
+    assert all((latents[i] - latents[j]).abs().max() > 0.5 for i in range(G) for j in range(i))
+    assert len({tuple(c) for c in completions.tolist()}) > 1  # one prompt, several answers: the minds differ
+    # Regenerated with the same latents: the same tokens, and at every step the cached decode's logits equal a full
+    # forward of the whole prefix with the same latents, so no mind changed mid-rollout.
+    step_logits = []
+    handle = net.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out))
+    again = net.generate(torch.tensor([prompt] * G), L, temperature=0, latents=latents)
+    handle.remove()
+    assert torch.equal(again[:, len(prompt):], completions)
+    assert len(step_logits) == L
+    with torch.no_grad():
+        for s, cached in enumerate(step_logits):
+            full, _, _ = net(again[:, :len(prompt) + s], latents=latents)  # (G, 1, V)
+            assert torch.allclose(cached, full, atol=1e-5)
+    assert (step_logits[0][0] - step_logits[0][1]).abs().max() > 1e-2  # same prompt, different minds
+
+
+def test_sigma_zero_minds_rollouts_equal_the_det_models_at_the_same_sampling_seed():
+    det = tiny("det")
+    prompts = [[3, 7, 13], [4, 5, 6, 13], [8, 13, 9]]  # two lengths: two generate() calls
+    expected, none = rlvr.rollouts(det, prompts, 4, 10, 1.0, gen(3), gen(5))
+    assert none is None
+    for sigma, equal in ((0.0, True), (1.0, False)):
+        minds = tiny(sigma=sigma, noise_mode="sequence")
+        minds.load_state_dict(det.state_dict(), strict=False)
+        completions, latents = rlvr.rollouts(minds, prompts, 4, 10, 1.0, gen(3), gen(6))
+        assert latents.shape == (12, minds.config.n_norms, 32)
+        assert torch.equal(completions, expected) == equal  # sigma > 0: the same token seed, other tokens
+
+
+def test_ttrl_reward_is_agreement_with_the_group_majority_first_seen_wins_and_none_never_wins():
+    assert rlvr.ttrl_rewards(["444", "12", "444", None]) == [1.0, 0.0, 1.0, 0.0]
+    assert rlvr.ttrl_rewards(["12", "444", "444", "12"]) == [1.0, 0.0, 0.0, 1.0]  # a tie: "12" was seen first
+    assert rlvr.ttrl_rewards([None, None, None, "7"]) == [0.0, 0.0, 0.0, 1.0]  # None never votes
+    assert rlvr.ttrl_rewards([None, None]) == [0.0, 0.0]  # nothing parses: no reward at all
+
+
+def test_arith_verifier_on_edge_cases():
+    assert rlvr.verify_arith("\n37*12=", "444\n12+3=15\n")  # text after the newline is ignored
+    assert rlvr.verify_arith("37+12=", "49")  # no newline within the budget: what was generated
+    assert not rlvr.verify_arith("\n37*12=", "0444\n")  # a leading zero is wrong
+    assert not rlvr.verify_arith("\n37*12=", "4445")  # budget ran out on a longer number
+    assert not rlvr.verify_arith("\n37*12=", "")  # empty
+    assert not rlvr.verify_arith("\n37*12=", "\n444\n")  # empty before the newline
+    assert not rlvr.verify_arith("\n37*12=", "444*1\n")  # not only digits
+    assert rlvr.arith_answer("0444\nxyz") == "0444" and rlvr.arith_answer("*3\n") is None
+
+
+def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
+    completions = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]])
+    mask = rlvr.completion_mask(completions, stop_id=0)
+    assert mask.tolist() == [[True, True, True, False, False], [True] * 5, [True, False, False, False, False]]
+
+
+def test_one_grpo_step_raises_logprobs_of_positive_advantage_rollouts_and_lowers_negative_ones():
+    net = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(net).requires_grad_(False)
+    ref.config.noise_mode = "mean"
+    prompt_ids = [[3, 7, 1, 13]] * 4
+    completions, _ = rlvr.rollouts(net, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
+    mask = rlvr.completion_mask(completions, stop_id=0)
+    advantages = rlvr.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).flatten()
+
+    def logp():
+        with torch.no_grad(), rlvr.noise_mode(net, "mean"):  # the update's model: the mean offset only (§5)
+            return (rlvr.completion_logprobs(net, prompt_ids, completions) * mask).sum(1)
+
+    before = logp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
+    stats = rlvr.grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
+    change = logp() - before
+    assert torch.equal(change > 0, advantages > 0) and change.abs().min() > 1e-5
+    assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: net == reference, ratio exactly 1
+    assert net.config.noise_mode == "sequence"  # restored after the update
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script
+
+
+@pytest.fixture(scope="module")
+def arith_ckpt(tmp_path_factory):
+    """A tiny arithmetic dataset and a det model trained 2 iterations on it."""
+    root, out = tmp_path_factory.mktemp("arith_data"), tmp_path_factory.mktemp("det_arith")
+    run_script("prepare.py", "arith", "--num_train=1000", "--num_val=100", data_dir=root)
+    train_det(root, out, "--dataset=arith", "--block_size=32", "--max_iters=2", "--eval_interval=2")
+    return root, out
+
+
+def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith_ckpt, monkeypatch):
+    root, _ = arith_ckpt
+    monkeypatch.setenv("NANOLATENT_DATA", str(root))
+    meta = common.load_meta("arith")
+    lines = "".join(meta["chars"][t] for t in common.load_tokens("arith", "val", meta)).split("\n")[:-1]
+    prompts = rlvr.load_prompts("arith", "arith", "val", meta)
+    assert len(prompts) == len(lines) == 100
+    assert prompts == ["\n" + line[:line.index("=") + 1] for line in lines]
+    assert all(rlvr.verify_arith(p, line.split("=")[1] + "\n") for p, line in zip(prompts, lines))
+    assert not any(rlvr.verify_arith(p, "0" + line.split("=")[1]) for p, line in zip(prompts, lines))
+
+
+def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(arith_ckpt, tmp_path):
+    root, det_out = arith_ckpt
+    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
+                      "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
+                      "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
+    assert "step 1: reward" in proc.stdout
+    net, checkpoint = common.load_model(tmp_path)
+    assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
+    assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"
+    assert checkpoint["config"]["dataset"] == "arith" and checkpoint["config"]["rollout"] == "minds"
+    assert set(checkpoint) == {"model", "optimizer", "model_type", "model_config", "config", "meta", "iter_num",
+                               "best_val_loss"}
+    logged = records(tmp_path)
+    assert [r["iter"] for r in logged if "reward" in r] == [0, 1]
+    assert [r["iter"] for r in logged if "eval_pass@1" in r] == [0, 2]
+    assert all(0.0 <= r["reward"] <= 1.0 and r["distinct"] <= 3 for r in logged if "reward" in r)
+
+
+def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatch):
+    root, det_out = arith_ckpt
+    monkeypatch.setenv("RANK", "0")
+    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "runs in one process" in proc.stderr

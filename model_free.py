@@ -261,7 +261,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
-    latent_bits: int = 16  # H: Z_t is one of 2^H codes (§4.3 fixes H = 16; the synthetic configs use 8)
+    latent_bits: int = 8  # H: Z_t is one of 2^H codes; 8 for the tiny default (§4.3's H = 16: config/free_1b5.py)
     kappa_bits: float = 0.5  # free-bits threshold κ per token, in bits (§4.5: κ = log(2)/2, half a bit)
     mapper: str = "factored"  # Binary Mapper: "dense" builds (B, T, 2^H) as §3.4 writes it; "factored" never does
     mapper_chunk: int = 2 ** 24  # factored backward: slabs of mapper_chunk // 2^H tokens by 2^H, 64 MiB in float32

@@ -206,7 +206,9 @@ if init_from == "resume":  # under FSDP the small ckpt_meta.pt first; the shards
 elif init_from != "scratch":
     common.die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 model_config.setdefault("vocab_size", meta["vocab_size"])
-model_config.setdefault("block_size", common.config_fields(model)["block_size"])
+# fixed-length sequences (the synthetic task) default to one whole sequence per window
+default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else common.config_fields(model)["block_size"]
+model_config.setdefault("block_size", default_block_size)
 if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
     common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)

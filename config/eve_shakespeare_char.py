@@ -1,32 +1,9 @@
-# EVE (variational neurons) on character-level Shakespeare: a small model that trains on a 2-core CPU.
-# python train.py config/eve_shakespeare_char.py   (add --device=cpu --compile=False on a laptop)
-# Same backbone as the det baseline's would be, so the two read side by side; only the EVE lines are new.
-
-model = 'eve'
-out_dir = 'out-eve-shakespeare-char'
-dataset = 'shakespeare_char'
-
-eval_interval = 250  # a small model on a small set: evaluate often, cheaply
-eval_iters = 20
-log_interval = 10
-always_save_checkpoint = False  # keep the best validation loss only (the loss is the whole §3.6 objective)
-
-batch_size = 32
-block_size = 128
-gradient_accumulation_steps = 1  # > 1: the controllers read the last micro-batch of each step
-
-n_layer = 4
-n_head = 4
-n_kv_head = 2
-n_embd = 128
-
-learning_rate = 1e-3  # small models tolerate a high rate
-max_iters = 2000
-lr_decay_iters = 2000  # = max_iters (Chinchilla-style decay to min_lr at the end)
-min_lr = 1e-4  # = learning_rate / 10
-beta2 = 0.99  # few tokens per iteration: a shorter second-moment memory
-warmup_iters = 100
-weight_decay = 0.1
+# EVE (variational neurons) on character-level Shakespeare, the matched pair of config/det_shakespeare_char.py:
+# the same backbone, data, batch and steps (read from that file), so the two differ only in what the paper changes.
+# python train.py config/eve_shakespeare_char.py
+exec(open("config/det_shakespeare_char.py").read())
+model = "eve"
+out_dir = "out-eve-shakespeare-char"
 
 # EVE: the SwiGLU feed-forward becomes n_neurons = ffn_hidden = 352 variational neurons per block (§3.2, §3.4),
 # trained with L = CE + beta KL + L_control + alpha_AR L_AR (§3.6). The paper gives no values; these are ours.

@@ -123,9 +123,7 @@ def bench_one(spec):
         resource.RUSAGE_SELF).ru_maxrss * 1024
     row = dict(spec=spec, params=model.num_params(), flops_per_token=model.flops_per_token(), step_ms=dt * 1000,
                tokens_per_s=tokens_per_s, peak_mib=peak / 2**20)
-    name = torch.cuda.get_device_name() if device_type == "cuda" else None
-    peak_flops = next((f for k, f in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
-                       if name and k in name), None)
+    peak_flops = common.peak_flops(device)
     row["mfu"] = model.flops_per_token() * tokens_per_s / peak_flops if peak_flops else None
     del model
     for context in decode_contexts:

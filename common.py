@@ -16,6 +16,40 @@ GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when 
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
+# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(device):
+    if not str(device).startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def progress(iterable, **kwargs):
+    """A progress bar with rate and ETA on a terminal, silent in logs and CI (tqdm comes with datasets)."""
+    from tqdm import tqdm
+    return tqdm(iterable, disable=not sys.stdout.isatty(), **kwargs)
+
+
+def pyplot(who):
+    """matplotlib is optional: pyplot for writing files, or one line saying what needs it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        die(f"{who} needs matplotlib: pip install matplotlib")
+    return plt
+
+
+def append_record(path, record):
+    """One JSON object per line (out_dir/metrics.jsonl): what plot.py reads."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def die(message):
     """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
     print(f"error: {message}", file=sys.stderr)

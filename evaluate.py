@@ -37,7 +37,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common
 from configurator import configure
@@ -337,10 +336,6 @@ def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
     return starts
 
 
-def progress(iterable, **kwargs):
-    return tqdm(iterable, disable=not sys.stdout.isatty(), leave=False, **kwargs)
-
-
 @torch.no_grad()
 def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samples=0, n_bins=15, cvar_alpha=0.05,
                 autocast=nullcontext()):
@@ -348,7 +343,7 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samp
     stats, and for a model with an encoder (Free) the ELBO and the importance-weighted bound."""
     device = net.tok_emb.weight.device
     mc, stats, bounds, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), 0
-    for i in progress(range(0, len(starts), batch_size), desc="windows", unit="batch"):
+    for i in common.progress(range(0, len(starts), batch_size), desc="windows", unit="batch", leave=False):
         rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
         xy = torch.stack(rows).to(device)
         x, y = xy[:, :-1], xy[:, 1:]  # (B, T) each
@@ -439,7 +434,7 @@ def evaluate_mc(net, examples, encode, n_passes, generator, autocast=nullcontext
     """acc: argmax of the summed log-likelihood; acc_char: of the sum / len(choice) in characters (the harness'
     acc_norm); acc_completion: of the mean per token (ours). Stochastic models score with p̄ over n_passes."""
     hits, truncated = Counter(), 0
-    for ex in progress(examples, desc="examples", unit="ex"):
+    for ex in common.progress(examples, desc="examples", unit="ex", leave=False):
         pairs = [choice_tokens(encode, ex["context"], choice) for choice in ex["choices"]]
         ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast)
         truncated += cut
@@ -459,7 +454,7 @@ def evaluate_population(net, prompts, encode, decode, K, generator, max_new_toke
     pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
     device = net.tok_emb.weight.device
     totals = Counter()
-    for prompt in progress(prompts, desc="prompts", unit="prompt"):
+    for prompt in common.progress(prompts, desc="prompts", unit="prompt", leave=False):
         idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
         out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
                            latents=net.sample_latents(K, generator), generator=generator)

@@ -16,17 +16,6 @@ import common
 EVAL_KEYS = ("nll", "cvar_nll", "ece", "brier", "entropy", "mi", "epistemic_ratio", "cond_var", "flip_rate")
 
 
-def pyplot():
-    """matplotlib is optional: imported only once the input has been read and checked."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only, no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        common.die("plot.py needs matplotlib: pip install matplotlib")
-    return plt
-
-
 def read_records(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -44,7 +33,7 @@ def plot_runs(run_dirs, keys, x_key, out):
     for key in keys:
         if key not in known:
             common.die(f"unknown key {key!r}; the records have: {', '.join(known)}")
-    plt = pyplot()
+    plt = common.pyplot("plot.py")  # imported only once the input has been read and checked
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for name, records in runs.items():
@@ -76,7 +65,7 @@ def plot_eval(paths, out, floor=1e-6):
     keys = [k for k in EVAL_KEYS if any(k in m for m in runs.values())]
     if not keys:
         common.die(f"none of the Monte Carlo metrics {', '.join(EVAL_KEYS)} is in {', '.join(paths)}")
-    plt = pyplot()
+    plt = common.pyplot("plot.py")  # imported only once the input has been read and checked
     fig, ax = plt.subplots(figsize=(0.5 * len(keys) * len(runs) + 3, 4))
     width = 0.8 / len(runs)
     for i, (name, metrics) in enumerate(runs.items()):

@@ -13,7 +13,6 @@ import os
 import sys
 
 import numpy as np
-from tqdm import tqdm
 
 import common
 
@@ -25,11 +24,6 @@ HUB_DATASETS = {
     "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
                         val=None),
 }
-
-
-def progress(iterable, **kwargs):
-    """A progress bar with rate and ETA on a terminal, silent in logs and CI."""
-    return tqdm(iterable, disable=not sys.stdout.isatty(), **kwargs)
 
 
 def token_dtype(vocab_size):
@@ -44,7 +38,7 @@ def write_dataset(name, splits, meta):
     for split, chunks in splits.items():
         n = 0
         with open(os.path.join(out, f"{split}.bin.tmp"), "wb") as f:
-            for chunk in progress(chunks, desc=f"writing {split}.bin", unit="doc"):
+            for chunk in common.progress(chunks, desc=f"writing {split}.bin", unit="doc"):
                 f.write(np.asarray(chunk, dtype=meta["dtype"]).tobytes())
                 n += len(chunk)
         os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
@@ -133,7 +127,7 @@ def record_text(record, fields):
 def load_datasets():
     import datasets
     if not sys.stdout.isatty():
-        datasets.disable_progress_bars()  # quiet in logs and CI, like progress()
+        datasets.disable_progress_bars()  # quiet in logs and CI, like common.progress()
     return datasets
 
 

@@ -18,7 +18,6 @@ the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale 
 """
 
 import copy
-import json
 import os
 import re
 import sys
@@ -321,8 +320,7 @@ def main():
 
     def log_record(record):
         """One JSON line per log step and per evaluation, train.py's format (plot.py reads it)."""
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        common.append_record(metrics_path, record)
 
     def save_checkpoint(step):
         """train.py's format; the net is B-Trans whose noise_mode is the rollout's. RL has no validation loss:

@@ -83,17 +83,6 @@ config, model_config = configure({k: globals()[k] for k in config_keys}, sys.arg
 globals().update(config)
 # ----------------------------------------------------------------------------------------------------------------
 
-# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
-
-
-def peak_flops(device):
-    if not device.startswith("cuda"):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
 def transformer_blocks(model):
     """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
     all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
@@ -108,7 +97,7 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
         planned = common.build_model(model, model_config)
     cfg, gpus = planned.config, dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
     n_params, flops = planned.num_params(), planned.flops_per_token()
-    peak = peak_flops(device) or PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
+    peak = common.peak_flops(device) or common.PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
     tokens_per_s = dry_run_mfu * peak / flops  # per GPU
     tokens_per_step = gradient_accumulation_steps * batch_size * cfg.block_size  # all GPUs together
     step_s = tokens_per_step / (tokens_per_s * gpus)
@@ -321,8 +310,7 @@ def save_checkpoint():
 
 def log_record(record):
     """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    common.append_record(os.path.join(out_dir, "metrics.jsonl"), record)
     if wandb_log:
         wandb.log(record, step=record["iter"])
 
@@ -405,7 +393,7 @@ while True:
 
     if iter_num % log_interval == 0 and master:
         dt = time.time() - t0  # this one step (finite.item() above waited for the device)
-        peak = peak_flops(device)
+        peak = common.peak_flops(device)
         mfu = raw_model.flops_per_token() * tokens_per_iter / world_size / dt / peak if peak else None
         record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},

@@ -87,12 +87,7 @@ print("\none sample per source (last prompt):")
 for r in rows:
     print(f"--- {r['source']} {r['setting']}:\n{r['sample']}")
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    common.die("the table is above; the figure needs matplotlib: pip install matplotlib")
+plt = common.pyplot("the table is above; the figure")
 fig, ax = plt.subplots(figsize=(5.5, 4))
 for source, style in (("det", "o-"), ("minds", "s"), ("token", "^")):
     points = sorted((r["nll"], r["distinct_2"]) for r in rows if r["source"] == source)

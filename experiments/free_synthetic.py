@@ -123,12 +123,7 @@ for r in results:
         print(f"shared Z #{i + 1}:")
         print("\n".join(f"  {letter}>{t!r}" for t in group))
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    common.die("the table is above; the figure needs matplotlib: pip install matplotlib")
+plt = common.pyplot("the table is above; the figure")
 firsts = [r for r in results if r["seed"] == seeds[0]]
 fig, axes = plt.subplots(2, 2, figsize=(13, 11))
 for ax, r in zip(axes.flat, firsts):

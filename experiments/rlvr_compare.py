@@ -111,13 +111,7 @@ for mode, rows in summary.items():
     cells += [f"{np.mean([r[key] for r in rows]):.3f}" for key in single]
     print(f"| {mode} | " + " | ".join(cells) + " |")
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    print("no figure: pip install matplotlib")
-    sys.exit(0)
+plt = common.pyplot("the table is above; the figure")
 fig, ax = plt.subplots(figsize=(6, 4))
 for mode, rows in summary.items():
     curves = np.array([r["curve"] for r in rows])  # (seeds, steps)

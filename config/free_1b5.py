@@ -25,6 +25,8 @@ n_kv_head = 2
 # vocabulary (it is Qwen2-1.5B's width, a model of exactly this shape); the 8/3 d rule would give 0.9B.
 ffn_hidden = 8960
 latent_bits = 16  # H (§4.3): 2^16 codes per token, comparable to the 2^17-token vocabulary
+mapper_chunk = 2 ** 26  # the factored backward builds v in pieces of 2^26 values (256 MiB): on a GPU fewer, larger
+# matmuls than the CPU default 2^22 (a choice, not a measurement: no GPU timing of this kernel yet)
 kappa_bits = 0.5  # κ in bits per token; Table 2 trains 1/4, 1/2, 1 and 2 bits (4 bits collapses, §4.4)
 # 32 GPUs x 4 sequences x 2 micro-steps x 4,096 tokens = 1,048,576 tokens per step; 47B tokens in 44,823 steps
 batch_size = 4

@@ -27,6 +27,8 @@ n_kv_head = 8
 ffn_hidden = 14336
 rope_theta = 500000.0  # Llama-3
 latent_bits = 16
+mapper_chunk = 2 ** 26  # the factored backward builds v in pieces of 2^26 values (256 MiB): on a GPU fewer, larger
+# matmuls than the CPU default 2^22 (a choice, not a measurement: no GPU timing of this kernel yet)
 kappa_bits = 0.5  # §4.5: κ = log(2)/2, half a bit per token; Table 3 also trains 1/4, 1 and 2 bits
 # 256 GPUs x 2 sequences x 2 micro-steps x 4,096 tokens = 4,194,304 tokens per step; 200B tokens in 47,684 steps
 batch_size = 2

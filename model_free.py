@@ -187,13 +187,14 @@ def dense_binary_mapper(bit_logits, codes, weight):
 class FactoredBinaryMapper(torch.autograd.Function):
     """dense_binary_mapper's forward value and gradients, never building G, Y or v for all tokens at once.
 
-    Forward: Z = Y + (G - sg G) equals Y exactly, so R_t = W Z_t = W[:, c_t], a column gather.
+    Forward: Z = Y + (G - sg G) (Eq. 8) equals Y exactly, so R_t = W Z_t = W[:, c_t], a column gather.
     Backward, with g_t = dLoss/dR_t (C,) and v_{t,d} = g_t . W[:, d]:
       dLoss/dW[:, d] = sum_{t: c_t = d} g_t                     (only Y carries a value: a scatter-add)
       dLoss/dL_{t,h} = sum_d v_{t,d} dG_{t,d}/dL_{t,h} = sum_d v_{t,d} G_{t,d} (U_h(d) - sigmoid(L_{t,h}))
-    The bits are independent under Q, so G factorises over any split of them. With d = 2^b hi + lo (lo: bits
-    0..b-1, hi: bits b..H-1), G_{t,d} = Glo_{t,lo} Ghi_{t,hi}, two products of Bernoullis over half the bits each
-    (2^8 values at H = 16). Viewing v_t as a (2^a, 2^b) matrix V_t[hi, lo]:
+    since d log G_{t,d} / dL_{t,h} = U_h(d) - sigmoid(L_{t,h}) (G as §3.4 writes it, between Eq. 7 and 8). The bits
+    are independent (Eq. 6), so G factorises over any split of them. With b = ceil(H/2), a = H - b and
+    d = 2^b hi + lo (lo: bits 0..b-1, hi: bits b..H-1), G_{t,d} = Glo_{t,lo} Ghi_{t,hi}, two products of Bernoullis
+    over half the bits each (2^8 values at H = 16). Viewing v_t as a (2^a, 2^b) matrix V_t[hi, lo]:
       x_{t,lo} = Glo_{t,lo} sum_hi Ghi_{t,hi} V_t[hi, lo],   y_{t,hi} = Ghi_{t,hi} sum_lo V_t[hi, lo] Glo_{t,lo}
     are two batched matrix-vector products over v, and with S_t = sum_d v_{t,d} G_{t,d} = sum_lo x_{t,lo}:
       dLoss/dL_{t,h} = sum_lo x_{t,lo} U_h(lo) - sigmoid(L_{t,h}) S_t         for a low bit h < b,

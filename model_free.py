@@ -199,11 +199,11 @@ class FactoredBinaryMapper(torch.autograd.Function):
     are two batched matrix-vector products over v, and with S_t = sum_d v_{t,d} G_{t,d} = sum_lo x_{t,lo}:
       dLoss/dL_{t,h} = sum_lo x_{t,lo} U_h(lo) - sigmoid(L_{t,h}) S_t         for a low bit h < b,
                        sum_hi y_{t,hi} U_{h-b}(hi) - sigmoid(L_{t,h}) S_t     for a high bit.
-    G is never formed, nor all of v: v is built `chunk` values (tokens x codes) at a time in one reused buffer, each
-    piece spanning whole rows hi so that its contributions to x and y are complete. A piece spans as many tokens as
-    fit and as few codes as needed: (tokens, C) x (C, codes) matmuls with many rows run fastest (measured on a CPU
-    at C = 256: 1.4-1.6x against all 2^16 codes for fewer tokens). The work beyond v's 2 C 2^H flops per token is
-    4 2^H for the two products.
+    G is never formed, nor all of v: v is built at most `chunk` values (tokens x codes; at least one token by 2^b
+    codes) at a time in one reused buffer. A piece spans whole rows hi: it gives y for those rows and adds its share
+    to x. A piece spans as many tokens as fit and as few codes as needed: (tokens, C) x (C, codes) matmuls
+    with many rows run fastest (measured on a CPU at C = 256: 1.4-1.6x against all 2^16 codes for fewer tokens).
+    The work beyond v's 2 C 2^H flops per token is 4 2^H for the two products.
     """
 
     @staticmethod

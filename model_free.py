@@ -216,10 +216,11 @@ class FactoredBinaryMapper(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_r):
         bit_logits, codes, weight = ctx.saved_tensors
+        g = grad_r.to(weight.dtype)  # (N, C)
         grad_logits = grad_weight = None
         if ctx.needs_input_grad[2]:
             grad_weight = torch.zeros_like(weight)  # (C, 2^H)
-            grad_weight.t().index_add_(0, codes, grad_r.to(weight.dtype))
+            grad_weight.t().index_add_(0, codes, g)
         if ctx.needs_input_grad[0]:
             N, H = bit_logits.shape
             b = (H + 1) // 2
@@ -228,8 +229,7 @@ class FactoredBinaryMapper(torch.autograd.Function):
             n_lo, n_hi = G_lo.size(1), G_hi.size(1)
             tokens = min(N, max(1, ctx.chunk // n_lo))  # a piece of v: `tokens` tokens by `rows` * 2^b codes
             rows = min(n_hi, max(1, ctx.chunk // (tokens * n_lo)))
-            buffer = grad_r.new_empty(tokens * rows * n_lo, dtype=weight.dtype)
-            g = grad_r.to(weight.dtype)  # (N, C)
+            buffer = g.new_empty(tokens * rows * n_lo)
             x, y = torch.zeros_like(G_lo), torch.empty_like(G_hi)
             for s in range(0, N, tokens):
                 e = min(s + tokens, N)

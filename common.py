@@ -1,6 +1,7 @@
 """What the scripts share: picking a model file, checkpoints, prepared data and tokenizers. Model files never import
 this module; they stay self-contained."""
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -50,10 +51,93 @@ def append_record(path, record):
         f.write(json.dumps(record) + "\n")
 
 
+def read_records(path):
+    """The records of a metrics.jsonl. A partial last line (a crash mid-append) is dropped with a warning, so a log
+    never blocks a run or a plot; a broken line before the last is an error naming it."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                die(f"{path} line {i} is not JSON: fix or delete that line")
+            print(f"warning: {path} ends in a partial line (a crash mid-write?); it is ignored", file=sys.stderr)
+    return records
+
+
+def keep_records(path, before_iter):
+    """Rewrite metrics.jsonl with only the records of iterations before `before_iter` (0: none), atomically."""
+    kept = [r for r in read_records(path) if r.get("iter", 0) < before_iter] if os.path.exists(path) else []
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
 def die(message):
     """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def seeded(seed, *key):
+    """A generator for the draws of (seed, *key), non-negative ints: every batch and every noise draw of a run derives
+    from its step (and micro-step, process, ...), so a resumed run, or one on another number of processes, draws
+    exactly what an uninterrupted single run draws, with no generator state to save."""
+    return np.random.default_rng([seed, *key])
+
+
+def seed_of(seed, *key):
+    """An int seed for torch (manual_seed, torch.Generator) from the stream (seed, *key)."""
+    return int(seeded(seed, *key).integers(2**62))
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device, dtype):
+    """(device_type, the context a forward runs in): torch.autocast to bfloat16/float16, or nothing for float32."""
+    if dtype not in DTYPES:
+        die(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    if DTYPES[dtype] == torch.float32:
+        return device_type, contextlib.nullcontext()
+    return device_type, torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+
+
+def check_device(device):
+    """One line for a device this machine does not have, before any work starts."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        die(f"device={device!r} but this machine has no CUDA GPU (or this torch build has no CUDA): use --device=cpu")
+    if not str(device).startswith(("cuda", "cpu", "mps")):
+        die(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+
+
+_locks = []  # open lock files: the locks live as long as the process
+
+
+def lock_out_dir(out_dir, who):
+    """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
+    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first."""
+    import fcntl
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, ".lock"), "a+")
+    except OSError as e:
+        die(f"cannot write to out_dir {out_dir}: {e.strerror or e}; choose a writable --out_dir")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        die(f"{out_dir} is in use by {holder}: wait for it to finish, or choose another --out_dir")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{who} (pid {os.getpid()})")
+    f.flush()
+    _locks.append(f)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,10 +168,69 @@ def build_model(model_type, model_values):
         die(f"invalid {model_type} model config: {e}")
 
 
-def unwrap(model):
-    """The plain nn.Module under DDP and torch.compile wrappers: its state_dict keys carry no prefixes."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
+def transformer_blocks(model):
+    """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
+    all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Block")]
+
+
+def saved_shapes(model_type, model_values):
+    """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in build_model(model_type, model_values).state_dict().items()}
+
+
+def resume_config(model_type, saved, overrides, out_dir):
+    """A resumed run keeps its architecture: the model overrides given with init_from=resume apply when they leave
+    every saved tensor's shape unchanged (kappa_bits, sigma, kl_beta, block_size, mapper, ...), and stop the run
+    with one line when they would not (n_layer, n_embd, latent_bits, ...)."""
+    changed = {k: v for k, v in overrides.items() if saved.get(k) != v}
+    if not changed:
+        return dict(saved)
+    merged = {**saved, **changed}
+    before, after = saved_shapes(model_type, saved), saved_shapes(model_type, merged)
+    if before != after:
+        key = next(k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k))
+        die(f"resuming {out_dir} with {', '.join(f'{k}={v!r}' for k, v in changed.items())} would change the shape "
+            f"of the saved {key} ({before.get(key)} -> {after.get(key)}); drop that override, or train from scratch "
+            f"into another out_dir")
+    print(f"resuming with the model overrides {', '.join(f'{k}={v!r}' for k, v in changed.items())} (was "
+          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}): no saved tensor changes shape")
+    return merged
+
+
+def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu):
+    """train.py --dry_run: parameters, FLOPs, expected speed and memory per GPU of a config, from a model built on
+    the meta device (shapes, no memory)."""
+    model_values.setdefault("block_size", config_fields(model_type)["block_size"])
+    with torch.device("meta"):
+        planned = build_model(model_type, model_values)
+    cfg = planned.config
+    n_params, flops = planned.num_params(), planned.flops_per_token()
+    peak = peak_flops(device) or PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
+    tokens_per_s = mfu * peak / flops  # per GPU
+    tokens_per_step = grad_accum * batch_size * cfg.block_size  # all GPUs together
+    step_s = tokens_per_step / (tokens_per_s * gpus)
+    # fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter, on every GPU
+    # under DDP, a 1/gpus shard under FSDP.
+    states = 16 * n_params / (gpus if fsdp else 1)
+    # Activations saved for the backward pass, in bf16 without recomputation: Korthikanti et al. 2022 (Reducing
+    # Activation Recomputation in Large Transformer Models, §4.1) count B*T*d*(34 + 5*a*T/d) bytes per layer; flash
+    # attention keeps no T x T scores, which leaves 34*B*T*d. Plus the logits: B*T*V in bf16 (2) and in float for
+    # the loss (4).
+    B, T, d, V, n_blocks = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size, len(transformer_blocks(planned))
+    activations = 34 * B * T * d * n_blocks + 6 * B * T * V
+    GiB = 2 ** 30
+    print(f"dry run: {model_type} model, {n_params:,} parameters, {flops / 1e9:.3g} GFLOPs per token (forward + backward)")
+    print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; "
+          f"{gpus} GPU(s), {tokens_per_step:,} tokens per step: {step_s:.3g} s per step, "
+          f"{max_iters * step_s / 3600:.3g} h for {max_iters:,} steps, {max_iters * tokens_per_step / 1e9:.3g}B tokens")
+    print(f"memory per GPU: {(states + activations) / GiB:.2f} GiB = {states / GiB:.2f} GiB weights, gradients, "
+          f"AdamW (16 bytes per parameter, {f'sharded over {gpus} GPUs by FSDP' if fsdp else 'replicated by DDP'}) + "
+          f"{activations / GiB:.2f} GiB activations (34*B*T*d per block x {n_blocks} blocks + 6*B*T*V logits, "
+          f"B={B}, T={T}, d={d}, V={V})")
+    print("  not counted: model-specific activations (EVE's neurons, the Free Transformer's Binary Mapper), the "
+          "blocks FSDP gathers, the CUDA context and allocator slack (a few GiB)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,10 +238,17 @@ def unwrap(model):
 
 
 def save_checkpoint(checkpoint, path):
-    """Write to a temporary file, then rename: a crash mid-write never leaves a truncated checkpoint behind."""
-    tmp = f"{path}.tmp"
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
+    """Write to a temporary file of this process, then rename: a crash mid-write never leaves a truncated checkpoint
+    behind, and two writers never share a temporary file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk, a read-only or vanished folder: the previous checkpoint is untouched
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        die(f"could not write {path}: {e.strerror or e}; free some space or choose another out_dir "
+            f"(the previous checkpoint there, if any, is unchanged)")
 
 
 def checkpoint_path(path):
@@ -106,29 +256,43 @@ def checkpoint_path(path):
 
 
 def load_checkpoint(path, device="cpu"):
-    path = checkpoint_path(path)
+    """A checkpoint's dict. Tensors are memory-mapped, not read: asking a checkpoint its model type and config costs
+    next to nothing, and a model built from it reads each tensor once."""
+    path = checkpoint_path(str(path))
     if not os.path.exists(path):
         die(f"no checkpoint at {path}: train one first (python train.py ...) or point to an existing ckpt.pt")
+    if os.path.getsize(path) == 0:
+        die(f"checkpoint {path} is empty (a crash before its first write?): retrain, or use another out_dir")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        die(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        die(f"checkpoint {path} is unreadable ({type(e).__name__}{': ' + reason if reason else ''}); "
             f"it may be truncated or not a nanolatent checkpoint: retrain, or resume from another out_dir")
+    if not isinstance(checkpoint, dict) or not {"model_type", "model_config", "meta"} <= set(checkpoint):
+        die(f"{path} is a torch file but not a nanolatent checkpoint (no model_type, model_config and meta): "
+            f"point to a ckpt.pt that train.py, rlvr.py or convert.py wrote")
+    return checkpoint
 
 
-def load_model(path, device="cpu", model_type=None, **overrides):
-    """Model from a checkpoint, optionally into another model type (a det checkpoint into btrans, say).
-    Config fields the target lacks are dropped; parameters new in the target (B-Trans offsets) keep their init."""
-    checkpoint = load_checkpoint(path, device)
+def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides):
+    """Model from a checkpoint (read from path unless given), optionally into another model type (a det checkpoint
+    into btrans, say). Config fields the target lacks are dropped; parameters new in the target (B-Trans offsets)
+    keep their init."""
+    checkpoint = checkpoint or load_checkpoint(path, device)
     source_type = checkpoint["model_type"]
     model_type = model_type or source_type
     fields = config_fields(model_type)
     model_values = {k: v for k, v in checkpoint["model_config"].items() if k in fields}
     model_values.update(overrides)
     model = build_model(model_type, model_values)
-    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    except RuntimeError as e:  # a tensor of another shape: the overrides or the data changed the architecture
+        die(f"checkpoint {checkpoint_path(str(path))} does not fit the {model_type} model asked for: "
+            f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}")
     if unexpected or (missing and model_type == source_type):
-        die(f"checkpoint {checkpoint_path(path)} ({source_type}) does not fit a {model_type} model: "
+        die(f"checkpoint {checkpoint_path(str(path))} ({source_type}) does not fit a {model_type} model: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if missing:
         print(f"loaded a {source_type} checkpoint into {model_type}; new parameters keep their init: "

@@ -1,80 +1,139 @@
-"""Overrides a script's module-level defaults from Python config files and --key=value arguments (nanoGPT's
-configurator, made strict: an unknown key or a value of the wrong type is one clear error and exit code 2).
+"""Overrides a script's module-level defaults from Python config files and --key=value arguments: nanoGPT's
+configurator, made strict (an unknown key or a value of the wrong type is one clear error and exit code 2).
 
     python train.py config/free_synthetic.py --batch_size=32 --kappa_bits=0.5
 
-Config files are plain Python: every top-level name they assign becomes an override. Values on the command line are
-parsed with ast.literal_eval (so --compile=False is a bool and --start=hello a string). Keys that are fields of the
-chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accepted too and returned separately.
+Every script calls it once, right below its defaults, as nanoGPT's scripts exec configurator.py there:
+
+    config, model_config = configurator.apply(globals())
+
+The defaults are the module's public names bound to an int, float, bool, str or tuple above that line. Config files
+(arguments ending in .py) are plain Python: every top-level name they assign becomes an override. A value on the
+command line is read as the type of its default: a str is taken as written (--start=123 is the text "123"), a tuple
+is split on commas (--kappas=1_64,8), a number or bool is a Python literal (--compile=False). Keys that are fields of
+the chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accepted too and returned separately.
 """
 
 import ast
 import difflib
+import os
 import sys
 
+import common
 
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_args(argv):
-    """Split argv into config-file overrides and command-line overrides, in order of precedence."""
-    file_values, cli_values = {}, {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            namespace = {}
-            try:
-                with open(arg) as f:
-                    exec(f.read(), namespace)
-            except FileNotFoundError:
-                fail(f"config file {arg!r} not found (arguments are config files or --key=value)")
-            file_values.update({k: v for k, v in namespace.items()
-                                if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"})
-        else:
-            key, sep, text = arg[2:].partition("=")
-            if not sep:
-                fail(f"argument {arg!r} has no value: write --{key}=VALUE")
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare word is a string: --model=btrans
-            cli_values[key] = value
-    return file_values, cli_values
+TYPES = (int, float, bool, str, tuple)  # what a default may be
 
 
-def check_type(key, value, default):
-    """The value must have the default's type; an int may stand for a float; a None default takes anything."""
+def read_config_file(path):
+    """Top-level assignments of a Python config file, one line on stderr for anything wrong with it."""
+    if os.path.isdir(path) or not os.path.exists(path):
+        common.die(f"config file {path!r} not found (arguments are config files ending in .py, or --key=value)")
+    namespace = {}
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+    except SyntaxError as e:
+        common.die(f"config file {path} line {e.lineno}: {e.msg}")
+    except Exception as e:
+        common.die(f"config file {path} failed: {type(e).__name__}: {e}")
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (*TYPES, list, type(None)))}
+
+
+def literal(text):
+    """A Python literal, or the text itself when it is none (--model=btrans)."""
+    try:
+        return ast.literal_eval(text)
+    except (SyntaxError, ValueError):
+        return text
+
+
+def parse(key, text, default):
+    """A command-line value as the type of its default."""
+    if isinstance(default, str):
+        value = literal(text)
+        return value if isinstance(value, str) else text  # quoted or not, a string stays as written
+    if isinstance(default, tuple):
+        if default and isinstance(default[0], str):
+            return tuple(part for part in text.split(",") if part)  # --kappas=1_64,8: words, never numbers
+        value = literal(text)
+        return check(key, value if isinstance(value, (tuple, list)) else (value,), default)
+    return check(key, literal(text), default)
+
+
+def check(key, value, default):
+    """The value must have the default's type; an int may stand for a float; a None default takes anything; a
+    tuple's elements must have the type of the default's first element."""
     if default is None or value is None:
         return value
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
-        return type(default)(value)
+    if isinstance(default, tuple) and isinstance(value, (list, tuple)):
+        return tuple(check(key, v, default[0]) for v in value) if default else tuple(value)
     if type(value) is not type(default):
-        fail(f"--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
-             f"of type {type(value).__name__}")
+        common.die(f"--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
+                   f"of type {type(value).__name__}")
     return value
 
 
-def configure(defaults, argv, model_fields):
-    """Returns (script_values, model_values). model_fields(values) -> {field: default} of the chosen model's Config,
-    called with the script's values after overrides (so it can look at the model key)."""
-    file_values, cli_values = parse_args(argv)
-    overrides = {**file_values, **cli_values}
-    script_values = dict(defaults)
-    for key, value in overrides.items():
+def configure(defaults, argv, model_fields=None, positional=None):
+    """Returns (script values, model values). model_fields(values) -> {field: default} of the chosen model's Config,
+    called with the script's values after overrides (so it can look at the model key). positional names the default
+    that takes the arguments which are neither config files nor --key=value: a str takes one (prepare.py's source), a
+    tuple all of them (plot.py's runs)."""
+    file_values, cli_texts, free = {}, {}, []
+    for arg in argv:
+        if arg.startswith("--"):
+            key, sep, text = arg[2:].partition("=")
+            if not sep:
+                common.die(f"argument {arg!r} has no value: write --{key}=VALUE")
+            cli_texts[key] = text
+        elif arg.endswith(".py") or positional is None:
+            file_values.update(read_config_file(arg))
+        else:
+            free.append(arg)
+    values = dict(defaults)
+    if positional is not None and free:
+        if isinstance(defaults[positional], str) and len(free) > 1:
+            common.die(f"one {positional} at a time, got {' '.join(free)}")
+        values[positional] = tuple(free) if isinstance(defaults[positional], tuple) else free[0]
+    for key, value in file_values.items():
         if key in defaults:
-            script_values[key] = check_type(key, value, defaults[key])
-    fields = model_fields(script_values)
+            values[key] = check(key, tuple(value) if isinstance(value, list) else value, defaults[key])
+    for key, text in cli_texts.items():  # the command line wins over config files
+        if key in defaults:
+            values[key] = parse(key, text, defaults[key])
+    fields = model_fields(values) if model_fields else {}
     model_values = {}
-    for key, value in overrides.items():
+    for key in [*file_values, *cli_texts]:
         if key in defaults:
             continue
         if key not in fields:
             close = difflib.get_close_matches(key, list(defaults) + list(fields), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            fail(f"unknown config key {key!r}{hint}; known keys: {', '.join(sorted(defaults))}, "
-                 f"and the model's Config fields: {', '.join(sorted(fields))}")
-        model_values[key] = check_type(key, value, fields[key])
-    return script_values, model_values
+            common.die(f"unknown config key {key!r}{hint}; known keys: {', '.join(sorted(defaults))}"
+                       + (f", and the model's Config fields: {', '.join(sorted(fields))}" if fields else ""))
+        model_values[key] = (parse(key, cli_texts[key], fields[key]) if key in cli_texts
+                             else check(key, file_values[key], fields[key]))
+    return values, model_values
+
+
+def apply(namespace, argv=None, model_fields=None, positional=None):
+    """configure() on the caller's module globals (their public int/float/bool/str/tuple names), which it updates.
+    Returns (config, model values): config is every script value after overrides, as a checkpoint records it."""
+    defaults = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, TYPES)}
+    config, model_values = configure(defaults, sys.argv[1:] if argv is None else argv, model_fields, positional)
+    namespace.update(config)
+    return config, model_values
+
+
+def require(config, positive=(), non_negative=(), choices=None):
+    """Refuse values that parse but make no sense (--max_iters=-5, --eval_interval=0, --dtype=float64), one line each."""
+    for key in positive:
+        if config[key] <= 0:
+            common.die(f"--{key} must be > 0, got {config[key]!r}")
+    for key in non_negative:
+        if config[key] < 0:
+            common.die(f"--{key} must be >= 0, got {config[key]!r}")
+    for key, allowed in (choices or {}).items():
+        if config[key] not in allowed:
+            common.die(f"--{key} must be one of {', '.join(map(str, allowed))}, got {config[key]!r}")

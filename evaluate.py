@@ -2,11 +2,11 @@
 metrics of K minds. Prints a table (one column per checkpoint, all on the same tokens) and optionally writes JSON.
 
     python evaluate.py --out_dir=out-det-synthetic                        # lm metrics on the val split it trained on
-    python evaluate.py --ckpts=out-det,out-eve,out-free --mc_samples=16 --out_json=eval.json   # side by side
+    python evaluate.py --out_dir=out-det,out-eve,out-free --mc_samples=16 --out_json=eval.json  # side by side
     python evaluate.py --out_dir=out-free --iw_samples=32                 # + Free Transformer ELBO and IW bound
-    python evaluate.py --ckpts=out-det --model=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
+    python evaluate.py --out_dir=out-det --model=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
     python evaluate.py --task=mc --mc_file=hellaswag_val.jsonl --out_dir=out-gpt2   # or --mc_file=arc_easy (online)
-    python evaluate.py --task=population --ckpts=out-det,out-btrans --minds=8 --num_prompts=64
+    python evaluate.py --task=population --out_dir=out-det,out-btrans --minds=8 --num_prompts=64
 
 Definitions (N predicted tokens, M passes, p_m the softmax of pass m, p̄ = (1/M) sum_m p_m, y the target token):
     nll              -log p̄(y), computed as -(logsumexp_m log p_m(y) - log M); ppl = exp(nll)
@@ -30,21 +30,19 @@ import json
 import math
 import os
 import re
-import sys
 from collections import Counter
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 import common
-from configurator import configure
+import configurator
+import tasks
 
 # ----------------------------------------------------------------------------------------------------------------
 # what to evaluate
-out_dir = "out"  # the checkpoint folder (or ckpt.pt file) to evaluate
-ckpts = ""  # comma-separated checkpoints to compare side by side, e.g. out-det,out-eve (overrides out_dir)
+out_dir = "out"  # the run to evaluate (a folder or a ckpt.pt), or several side by side: out-det,out-eve
 model = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
 task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task)
 out_json = ""  # also write the results to this file
@@ -53,7 +51,7 @@ seed = 1337  # latents (and any other draw); reset for each checkpoint so all se
 dataset = ""  # '' = the dataset the checkpoints were trained on (recorded in them)
 split = "val"
 seq_len = 0  # window length in tokens; 0 = the smallest block_size of the checkpoints
-max_tokens = 0  # evaluate about this many predicted tokens (0 = the whole split)
+max_tokens = 8192  # evaluate about this many predicted tokens (0 = the whole split: minutes to hours on a CPU)
 batch_size = 8  # windows per forward; memory is a few (batch_size * seq_len, vocab) float32 tensors
 mc_samples = 8  # M stochastic passes per window (det: 1)
 iw_samples = 8  # Free Transformer: K encoder samples per sequence for the importance-weighted bound (0 = skip)
@@ -73,10 +71,8 @@ ngram = 4  # n of distinct-n
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 # ----------------------------------------------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
-
-LATENTS = {"det": "none (deterministic)", "eve": "fresh eps per pass", "btrans": "one mind per pass",
-           "free": "Z from the uniform prior per pass"}
+LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
+           "code": "Z from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,84 +170,6 @@ def mc_metrics(log_probs, targets, n_bins=15, cvar_alpha=0.05):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# population metrics (rlvr.py imports these): pass@k, a verifier for the letters task, majority vote, diversity
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
-    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def letters_answer(text, strict=False, length=64, run=8):
-    """The letter a continuation of the synthetic task (Free Transformer §4.1, prepare.py) writes, or None.
-
-    The continuation's first `length` (64) characters must all be '_', '!' or one upper-case letter L, L must
-    appear, and some window of `run` (8) consecutive positions must hold every L while being L or '!' throughout:
-    the task's target of 8 L's, each of which the data's noise may have replaced by '!'. So the answer is L exactly
-    when the 64 characters could have come from the task's generator for prompt "L>". Characters past 64 (the
-    data's '\\n') are ignored. strict=True asks for the noise-free form: exactly 8 L's, consecutive."""
-    body = text[:length]
-    letters = set(body) - {"_", "!"}
-    if len(body) < length or len(letters) != 1 or not letters <= set(LETTERS):
-        return None
-    (letter,) = letters
-    if strict:
-        return letter if body.count(letter) == run and letter * run in body else None
-    pos = [i for i, ch in enumerate(body) if ch == letter]
-    for s in range(max(0, pos[-1] - run + 1), min(pos[0], length - run) + 1):  # the windows holding every L
-        if all(ch in (letter, "!") for ch in body[s:s + run]):
-            return letter
-    return None
-
-
-def verify_letters(prompt, text, strict=False):
-    """True when the continuation `text` of the prompt "L>" is well formed for L (see letters_answer)."""
-    if not re.fullmatch(r"[A-Z]>", prompt):
-        raise ValueError(f"a letters-task prompt is one upper-case letter and '>', got {prompt!r}")
-    return letters_answer(text, strict) == prompt[0]
-
-
-def majority_answer(answers):
-    """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
-    goes to the answer seen first. None when no answer parses."""
-    counts = Counter(a for a in answers if a is not None)
-    return counts.most_common(1)[0][0] if counts else None
-
-
-def distinct_n(seqs, n):
-    """Distinct n-grams over a group of sequences (Li et al. 2016): unique n-grams / all n-grams, pooled."""
-    grams = [tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def edit_distance(a, b):
-    """Levenshtein distance (insertions, deletions, substitutions, each 1)."""
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i]
-        for j, y in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
-        prev = cur
-    return prev[-1]
-
-
-def pairwise_distance(seqs):
-    """Mean over pairs of edit_distance(a, b) / max(len a, len b): 0 for identical, 1 for entirely different."""
-    pairs = [(a, b) for i, a in enumerate(seqs) for b in seqs[i + 1:]]
-    if not pairs:
-        return 0.0
-    return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # multiple-choice data: {"context": str, "choices": [str], "label": int} examples
 
 HF_TASKS = {  # name: (hub path, config, split), loaded with datasets.load_dataset when online
@@ -337,8 +255,8 @@ def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
 
 
 @torch.no_grad()
-def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samples=0, n_bins=15, cvar_alpha=0.05,
-                autocast=nullcontext()):
+def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_samples=0, n_bins=15,
+                cvar_alpha=0.05, autocast=nullcontext()):
     """Monte Carlo metrics of net on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
     stats, and for a model with an encoder (Free) the ELBO and the importance-weighted bound."""
     device = net.tok_emb.weight.device
@@ -354,7 +272,7 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samp
         stats.update({k: float(v) * B for k, v in batch_stats.items()})
 
         def passes():
-            if is_deterministic(net):  # the forward above was the one pass there is
+            if net.latent_kind == "none":  # the forward above was the one pass there is
                 yield F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
                 return
             for _ in range(n_passes):  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
@@ -362,11 +280,11 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=8, iw_samp
                     pass_logits = net(x, y, latents=net.sample_latents(B, generator))[0]  # (B, T, V)
                 yield F.log_softmax(pass_logits.float(), dim=-1).flatten(0, 1)  # (B*T, V)
         mc.add(passes(), y.reshape(-1))
-        if hasattr(net, "posterior") and iw_samples:
+        if net.latent_kind == "code" and iw_samples:
             bounds["iw_bound"] += iw_bound(net, x, y, iw_samples, generator, autocast).sum().item()
         n_seqs += B
-    out = {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""), **mc.result()}
-    if hasattr(net, "posterior"):  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
+    out = {"latents": LATENTS[net.latent_kind], **mc.result()}
+    if net.latent_kind == "code":  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
         # -ELBO per token, nats: -log p(y|z) at one encoder sample z ~ q(Z|x) per sequence + the exact KL(q || uniform)
         out["neg_elbo"] = stats.pop("elbo") / n_seqs
         stats["ce_posterior"] = stats.pop("ce")  # CE given the encoder's Z, which reads the tokens: not a likelihood
@@ -442,14 +360,14 @@ def evaluate_mc(net, examples, encode, n_passes, generator, autocast=nullcontext
                   "acc_completion": [s / max(n, 1) for s, n in zip(ll, n_tokens)]}
         for name, values in scores.items():
             hits[name] += max(range(len(values)), key=values.__getitem__) == ex["label"]
-    return {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""),
+    return {"latents": LATENTS[net.latent_kind],
             **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
             "examples": len(examples), "passes": n_passes, "truncated": truncated}
 
 
 @torch.no_grad()
-def evaluate_population(net, prompts, encode, decode, K, generator, max_new_tokens=64, temperature=1.0, top_k=0,
-                        n=4):
+def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_tokens=64, temperature=1.0,
+                        top_k=0, n=4):
     """K minds per prompt (latents from sample_latents, one generation each) on the letters task: mean pass@1 and
     pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
     device = net.tok_emb.weight.device
@@ -459,24 +377,112 @@ def evaluate_population(net, prompts, encode, decode, K, generator, max_new_toke
         out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
                            latents=net.sample_latents(K, generator), generator=generator)
         texts = [decode(row[idx.size(1):]) for row in out.tolist()]
-        answers = [letters_answer(t) for t in texts]
+        answers = [tasks.letters_answer(t) for t in texts]
         c = sum(a == prompt[0] for a in answers)
-        totals["pass@1"] += pass_at_k(K, c, 1)
-        totals[f"pass@{K}"] += pass_at_k(K, c, K)
-        totals["majority_acc"] += majority_answer(answers) == prompt[0]
-        totals[f"distinct_{n}"] += distinct_n(texts, n)
-        totals["pairwise_edit"] += pairwise_distance(texts)
-    return {"latents": LATENTS.get(type(net).__module__.removeprefix("model_"), ""),
+        totals["pass@1"] += tasks.pass_at_k(K, c, 1)
+        totals[f"pass@{K}"] += tasks.pass_at_k(K, c, K)
+        totals["majority_acc"] += tasks.majority_answer(answers) == prompt[0]
+        totals[f"distinct_{n}"] += tasks.distinct_n(texts, n)
+        totals["pairwise_edit"] += tasks.pairwise_distance(texts)
+    return {"latents": LATENTS[net.latent_kind],
             **{k: v / len(prompts) for k, v in totals.items()}, "prompts": len(prompts), "minds": K}
-
-
-def is_deterministic(net):
-    """No latents and no noise: one pass is all there is (det, B-Trans in 'mean' mode)."""
-    return type(net).__module__ == "model_det" or getattr(net.config, "noise_mode", None) == "mean"
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the script
+
+
+def load_net(path, checkpoint):
+    """The checkpoint as a model in eval mode (into --model when given, with the Config overrides it takes) and a
+    generator, both seeded alike for every run so all see the same draws."""
+    fields = common.config_fields(model or checkpoint["model_type"])
+    net, _ = common.load_model(path, device, model or None, checkpoint=checkpoint,
+                               **{k: v for k, v in overrides.items() if k in fields})
+    torch.manual_seed(seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
+    return net.eval(), torch.Generator(device).manual_seed(seed)
+
+
+def dataset_for(checkpoints):
+    """The prepared dataset the runs are evaluated on (--dataset, or the one they were trained on), refusing a run
+    whose tokenizer does not fit it. -> (name, meta)"""
+    trained_on = {p: c.get("config", {}).get("dataset") for p, c in checkpoints.items()}
+    name = dataset or next(iter(trained_on.values()))
+    if not dataset and len(set(trained_on.values())) > 1:
+        common.die(f"the checkpoints were trained on different datasets ({trained_on}); choose one with --dataset=")
+    if not name:
+        common.die("the checkpoint records no dataset: pass --dataset=NAME (a folder prepared by prepare.py)")
+    meta = common.load_meta(name)
+    for path, checkpoint in checkpoints.items():
+        if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
+            common.die(f"{path} was trained with another tokenizer or vocabulary than dataset {name!r}")
+    return name, meta
+
+
+def run_lm(checkpoints):
+    """Monte Carlo metrics of every run on the same windows of a token stream."""
+    name, meta = dataset_for(checkpoints)
+    data = common.load_tokens(name, split, meta)
+    block = min(overrides.get("block_size", c["model_config"]["block_size"]) for c in checkpoints.values())
+    T = min(seq_len or block, meta["doc_len"] - 1) if "doc_len" in meta else (seq_len or block)
+    if T > block:
+        common.die(f"seq_len={T} exceeds the smallest block_size of the checkpoints ({block})")
+    starts = lm_windows(len(data), T, meta.get("doc_len"), max_tokens)
+    if not starts:
+        common.die(f"{name}/{split}.bin holds {len(data)} tokens: too few for one window of {T + 1}")
+    print(f"lm: {len(starts) * T:,} tokens in {len(starts)} windows of {T} from {name}/{split}.bin, "
+          f"mc_samples={mc_samples}" + ("" if max_tokens else " (the whole split)"))
+    results = {}
+    for path, checkpoint in checkpoints.items():
+        net, generator = load_net(path, checkpoint)
+        n_passes = 1 if net.latent_kind == "none" else mc_samples
+        results[path] = evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=batch_size,
+                                    iw_samples=iw_samples, n_bins=ece_bins, cvar_alpha=cvar_alpha, autocast=autocast)
+    if any("neg_elbo" in r for r in results.values()):
+        print("free: nll ... cvar_nll use Z from the uniform prior (what generation sees); neg_elbo and iw_bound are "
+              "upper bounds on the NLL through the encoder; stats/ce_posterior reads the future, not a likelihood")
+    return {"dataset": name, "split": split, "seq_len": T, "windows": len(starts), "mc_samples": mc_samples,
+            "iw_samples": iw_samples}, results
+
+
+def run_mc(checkpoints):
+    """Multiple-choice accuracy of every run on the same examples."""
+    if not mc_file:
+        common.die(f"--task=mc needs --mc_file: a .jsonl file or one of {', '.join(HF_TASKS)}")
+    examples = load_mc_examples(mc_file, max_examples)
+    print(f"mc: {len(examples)} examples from {mc_file}; choices scored by the log-likelihood of ' ' + choice; "
+          f"stochastic models by p̄ over {mc_samples} passes (latents shared by the choices)")
+    results = {}
+    for path, checkpoint in checkpoints.items():
+        net, generator = load_net(path, checkpoint)
+        encode, _ = common.tokenizer(checkpoint["meta"])
+        n_passes = 1 if net.latent_kind == "none" else mc_samples
+        results[path] = evaluate_mc(net, examples, encode, n_passes, generator, autocast)
+        if results[path]["truncated"]:
+            print(f"{path}: {results[path]['truncated']} examples longer than block_size={net.config.block_size} "
+                  f"were left-truncated (their first tokens dropped)")
+    return {"mc_file": mc_file, "mc_samples": mc_samples}, results
+
+
+def run_population(checkpoints):
+    """K minds per prompt of the letters task, for every run on the same prompts."""
+    name, meta = dataset_for(checkpoints)
+    if meta.get("doc_len") is None or meta["tokenizer"] != "char":
+        common.die(f"--task=population runs on the synthetic letters task; {name!r} is not it "
+                   f"(python prepare.py synthetic, then --dataset=synthetic)")
+    prompts = tasks.load_prompts("letters", name, split, meta)[:num_prompts]
+    if not prompts or not all(re.fullmatch(r"[A-Z]>", p) for p in prompts):
+        common.die(f"--task=population runs on the synthetic letters task; {name!r} is not it "
+                   f"(python prepare.py synthetic, then --dataset=synthetic)")
+    results = {}
+    for path, checkpoint in checkpoints.items():
+        net, generator = load_net(path, checkpoint)
+        encode, decode = common.tokenizer(checkpoint["meta"])
+        with autocast:
+            results[path] = evaluate_population(net, prompts, encode, decode, minds, generator,
+                                                max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_k=top_k, n=ngram)
+    return {"dataset": name, "split": split, "minds": minds, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}, results
 
 
 def print_table(results):
@@ -491,106 +497,31 @@ def print_table(results):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
 
 
-def main():
-    info = {}  # path -> (model_type, model_config, training config, meta), read once without keeping the weights
+if __name__ == "__main__":
+    checkpoints = {}
 
     def model_fields(values):
-        """Config fields may be overridden (--sigma=0.05): those of any model the checkpoints are loaded into."""
+        """Config fields may be overridden (--sigma=0.05): those of any model the checkpoints are loaded into.
+        Reading a checkpoint here costs little: its tensors are memory-mapped, read once a model is built."""
         fields = {}
-        for path in [p for p in values["ckpts"].split(",") if p] or [values["out_dir"]]:
-            checkpoint = common.load_checkpoint(path)
-            info[path] = (checkpoint["model_type"], checkpoint["model_config"], checkpoint.get("config", {}),
-                          checkpoint["meta"])
-            fields.update(common.config_fields(values["model"] or checkpoint["model_type"]))
+        for path in [p for p in values["out_dir"].split(",") if p]:
+            checkpoints[path] = common.load_checkpoint(path)
+            fields.update(common.config_fields(values["model"] or checkpoints[path]["model_type"]))
         return fields
 
-    config, overrides = configure(DEFAULTS, sys.argv[1:], model_fields)
-    cfg = SimpleNamespace(**config)
-    if cfg.task not in ("lm", "mc", "population"):
-        common.die(f"task must be lm, mc or population, got {cfg.task!r}")
-    device_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
-    header = {"task": cfg.task, "seed": cfg.seed}
-
-    if cfg.task in ("lm", "population"):  # a prepared dataset every checkpoint's tokenizer fits
-        trained_on = {p: train_config.get("dataset") for p, (_, _, train_config, _) in info.items()}
-        ds = cfg.dataset or next(iter(trained_on.values()))
-        if not cfg.dataset and len(set(trained_on.values())) > 1:
-            common.die(f"the checkpoints were trained on different datasets ({trained_on}); choose one with --dataset=")
-        if not ds:
-            common.die("the checkpoint records no dataset: pass --dataset=NAME (a folder prepared by prepare.py)")
-        meta = common.load_meta(ds)
-        for path, (_, _, _, ckpt_meta) in info.items():
-            if (ckpt_meta["tokenizer"], ckpt_meta.get("chars")) != (meta["tokenizer"], meta.get("chars")):
-                common.die(f"{path} was trained with another tokenizer or vocabulary than dataset {ds!r}")
-        data = common.load_tokens(ds, cfg.split, meta)
-        header.update(dataset=ds, split=cfg.split)
-    if cfg.task == "lm":
-        block = min(overrides.get("block_size", model_config["block_size"]) for _, model_config, _, _ in info.values())
-        T = min(cfg.seq_len or block, meta["doc_len"] - 1) if "doc_len" in meta else (cfg.seq_len or block)
-        if T > block:
-            common.die(f"seq_len={T} exceeds the smallest block_size of the checkpoints ({block})")
-        starts = lm_windows(len(data), T, meta.get("doc_len"), cfg.max_tokens)
-        if not starts:
-            common.die(f"{ds}/{cfg.split}.bin holds {len(data)} tokens: too few for one window of {T + 1}")
-        print(f"lm: {len(starts) * T:,} tokens in {len(starts)} windows of {T} from {ds}/{cfg.split}.bin, "
-              f"mc_samples={cfg.mc_samples}")
-        header.update(seq_len=T, windows=len(starts), mc_samples=cfg.mc_samples, iw_samples=cfg.iw_samples)
-    elif cfg.task == "mc":
-        if not cfg.mc_file:
-            common.die(f"--task=mc needs --mc_file: a .jsonl file or one of {', '.join(HF_TASKS)}")
-        examples = load_mc_examples(cfg.mc_file, cfg.max_examples)
-        print(f"mc: {len(examples)} examples from {cfg.mc_file}; choices scored by the log-likelihood of "
-              f"' ' + choice; stochastic models by p̄ over {cfg.mc_samples} passes (latents shared by the choices)")
-        header.update(mc_file=cfg.mc_file, mc_samples=cfg.mc_samples)
-    else:
-        doc_len = meta.get("doc_len")
-        prompts = [] if not doc_len else [
-            "".join(meta["chars"][t] for t in data[i * doc_len:i * doc_len + 2])
-            for i in range(min(cfg.num_prompts, len(data) // doc_len))]
-        if not prompts or not all(re.fullmatch(r"[A-Z]>", p) for p in prompts):
-            common.die(f"--task=population runs on the synthetic letters task; {ds!r} is not it "
-                       f"(python prepare.py synthetic, then --dataset=synthetic)")
-        header.update(minds=cfg.minds, prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, top_k=cfg.top_k)
-
-    results = {}
-    for path, (model_type, _, _, _) in info.items():
-        target_type = cfg.model or model_type
-        fields = common.config_fields(target_type)
-        net, checkpoint = common.load_model(path, cfg.device, cfg.model or None,
-                                            **{k: v for k, v in overrides.items() if k in fields})
-        net.eval()
-        torch.manual_seed(cfg.seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
-        generator = torch.Generator(cfg.device).manual_seed(cfg.seed)
-        n_passes = 1 if is_deterministic(net) else cfg.mc_samples
-        if cfg.task == "lm":
-            r = evaluate_lm(net, data, starts, T, n_passes, generator, cfg.batch_size, cfg.iw_samples, cfg.ece_bins,
-                            cfg.cvar_alpha, autocast)
-        elif cfg.task == "mc":
-            encode, _ = common.tokenizer(checkpoint["meta"])
-            r = evaluate_mc(net, examples, encode, n_passes, generator, autocast)
-            if r["truncated"]:
-                print(f"{path}: {r['truncated']} examples longer than block_size={net.config.block_size} were "
-                      f"left-truncated (their first tokens dropped)")
-        else:
-            encode, decode = common.tokenizer(checkpoint["meta"])
-            with autocast:
-                r = evaluate_population(net, prompts, encode, decode, cfg.minds, generator, cfg.max_new_tokens,
-                                        cfg.temperature, cfg.top_k, cfg.ngram)
-        results[path] = {"model_type": target_type, **r}
-        del net, checkpoint
-
+    config, overrides = configurator.apply(globals(), model_fields=model_fields)
+    configurator.require(config, positive=("batch_size", "mc_samples", "ece_bins", "minds", "num_prompts",
+                                           "max_new_tokens", "ngram"),
+                         non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k"),
+                         choices={"task": ("lm", "mc", "population"), "dtype": tuple(common.DTYPES)})
+    common.check_device(device)
+    if not checkpoints:
+        common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
+    _, autocast = common.autocast(device, dtype)
+    header, results = {"lm": run_lm, "mc": run_mc, "population": run_population}[task](checkpoints)
+    results = {path: {"model_type": model or checkpoints[path]["model_type"], **r} for path, r in results.items()}
     print_table(results)
-    if any(r["model_type"] == "free" for r in results.values()) and cfg.task == "lm":
-        print("free: nll ... cvar_nll use Z from the uniform prior (what generation sees); neg_elbo and iw_bound are "
-              "upper bounds on the NLL through the encoder; stats/ce_posterior reads the future, not a likelihood")
-    if cfg.out_json:
-        with open(cfg.out_json, "w") as f:
-            json.dump({**header, "results": results}, f, indent=1)
-        print(f"wrote {cfg.out_json}")
-
-
-if __name__ == "__main__":
-    main()
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump({"task": task, "seed": seed, **header, "results": results}, f, indent=1)
+        print(f"wrote {out_json}")

@@ -202,6 +202,12 @@ class Config:
 
 class Model(nn.Module):
 
+    @property
+    def latent_kind(self):
+        """What each stochastic pass draws, for the scripts: one mind per sequence (§4.3), fresh noise at every token
+        (§6.1), or nothing in 'mean' mode (§5), whose one pass is all there is."""
+        return {"sequence": "mind", "token": "noise", "mean": "none"}[self.config.noise_mode]
+
     def __init__(self, config):
         super().__init__()
         self.config = config

@@ -149,6 +149,7 @@ class Config:
 
 
 class Model(nn.Module):
+    latent_kind = "none"  # what each stochastic pass draws, for the scripts: nothing here, one pass is all there is
 
     def __init__(self, config):
         super().__init__()

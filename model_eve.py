@@ -325,6 +325,7 @@ class Config:
 
 
 class Model(nn.Module):
+    latent_kind = "noise"  # what each stochastic pass draws, for the scripts: a fresh eps for every neuron and token
 
     def __init__(self, config):
         super().__init__()
@@ -448,9 +449,9 @@ class Model(nn.Module):
         return loss, stats
 
     @torch.no_grad()
-    def update_controllers(self, stats=None):
+    def update_controllers(self):
         """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()). Reads the per-unit
-        KL_u and mu2_u each block stashed in its last training forward (`stats` is unused), averaged over processes
+        KL_u and mu2_u each block stashed in its last training forward, averaged over processes
         so every rank applies the same update and the weights stay identical:
         - EMA of each neuron's mu^2 (buffer mu2_ema);
         - beta controller (beta_control): a unit's beta grows by 1 + beta_rate while its KL is above kl_band and

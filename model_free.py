@@ -284,6 +284,7 @@ class Config:
 
 
 class Model(nn.Module):
+    latent_kind = "code"  # what each stochastic pass draws, for the scripts: Z codes, from the prior or the encoder
 
     def __init__(self, config):
         super().__init__()

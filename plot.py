@@ -2,15 +2,26 @@
 
     python plot.py out-det out-eve --keys=val_ce,kl --out=curves.png      # metrics.jsonl of each run, vs iter
     python plot.py out-det out-eve --keys=val_loss --x=tokens
-    python plot.py --eval det.json eve.json --out=epistemic.png            # evaluate.py's MC metrics, log axis
+    python plot.py det.json eve.json --out=epistemic.png                   # evaluate.py's MC metrics, log axis
+
+A run's default panels are val_loss, and beside it val_ce_prior where the run logs it (the stochastic models' CE with
+latents from the prior: the Free Transformer's honest number, its val_loss reading the future through the encoder).
 """
 
-import argparse
 import json
 import os
-import sys
 
 import common
+import configurator
+
+# ----------------------------------------------------------------------------------------------------------------
+paths = ()  # train.py out_dirs, or evaluate.py --out_json files (*.json): the arguments that are not --key=value
+keys = ("val_loss",)  # metrics.jsonl keys, one panel each: --keys=val_ce,kl
+x = "iter"  # or tokens
+out = "plot.png"
+configurator.apply(globals(), positional="paths")
+configurator.require(globals(), choices={"x": ("iter", "tokens")})
+# ----------------------------------------------------------------------------------------------------------------
 
 # evaluate.py's Monte Carlo metrics, in the order of the EVE paper's Fig. 3 view
 EVAL_KEYS = ("nll", "cvar_nll", "ece", "brier", "entropy", "mi", "epistemic_ratio", "cond_var", "flip_rate")
@@ -20,8 +31,7 @@ def read_records(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         common.die(f"{run_dir} has no metrics.jsonl: is it a train.py out_dir?")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = common.read_records(path)
     if not records:
         common.die(f"{path} is empty: the run logged nothing yet")
     return records
@@ -30,6 +40,8 @@ def read_records(run_dir):
 def plot_runs(run_dirs, keys, x_key, out):
     runs = {os.path.basename(os.path.normpath(d)): read_records(d) for d in run_dirs}
     known = sorted({k for records in runs.values() for r in records for k in r})
+    if keys == ("val_loss",) and "val_ce_prior" in known:  # the default panel, and the honest CE beside it
+        keys = (*keys, "val_ce_prior")
     for key in keys:
         if key not in known:
             common.die(f"unknown key {key!r}; the records have: {', '.join(known)}")
@@ -83,20 +95,12 @@ def plot_eval(paths, out, floor=1e-6):
     fig.savefig(out, dpi=100)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", help="train.py out_dirs, or evaluate.py JSON files with --eval")
-    parser.add_argument("--keys", default="val_loss", help="comma-separated metrics.jsonl keys, one panel each")
-    parser.add_argument("--x", default="iter", choices=("iter", "tokens"))
-    parser.add_argument("--eval", action="store_true", help="the paths are evaluate.py JSON files")
-    parser.add_argument("--out", default="plot.png")
-    args = parser.parse_args(argv)
-    if args.eval:
-        plot_eval(args.paths, args.out)
-    else:
-        plot_runs(args.paths, args.keys.split(","), args.x, args.out)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+if not paths:
+    common.die("what to plot? give train.py out_dirs, or evaluate.py JSON files: python plot.py out-det out-eve")
+if all(path.endswith(".json") for path in paths):
+    plot_eval(paths, out)
+elif any(path.endswith(".json") for path in paths):
+    common.die("plot either runs (out_dirs) or evaluate.py JSON files, not both at once")
+else:
+    plot_runs(paths, keys, x, out)
+print(f"wrote {out}")

@@ -7,7 +7,6 @@
     python prepare.py writingprompts | tinystories | fineweb_edu  # Hugging Face hub, GPT-2 BPE
 """
 
-import argparse
 import json
 import os
 import sys
@@ -15,8 +14,30 @@ import sys
 import numpy as np
 
 import common
+import configurator
+import tasks
 
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# ----------------------------------------------------------------------------------------------------------------
+source = ""  # what to prepare (the first argument): synthetic, arith, text, or a hub name below
+name = ""  # the folder under data/; '' = the source's name (text: <input stem>_<tokenizer>)
+# synthetic and arith
+num_train = 0  # sequences or problems; 0 = the source's default (synthetic 100,000, arith 200,000)
+num_val = 0  # 0 = the source's default (synthetic 5,000, arith 2,000)
+seed = 1337
+# text: a local .txt (one document) or .jsonl (one document a line)
+input = ""
+val_input = ""  # a separate validation file ('' = split off the input)
+val_fraction = 0.1
+fields = ("text",)  # jsonl fields joined into a document, e.g. --fields=prompt,story
+tokenizer = "gpt2"  # gpt2 or char
+bpe_file = ""  # a local gpt2.tiktoken (offline; or $NANOLATENT_GPT2_BPE)
+# hub datasets
+max_docs = 0  # stop after this many training documents (0 = all)
+val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 for a hub set with none)
+# ----------------------------------------------------------------------------------------------------------------
+configurator.apply(globals(), positional="source")
+configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
+                     choices={"tokenizer": ("gpt2", "char")})
 # Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
 HUB_DATASETS = {
     "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
@@ -53,52 +74,28 @@ def write_dataset(name, splits, meta):
 # the Free Transformer's synthetic task (Fleuret, §4.1 and Fig. 2)
 
 
-def synthetic_sequences(n, rng, length=64, target_len=8, noise=1 / 16):
-    """n sequences "K>" + 64 chars + "\\n": underscores, a target of one random upper-case letter repeated 8 times at
-    a random position, every character of the 64 replaced by '!' with probability 1/16, the letter as prompt."""
-    letters = rng.integers(len(LETTERS), size=n)
-    starts = rng.integers(length - target_len + 1, size=n)
-    body = np.full((n, length), "_", dtype="<U1")
-    cols = np.arange(length)
-    in_target = (cols >= starts[:, None]) & (cols < starts[:, None] + target_len)  # (n, 64)
-    body[in_target] = np.repeat(np.array(list(LETTERS))[letters], target_len)
-    body[rng.random((n, length)) < noise] = "!"
-    return ["%s>%s\n" % (LETTERS[k], "".join(row)) for k, row in zip(letters, body)]
-
-
-def prepare_synthetic(args):
-    rng = np.random.default_rng(args.seed)
-    train, val = synthetic_sequences(args.num_train, rng), synthetic_sequences(args.num_val, rng)
-    chars = sorted(set("".join(train[:1000])) | set("\n!>_" + LETTERS))
+def prepare_synthetic():
+    rng = np.random.default_rng(seed)
+    train = tasks.synthetic_sequences(num_train or 100_000, rng)
+    val = tasks.synthetic_sequences(num_val or 5_000, rng)
+    chars = sorted(set("".join(train[:1000])) | set("\n!>_" + tasks.LETTERS))
     stoi = {ch: i for i, ch in enumerate(chars)}
     encode = lambda docs: [np.array([stoi[c] for c in "".join(docs)])]
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars,
                 doc_len=len(train[0]))  # fixed-length sequences: train.py aligns batches to their starts
-    write_dataset(args.name or "synthetic", {"train": encode(train), "val": encode(val)}, meta)
+    write_dataset(name or "synthetic", {"train": encode(train), "val": encode(val)}, meta)
 
 
-def arith_lines(n, rng, exclude=frozenset()):
-    """n distinct problems "a+b=c" or "a*b=c" with 2- or 3-digit operands, none of them in `exclude`."""
-    lines = set()
-    while len(lines) < n:
-        a, b = rng.integers(10, 1000, size=2)
-        op = "+*"[rng.integers(2)]
-        line = f"{a}{op}{b}={a + b if op == '+' else a * b}\n"
-        if line not in exclude:
-            lines.add(line)
-    return sorted(lines, key=lambda _: rng.random())
-
-
-def prepare_arith(args):
+def prepare_arith():
     """Arithmetic with a verifiable answer (rlvr.py): one problem a line; validation problems never occur in training."""
-    rng = np.random.default_rng(args.seed)
-    val = arith_lines(args.num_val, rng)
-    train = arith_lines(args.num_train, rng, exclude=frozenset(val))
+    rng = np.random.default_rng(seed)
+    val = tasks.arith_lines(num_val or 2_000, rng)
+    train = tasks.arith_lines(num_train or 200_000, rng, exclude=frozenset(val))
     chars = sorted("0123456789+*=\n")
     stoi = {ch: i for i, ch in enumerate(chars)}
     encode = lambda lines: [np.array([stoi[c] for c in "".join(lines)])]
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars, task="arith")
-    write_dataset(args.name or "arith", {"train": encode(train), "val": encode(val)}, meta)
+    write_dataset(name or "arith", {"train": encode(train), "val": encode(val)}, meta)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,46 +131,56 @@ def load_datasets():
 def load_local_documents(path, fields):
     """Documents of a local file through datasets' local loaders: a .txt is one document, a .jsonl one per line."""
     datasets = load_datasets()
-    if not os.path.exists(path):
-        common.die(f"input file {path} not found")
-    if path.endswith((".jsonl", ".json")):
-        rows = datasets.load_dataset("json", data_files=path, split="train")
-        return [record_text(r, fields) for r in rows]
-    if path.endswith(".txt"):
-        rows = datasets.load_dataset("text", data_files=path, sample_by="document", split="train")
-        return [r["text"] for r in rows]
-    common.die(f"{path}: expected a .txt or .jsonl file")
+    if not os.path.isfile(path):
+        common.die(f"input file {path!r} not found")
+    if not path.endswith((".jsonl", ".json", ".txt")):
+        common.die(f"{path}: expected a .txt or .jsonl file")
+    try:
+        if path.endswith(".txt"):
+            rows = datasets.load_dataset("text", data_files=path, sample_by="document", split="train")
+            docs = [r["text"] for r in rows]
+        else:
+            rows = datasets.load_dataset("json", data_files=path, split="train")
+            docs = [record_text(r, fields) for r in rows]
+    except Exception as e:  # datasets wraps the cause (a UnicodeDecodeError, a JSON error) in pages of traceback
+        cause = e.__cause__ or e.__context__ or e
+        what = "is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else "could not be parsed"
+        common.die(f"{path} {what} ({type(cause).__name__}: {str(cause).splitlines()[0][:150] if str(cause) else ''}); "
+                   f"a .txt must be UTF-8, a .jsonl one JSON object per line")
+    if not any(doc.strip() for doc in docs):
+        common.die(f"{path} holds no text: nothing to prepare")
+    return docs
 
 
-def prepare_text(args):
-    fields = tuple(args.fields.split(","))
-    docs = load_local_documents(args.input, fields)
-    if args.val_input:
-        train_docs, val_docs = docs, load_local_documents(args.val_input, fields)
+def prepare_text():
+    if not input:
+        common.die("prepare.py text needs --input=FILE (a .txt or .jsonl)")
+    docs = load_local_documents(input, fields)
+    if val_input:
+        train_docs, val_docs = docs, load_local_documents(val_input, fields)
     elif len(docs) == 1:  # one text (Tiny Shakespeare): the last val_fraction of its characters is validation
-        cut = int(len(docs[0]) * (1 - args.val_fraction))
+        cut = int(len(docs[0]) * (1 - val_fraction))
         train_docs, val_docs = [docs[0][:cut]], [docs[0][cut:]]
     else:
-        cut = int(len(docs) * (1 - args.val_fraction))
+        cut = int(len(docs) * (1 - val_fraction))
         train_docs, val_docs = docs[:cut], docs[cut:]
-    name = args.name or f"{os.path.splitext(os.path.basename(args.input))[0]}_{args.tokenizer}"
-    if args.tokenizer == "char":
+    out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{tokenizer}"
+    if tokenizer == "char":
         chars = sorted(set("".join(train_docs + val_docs)))
         stoi = {ch: i for i, ch in enumerate(chars)}
         encode = lambda ds: [[stoi[c] for c in "\n\n".join(ds)]]
         meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars)
-        write_dataset(name, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
+        write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
     else:
-        encoding, bpe_file = common.gpt2_encoding(args.bpe_file)
-        meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=bpe_file and os.path.abspath(bpe_file))
-        write_dataset(name, {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)},
-                      meta)
+        encoding, local_bpe = common.gpt2_encoding(bpe_file)
+        meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe))
+        write_dataset(out, {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}, meta)
 
 
-def prepare_hub(args):
+def prepare_hub():
     datasets = load_datasets()
-    spec = HUB_DATASETS[args.source]
-    encoding, bpe_file = common.gpt2_encoding(args.bpe_file)
+    spec = HUB_DATASETS[source]
+    encoding, local_bpe = common.gpt2_encoding(bpe_file)
 
     def documents(split, limit):
         try:
@@ -181,53 +188,26 @@ def prepare_hub(args):
         except Exception as e:
             common.die(f"could not load {spec['path']} from the Hugging Face hub ({type(e).__name__}). Offline, "
                        f"download its files elsewhere and run `python prepare.py text --input=FILE.jsonl "
-                       f"--fields={','.join(spec['fields'])} --name={args.source}`")
+                       f"--fields={','.join(spec['fields'])} --name={source}`")
         for i, record in enumerate(stream):
-            if limit is not None and i >= limit:
+            if limit and i >= limit:
                 return
             yield record_text(record, spec["fields"])
 
     if spec["val"]:
-        train, val = documents(spec["train"], args.max_docs), documents(spec["val"], args.val_docs)
+        train, val = documents(spec["train"], max_docs), documents(spec["val"], val_docs)
     else:  # a single split: its first val_docs documents are validation, the rest training
-        val = documents(spec["train"], args.val_docs)
-        train = (d for i, d in enumerate(documents(spec["train"], args.max_docs)) if i >= args.val_docs)
-    meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=bpe_file and os.path.abspath(bpe_file),
+        n_val = val_docs or 1000
+        val = documents(spec["train"], n_val)
+        train = (d for i, d in enumerate(documents(spec["train"], max_docs and max_docs + n_val)) if i >= n_val)
+    meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe),
                 source=spec["path"])
-    write_dataset(args.name or args.source, {"train": gpt2_chunks(train, encoding), "val": gpt2_chunks(val, encoding)},
-                  meta)
+    write_dataset(name or source, {"train": gpt2_chunks(train, encoding), "val": gpt2_chunks(val, encoding)}, meta)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="source", required=True)
-    p = sub.add_parser("synthetic", help="the Free Transformer's synthetic letters task (§4.1)")
-    p.add_argument("--num_train", type=int, default=100_000)
-    p.add_argument("--num_val", type=int, default=5_000)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--name", default=None, help="output folder under data/ (default: synthetic)")
-    p = sub.add_parser("arith", help="two- and three-digit addition and multiplication, one problem a line")
-    p.add_argument("--num_train", type=int, default=200_000)
-    p.add_argument("--num_val", type=int, default=2_000)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--name", default=None, help="output folder under data/ (default: arith)")
-    p = sub.add_parser("text", help="a local .txt (one document) or .jsonl (one document a line)")
-    p.add_argument("--input", required=True)
-    p.add_argument("--val_input", default=None, help="a separate validation file (default: split off the input)")
-    p.add_argument("--val_fraction", type=float, default=0.1)
-    p.add_argument("--fields", default="text", help="jsonl fields joined into a document, e.g. prompt,story")
-    p.add_argument("--tokenizer", choices=("gpt2", "char"), default="gpt2")
-    p.add_argument("--bpe_file", default=None, help=f"local gpt2.tiktoken (offline; or ${common.GPT2_BPE_ENV})")
-    p.add_argument("--name", default=None, help="output folder under data/ (default: <input stem>_<tokenizer>)")
-    for source in HUB_DATASETS:
-        p = sub.add_parser(source, help=f"{HUB_DATASETS[source]['path']} from the Hugging Face hub (GPT-2 BPE)")
-        p.add_argument("--max_docs", type=int, default=None, help="stop after this many training documents")
-        p.add_argument("--val_docs", type=int, default=None if HUB_DATASETS[source]["val"] else 1000)
-        p.add_argument("--bpe_file", default=None)
-        p.add_argument("--name", default=None)
-    args = parser.parse_args(argv)
-    {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text}.get(args.source, prepare_hub)(args)
-
-
-if __name__ == "__main__":
-    main()
+PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text,
+           **{hub: prepare_hub for hub in HUB_DATASETS}}
+if source not in PREPARE:
+    common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
+               + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")
+PREPARE[source]()

@@ -19,19 +19,16 @@ the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale 
 
 import copy
 import os
-import re
-import sys
 import time
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import common
-from configurator import configure
-from evaluate import letters_answer, majority_answer, pass_at_k, verify_letters
+import configurator
+import tasks
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
@@ -45,7 +42,7 @@ task = "arith"  # 'arith' (python prepare.py arith) or 'letters' (the synthetic 
 dataset = ""  # '' = the task's: arith, or synthetic for letters
 train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past the eval ones), 'eval' (TTRL only)
 eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split
-eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, evaluate.pass_at_k)
+eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, tasks.pass_at_k)
 eval_temperature = 1.0
 max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters
 # rollouts
@@ -69,45 +66,8 @@ grad_clip = 1.0  # 0 disables clipping
 device = "cuda" if torch.cuda.is_available() else "cpu"
 seed = 1337
 # ----------------------------------------------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
-
 NOISE_MODE = {"temperature": "mean", "minds": "sequence", "token": "token"}  # rollout -> model_btrans noise_mode
 PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the streams seeded() draws from
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# tasks: prompts and answers
-
-
-def arith_answer(text):
-    """The digits a continuation writes before its first '\\n' (all of it when the budget ran out first), or None
-    when that is empty or not only digits. Text after the '\\n' (the model's next problem) is ignored."""
-    answer = text.split("\n", 1)[0]
-    return answer if re.fullmatch("[0-9]+", answer) else None
-
-
-def verify_arith(prompt, text):
-    """Exact match with the true result as written in the data: '0444' is not 444, '444 ' is not either."""
-    a, op, b = re.fullmatch(r"\n?([0-9]+)([+*])([0-9]+)=", prompt).groups()
-    return arith_answer(text) == str(int(a) + int(b) if op == "+" else int(a) * int(b))
-
-
-TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier
-    "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith),
-    "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters),
-}
-
-
-def load_prompts(task, dataset, split, meta):
-    """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
-    every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
-    letters: the first two characters "K>" of each fixed-length sequence."""
-    data = common.load_tokens(dataset, split, meta)
-    if task == "letters":
-        n = meta["doc_len"]
-        return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
-    text = "".join(np.array(meta["chars"])[np.asarray(data)])
-    return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,9 +184,9 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
 
 def ttrl_rewards(answers):
     """§5.3: 1 for a rollout whose answer is its group's majority answer, else 0; no label is read.
-    evaluate.majority_answer's rules: None (unparseable) answers never vote and never win; a tie goes to the answer
+    tasks.majority_answer's rules: None (unparseable) answers never vote and never win; a tie goes to the answer
     seen first in the group; a group with no parseable answer gets 0 everywhere."""
-    majority = majority_answer(answers)
+    majority = tasks.majority_answer(answers)
     return [float(a is not None and a == majority) for a in answers]
 
 
@@ -244,135 +204,116 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
     sampled_ok = np.array([verify(p, decode(c)) for p, c in zip(np.repeat(prompts, k), sampled.tolist())])
     correct = sampled_ok.reshape(len(prompts), k).sum(1)
     return {"eval_greedy": float(np.mean(greedy_ok)),
-            "eval_pass@1": float(np.mean([pass_at_k(k, int(c), 1) for c in correct])),
-            f"eval_pass@{k}": float(np.mean([pass_at_k(k, int(c), k) for c in correct]))}
+            "eval_pass@1": float(np.mean([tasks.pass_at_k(k, int(c), 1) for c in correct])),
+            f"eval_pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the script
 
 
+def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new):
+    """One GRPO step: prompts_per_step prompts drawn from pool, group_size rollouts of each, their rewards (the
+    verifier, or agreement with the group's majority for TTRL), group-normalised advantages, updates_per_batch
+    AdamW steps. Every draw derives from (seed, stream, step). -> the step's log record"""
+    t0 = time.time()
+    rng = common.seeded(seed, PROMPTS, step)
+    prompts = [pool[i] for i in rng.choice(len(pool), prompts_per_step, replace=False)]
+    prompt_ids = [encode(p) for p in prompts]
+    torch.manual_seed(common.seed_of(seed, ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
+    completions, _ = rollouts(net, prompt_ids, group_size, max_new, temperature,
+                              torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
+                              torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
+    texts = [decode(c) for c in completions.tolist()]
+    group_prompts = [p for p in prompts for _ in range(group_size)]
+    correct = np.array([spec.verify(p, t) for p, t in zip(group_prompts, texts)], dtype=float)  # ttrl: logged only
+    answers = [spec.answer(t) for t in texts]
+    groups = [answers[i:i + group_size] for i in range(0, len(answers), group_size)]
+    rewards = correct if reward == "verifier" else np.array([r for g in groups for r in ttrl_rewards(g)])
+    rewards = torch.tensor(rewards, dtype=torch.float32, device=device).view(-1, group_size)  # (P, G)
+    advantages = group_advantages(rewards, adv_eps)  # (P, G)
+    stats = grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
+                        completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
+                        kl_coef, grad_clip)
+    return {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
+            "adv_std": advantages.std().item(), **stats,
+            "informative": (rewards.std(1) > 0).float().mean().item(),  # groups with a learning signal
+            "distinct": float(np.mean([len(set(g)) for g in groups])),  # answers per group, None one of them
+            "step_s": time.time() - t0}
+
+
 def main():
     if "RANK" in os.environ:
         common.die("rlvr.py runs in one process (RANK is set, as under torchrun): run it with plain python")
-
-    def model_fields(values):
-        return common.config_fields("btrans")  # the net is always B-Trans: sigma etc. are its Config fields
-
-    config, overrides = configure(DEFAULTS, sys.argv[1:], model_fields)
-    cfg = SimpleNamespace(**config)
-    if cfg.task not in TASKS:
-        common.die(f"task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
-    if cfg.rollout not in NOISE_MODE:
-        common.die(f"rollout must be one of {', '.join(NOISE_MODE)}, got {cfg.rollout!r}")
-    if cfg.reward not in ("verifier", "ttrl"):
-        common.die(f"reward must be verifier or ttrl, got {cfg.reward!r}")
+    # the net is always B-Trans: sigma etc. are its Config fields
+    config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
+    configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
+                                           "prompts_per_step", "max_steps", "updates_per_batch"),
+                         non_negative=("max_new_tokens", "temperature", "eval_temperature", "learning_rate",
+                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay"),
+                         choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
+                                  "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")})
+    common.check_device(device)
     if "noise_mode" in overrides:
         common.die("the rollout mode sets the B-Trans noise_mode: use --rollout=temperature|minds|token")
-    if cfg.group_size < 2:
+    if group_size < 2:
         common.die("group_size must be >= 2: GRPO's advantages are relative to the rest of the group")
-    if cfg.train_prompts not in ("train", "val", "eval"):
-        common.die(f"train_prompts must be train, val or eval, got {cfg.train_prompts!r}")
-    if cfg.train_prompts == "eval" and cfg.reward != "ttrl":
+    if train_prompts == "eval" and reward != "ttrl":
         common.die("train_prompts=eval trains on the held-out problems: only with reward=ttrl, which reads no label")
-    spec = TASKS[cfg.task]
-    dataset = cfg.dataset or spec.dataset
-    config["dataset"] = dataset  # recorded in the checkpoint, where evaluate.py looks for it
-    max_new = cfg.max_new_tokens or spec.max_new_tokens
+    spec = tasks.TASKS[task]
+    data = dataset or spec.dataset
+    config["dataset"] = data  # recorded in the checkpoint, where evaluate.py looks for it
+    max_new = max_new_tokens or spec.max_new_tokens
+    common.lock_out_dir(out_dir, "rlvr.py")
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
-    net, checkpoint = common.load_model(cfg.init_from, cfg.device, "btrans", **overrides,
-                                        noise_mode=NOISE_MODE[cfg.rollout])
-    meta = common.load_meta(dataset)
+    net, checkpoint = common.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    meta = common.load_meta(data)
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
-        common.die(f"{cfg.init_from} was trained with another tokenizer or vocabulary than dataset {dataset!r}")
+        common.die(f"{init_from} was trained with another tokenizer or vocabulary than dataset {data!r}")
     ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
     encode, decode = common.tokenizer(meta)
     stop_id = encode("\n")[0]
-    device_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
-    optimizer = net.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    optimizer = net.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 
     # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
     # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
     # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
-    val = load_prompts(cfg.task, dataset, "val", meta)
-    eval_set = val[:cfg.eval_prompts]
-    pool = {"train": lambda: load_prompts(cfg.task, dataset, "train", meta), "val": lambda: val[cfg.eval_prompts:],
-            "eval": lambda: eval_set}[cfg.train_prompts]()
-    if len(pool) < cfg.prompts_per_step or not eval_set:
-        common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {dataset}: too few for "
-                   f"prompts_per_step={cfg.prompts_per_step} (prepare more, or lower eval_prompts)")
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    print(f"rlvr: {cfg.task} from {cfg.init_from} as B-Trans (sigma={net.config.sigma}), rollout={cfg.rollout}, "
-          f"reward={cfg.reward}; {cfg.prompts_per_step} prompts x {cfg.group_size} rollouts per step from "
-          f"{len(pool):,} {cfg.train_prompts} prompts; held-out: {len(eval_set)} val prompts")
+    val = tasks.load_prompts(task, data, "val", meta)
+    eval_set = val[:eval_prompts]
+    pool = {"train": lambda: tasks.load_prompts(task, data, "train", meta), "val": lambda: val[eval_prompts:],
+            "eval": lambda: eval_set}[train_prompts]()
+    if len(pool) < prompts_per_step or not eval_set:
+        common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
+                   f"prompts_per_step={prompts_per_step} (prepare more, or lower eval_prompts)")
+    print(f"rlvr: {task} from {init_from} as B-Trans (sigma={net.config.sigma}), rollout={rollout}, "
+          f"reward={reward}; {prompts_per_step} prompts x {group_size} rollouts per step from "
+          f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts")
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    common.keep_records(metrics_path, before_iter=0)
 
-    def seeded(*key):
-        """Every draw derives from (seed, *key): a run is reproducible whatever happened before a step."""
-        return np.random.default_rng([cfg.seed, *key])
-
-    def seed_of(*key):
-        return int(seeded(*key).integers(2**62))
-
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    open(metrics_path, "w").close()
-
-    def log_record(record):
-        """One JSON line per log step and per evaluation, train.py's format (plot.py reads it)."""
-        common.append_record(metrics_path, record)
-
-    def save_checkpoint(step):
-        """train.py's format; the net is B-Trans whose noise_mode is the rollout's. RL has no validation loss:
-        best_val_loss is inf, so a train.py resume from here saves at its first evaluation."""
-        common.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                "model_type": "btrans", "model_config": common.config_dict(net.config),
-                                "config": config, "meta": meta, "iter_num": step, "best_val_loss": float("inf")},
-                               os.path.join(cfg.out_dir, "ckpt.pt"))
-
-    for step in range(cfg.max_steps + 1):
-        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, cfg.eval_samples,
-                                     cfg.eval_temperature, max_new, cfg.seed)
-            print(f"step {step}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
-            log_record({"iter": step, **evals})
-            if step > 0:
-                save_checkpoint(step)
-        if step == cfg.max_steps:
+    for step in range(max_steps + 1):
+        if step % eval_interval == 0 or step == max_steps:
+            evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
+                                     max_new, seed)
+            print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
+            common.append_record(metrics_path, {"iter": step, **evals})
+            if step > 0:  # train.py's format; RL has no validation loss, so a train.py resume saves at its first eval
+                common.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "model_type": "btrans", "model_config": common.config_dict(net.config),
+                                        "config": config, "meta": meta, "iter_num": step,
+                                        "best_val_loss": float("inf")}, os.path.join(out_dir, "ckpt.pt"))
+        if step == max_steps:
             break
-
-        t0 = time.time()
-        rng = seeded(PROMPTS, step)
-        prompts = [pool[i] for i in rng.choice(len(pool), cfg.prompts_per_step, replace=False)]
-        prompt_ids = [encode(p) for p in prompts]
-        torch.manual_seed(seed_of(ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
-        completions, _ = rollouts(net, prompt_ids, cfg.group_size, max_new, cfg.temperature,
-                                  torch.Generator(cfg.device).manual_seed(seed_of(ROLLOUT_TOKENS, step)),
-                                  torch.Generator(cfg.device).manual_seed(seed_of(ROLLOUT_LATENTS, step)))
-        texts = [decode(c) for c in completions.tolist()]
-        group_prompts = [p for p in prompts for _ in range(cfg.group_size)]
-        correct = np.array([spec.verify(p, t) for p, t in zip(group_prompts, texts)], dtype=float)  # ttrl: logged only
-        answers = [spec.answer(t) for t in texts]
-        groups = [answers[i:i + cfg.group_size] for i in range(0, len(answers), cfg.group_size)]
-        rewards = correct if cfg.reward == "verifier" else np.array([r for g in groups for r in ttrl_rewards(g)])
-        rewards = torch.tensor(rewards, dtype=torch.float32, device=cfg.device).view(-1, cfg.group_size)  # (P, G)
-        advantages = group_advantages(rewards, cfg.adv_eps)  # (P, G)
-        stats = grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-                            completions, completion_mask(completions, stop_id), advantages.flatten(),
-                            cfg.updates_per_batch, cfg.clip_eps, cfg.kl_coef, cfg.grad_clip)
-        dt = time.time() - t0
-
-        if step % cfg.log_interval == 0:
-            record = {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
-                      "adv_std": advantages.std().item(), **stats,
-                      "informative": (rewards.std(1) > 0).float().mean().item(),  # groups with a learning signal
-                      "distinct": float(np.mean([len(set(g)) for g in groups])),  # answers per group, None one of them
-                      "step_s": dt}
-            print(f"step {step}: reward {record['reward']:.3f}, pass {record['pass_rate']:.3f}, adv_std "
+        record = grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
+        if step % log_interval == 0:
+            print(f"step {step}/{max_steps}: reward {record['reward']:.3f}, pass {record['pass_rate']:.3f}, adv_std "
                   f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "
-                  f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {dt * 1000:.0f} ms")
-            log_record(record)
-    print(f"saved {cfg.out_dir}/ckpt.pt")
+                  f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {record['step_s'] * 1000:.0f} ms")
+            common.append_record(metrics_path, record)
+    print(f"saved {out_dir}/ckpt.pt")
 
 
 if __name__ == "__main__":

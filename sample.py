@@ -2,19 +2,17 @@
 
     python sample.py --out_dir=out --start="K>" --num_samples=8
     python sample.py --out_dir=out --latents=shared --latent_seed=3        # one Z for the whole group (Free Fig. 3)
-    python sample.py --init_from=out-det/ckpt.pt --model=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
+    python sample.py --out_dir=out-det/ckpt.pt --model=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
 """
 
 import os
-import sys
 
 import torch
 
 import common
-from configurator import configure
+import configurator
 
-out_dir = "out"
-init_from = "resume"  # 'resume' = out_dir/ckpt.pt, or the path of any checkpoint (file or folder)
+out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
 start = "\n"  # the prompt, or FILE:path to read it from a file
 num_samples = 4
@@ -28,25 +26,32 @@ minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independen
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # ----------------------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+checkpoint = None
 
 
 def model_fields(values):
-    """A Config field may be overridden (--sigma=0.05): the fields of the model the checkpoint is loaded into."""
-    path = os.path.join(values["out_dir"], "ckpt.pt") if values["init_from"] == "resume" else values["init_from"]
-    return common.config_fields(values["model"] or common.load_checkpoint(path)["model_type"])
+    """A Config field may be overridden (--sigma=0.05): the fields of the model the checkpoint is loaded into. The
+    checkpoint read here is memory-mapped, so asking it its type costs little and its tensors are read once."""
+    global checkpoint
+    checkpoint = common.load_checkpoint(values["out_dir"])
+    return common.config_fields(values["model"] or checkpoint["model_type"])
 
 
-config, overrides = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], model_fields)
-globals().update(config)
-
-ckpt_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
-net, checkpoint = common.load_model(ckpt_path, device, model or None, **overrides)
-net.eval()
-encode, decode = common.tokenizer(checkpoint["meta"])
+config, overrides = configurator.apply(globals(), model_fields=model_fields)
+configurator.require(config, positive=("num_samples", "max_new_tokens"), non_negative=("temperature", "top_k", "minds"),
+                     choices={"latents": ("independent", "shared", "posterior")})
+common.check_device(device)
 if start.startswith("FILE:"):
+    if not os.path.isfile(start[5:]):
+        common.die(f"--start=FILE:{start[5:]}: no such file; give the path of a text file holding the prompt")
     with open(start[5:]) as f:
         start = f.read()
+if not start:
+    common.die("--start is empty: the model needs at least one token to continue (the default is a newline)")
+
+net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+net.eval()
+encode, decode = common.tokenizer(checkpoint["meta"])
 if minds:
     num_samples, latents = minds, "independent"
 
@@ -58,13 +63,12 @@ if latents == "independent":
 elif latents == "shared":
     pinned = net.sample_latents(1, latent_generator)
     pinned = None if pinned is None else common.repeat_latents(pinned, num_samples)
-elif latents == "posterior":
-    if not hasattr(net, "posterior_latents"):
-        common.die(f"--latents=posterior needs a model with an encoder (free); this is a {type(net).__module__} model")
+else:
+    if net.latent_kind != "code":
+        common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
+                   f"{net.latent_kind!r}")
     ref = torch.tensor([encode(reference or start)], dtype=torch.long, device=device)
     pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
-else:
-    common.die(f"--latents must be independent, shared or posterior, got {latents!r}")
 
 prompt = torch.tensor([encode(start)] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
 try:

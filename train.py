@@ -15,11 +15,9 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
     python train.py config/free_1b5.py --dry_run=True
 """
 
-import json
 import math
 import os
 import shutil
-import sys
 import time
 from contextlib import nullcontext
 
@@ -34,7 +32,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from configurator import configure
+import configurator
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for a 2-core CPU
@@ -43,9 +41,10 @@ out_dir = "out"
 eval_interval = 250
 log_interval = 10
 eval_iters = 20  # batches per split per evaluation
-eval_only = False  # evaluate once and exit
+eval_only = False  # evaluate out_dir's checkpoint once and exit
 always_save_checkpoint = False  # save at every evaluation, not only when val loss improves
 init_from = "scratch"  # 'scratch', or 'resume' to continue the run in out_dir
+overwrite = False  # init_from='scratch' into an out_dir that holds a checkpoint replaces that run
 wandb_log = False  # Weights & Biases logging (pip install wandb)
 wandb_project = "nanolatent"
 wandb_run_name = "run"
@@ -77,51 +76,20 @@ dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
 dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H100s reaches 0.35-0.5)
 # ----------------------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
-config, model_config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
-                                 lambda values: common.config_fields(values["model"]))
-globals().update(config)
+config, model_config = configurator.apply(globals(), model_fields=lambda values: common.config_fields(values["model"]))
+configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
+                                       "gradient_accumulation_steps", "max_nonfinite"),
+                     non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
+                                   "weight_decay", "grad_clip", "dry_run_world_size"),
+                     choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES)})
+common.check_device(device)
 # ----------------------------------------------------------------------------------------------------------------
 
-def transformer_blocks(model):
-    """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
-    all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Block")]
-
-
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
-    if "vocab_size" not in model_config:
-        model_config["vocab_size"] = common.load_meta(dataset)["vocab_size"]
-    model_config.setdefault("block_size", common.config_fields(model)["block_size"])
-    with torch.device("meta"):
-        planned = common.build_model(model, model_config)
-    cfg, gpus = planned.config, dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    n_params, flops = planned.num_params(), planned.flops_per_token()
-    peak = common.peak_flops(device) or common.PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
-    tokens_per_s = dry_run_mfu * peak / flops  # per GPU
-    tokens_per_step = gradient_accumulation_steps * batch_size * cfg.block_size  # all GPUs together
-    step_s = tokens_per_step / (tokens_per_s * gpus)
-    # fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter, on every GPU
-    # under DDP, a 1/gpus shard under FSDP.
-    states = 16 * n_params / (gpus if fsdp else 1)
-    # Activations saved for the backward pass, in bf16 without recomputation: Korthikanti et al. 2022 (Reducing
-    # Activation Recomputation in Large Transformer Models, §4.1) count B*T*d*(34 + 5*a*T/d) bytes per layer; flash
-    # attention keeps no T x T scores, which leaves 34*B*T*d. Plus the logits: B*T*V in bf16 (2) and in float for
-    # the loss (4).
-    B, T, d, V, n_blocks = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size, len(transformer_blocks(planned))
-    activations = 34 * B * T * d * n_blocks + 6 * B * T * V
-    GiB = 2 ** 30
-    print(f"dry run: {model} model, {n_params:,} parameters, {flops / 1e9:.3g} GFLOPs per token (forward + backward)")
-    print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {dry_run_mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; "
-          f"{gpus} GPU(s), {tokens_per_step:,} tokens per step: {step_s:.3g} s per step, "
-          f"{max_iters * step_s / 3600:.3g} h for {max_iters:,} steps, {max_iters * tokens_per_step / 1e9:.3g}B tokens")
-    print(f"memory per GPU: {(states + activations) / GiB:.2f} GiB = {states / GiB:.2f} GiB weights, gradients, "
-          f"AdamW (16 bytes per parameter, {f'sharded over {gpus} GPUs by FSDP' if fsdp else 'replicated by DDP'}) + "
-          f"{activations / GiB:.2f} GiB activations (34*B*T*d per block x {n_blocks} blocks + 6*B*T*V logits, "
-          f"B={B}, T={T}, d={d}, V={V})")
-    print("  not counted: model-specific activations (EVE's neurons, the Free Transformer's Binary Mapper), the "
-          "blocks FSDP gathers, the CUDA context and allocator slack (a few GiB)")
-    sys.exit(0)
+    model_config.setdefault("vocab_size", common.load_meta(dataset)["vocab_size"])
+    common.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
+                    dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
+    raise SystemExit(0)
 
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
@@ -143,36 +111,39 @@ if fsdp and dtype == "float16":
     common.die("fsdp=True trains in bfloat16 or float32 (sharded gradients have no GradScaler here): "
                "set --dtype=bfloat16")
 master = rank == 0  # only this process prints, logs and saves
-device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
-ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+device_type, autocast = common.autocast(device, dtype)
+ptdtype = common.DTYPES[dtype]
 if wandb_log and master:
     try:
         import wandb
     except ImportError:
         common.die("wandb_log=True needs the wandb package: pip install wandb (or run with --wandb_log=False)")
 
+# out_dir: one writer at a time, and a trained run is never replaced without being asked to
+ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
+resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
+if master:
+    common.lock_out_dir(out_dir, "train.py")
+    if resume and not os.path.exists(ckpt_file):
+        common.die(f"{'eval_only' if eval_only else 'init_from=resume'} reads {ckpt_file}, which does not exist: "
+                   f"train first, or point --out_dir at a run")
+    if not resume and os.path.exists(ckpt_file) and not overwrite:
+        common.die(f"{out_dir} already holds a run ({ckpt_file}): continue it with --init_from=resume, choose "
+                   f"another --out_dir, or replace it with --overwrite=True")
+
 # data: a flat token stream per split, read through a memmap
 meta = common.load_meta(dataset)
 train_data, val_data = (common.load_tokens(dataset, split, meta) for split in ("train", "val"))
-
-
-def seeded(*key):
-    """Every random draw derives from (seed, *key) (non-negative ints): a resumed run, or one on another number of
-    processes, sees exactly the batches and the noise of an uninterrupted single run, with no generator state saved."""
-    return np.random.default_rng([seed, *key])
-
-
-TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE = 0, 1, 2  # the streams seeded() draws from
+TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE = 0, 1, 2  # the streams common.seeded() draws from
 
 
 def get_batch(split, *key):
     """A micro-batch of `split` drawn from the stream (TRAIN_BATCH, step, micro_step) or (EVAL_BATCH, rank, k)."""
     data = train_data if split == "train" else val_data
     T = model_config["block_size"]
-    rng = seeded(*key, split == "train")
+    rng = common.seeded(seed, *key, split == "train")
     if "doc_len" in meta:  # fixed-length sequences (synthetic task): windows start at a sequence's first token
         starts = meta["doc_len"] * rng.integers(len(data) // meta["doc_len"], size=batch_size)
     else:
@@ -184,62 +155,105 @@ def get_batch(split, *key):
     return x.to(device), y.to(device)
 
 
-# model and optimizer, fresh or from the checkpoint in out_dir
-iter_num, best_val_loss = 0, float("inf")
-if init_from == "resume":  # under FSDP the small ckpt_meta.pt first; the shards once the model is sharded
-    checkpoint = common.load_checkpoint(os.path.join(out_dir, "ckpt_meta.pt") if fsdp else out_dir, device)
+# model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
+checkpoint = common.load_checkpoint(ckpt_file, device) if resume else None  # memory-mapped: tensors read on load
+if checkpoint is not None:
     if checkpoint["model_type"] != model:
         common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model={checkpoint['model_type']}")
-    model_config = checkpoint["model_config"]  # a resumed run keeps its architecture
-    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-elif init_from != "scratch":
-    common.die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+    if checkpoint["meta"]["vocab_size"] != meta["vocab_size"]:
+        common.die(f"{out_dir} was trained on a vocabulary of {checkpoint['meta']['vocab_size']}, dataset {dataset!r} "
+                   f"has {meta['vocab_size']}: resume with the run's --dataset={checkpoint['config']['dataset']}")
+    model_config = common.resume_config(model, checkpoint["model_config"], model_config, out_dir)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 # fixed-length sequences (the synthetic task) default to one whole sequence per window
 default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else common.config_fields(model)["block_size"]
 model_config.setdefault("block_size", default_block_size)
 if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
     common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
+if min(len(train_data), len(val_data)) <= model_config["block_size"]:
+    common.die(f"dataset {dataset!r} has {len(train_data):,} train and {len(val_data):,} val tokens: too few for one "
+               f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 model_config = common.config_dict(raw_model.config)
+
+# One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
+# all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
+# head, final norm, the Free Transformer's post-sampler), and each process keeps a 1/world_size shard of every
+# parameter as a DTensor, its gradient and its AdamW moments. Under bf16, blocks are gathered in bf16 and gradients
+# reduce-scattered in fp32; autocast stays on as under DDP (inputs are not cast, so the RoPE tables and the models'
+# own noise keep their dtypes). Otherwise: torch.compile, then DDP, which replicates it.
 if fsdp:
-    # FSDP2 (ZeRO-3): every block is one unit, all-gathered just before its forward and backward and freed after;
-    # the root unit holds the rest (embedding, tied head, final norm, the Free Transformer's post-sampler). Each
-    # process keeps a 1/world_size shard of every parameter as a DTensor, its gradient and its AdamW moments.
-    # Under bf16, blocks are gathered in bf16 and gradients reduce-scattered in fp32; autocast stays on as in the
-    # DDP path (inputs are not cast, so the RoPE tables and the models' own noise keep their dtypes).
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False) if ptdtype == torch.bfloat16 else MixedPrecisionPolicy()
-    for block in transformer_blocks(raw_model):
+    for block in common.transformer_blocks(raw_model):
         if compile:
             block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(raw_model, mesh=mesh, mp_policy=mp_policy)
+    train_model = raw_model
+else:
+    train_model = torch.compile(raw_model) if compile else raw_model
+    if ddp:
+        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if init_from == "resume" and fsdp:  # DCP reads the shards this process owns, whatever world size wrote them
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
+
+
+def save_checkpoint():
+    """Rank 0 writes out_dir/ckpt.pt. Under FSDP every process writes its own shards of the weights and AdamW state
+    (torch.distributed.checkpoint) to out_dir/ckpt_dcp, through a temporary folder renamed once complete, and
+    rank 0 the plain out_dir/ckpt_meta.pt (everything of ckpt.pt but the tensors) that a resume reads first."""
+    info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
+            "iter_num": iter_num, "best_val_loss": best_val_loss}
+    if not fsdp:
+        if master:
+            common.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
+                                   ckpt_file)
+        return
+    path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "iter_num": iter_num}, checkpoint_id=tmp)
+    if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        common.save_checkpoint(info, ckpt_file)
+
+
+def load_checkpoint():
+    """The weights and AdamW state of `checkpoint` (ckpt.pt), or under FSDP the shards of out_dir/ckpt_dcp that this
+    process owns, whatever world size wrote them (DCP reshards)."""
+    if not fsdp:
+        raw_model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        return
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "iter_num": -1}
     dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt_dcp"))
-    if state["iter_num"] != iter_num:
-        common.die(f"{out_dir}/ckpt_dcp holds iter {state['iter_num']} but ckpt_meta.pt iter {iter_num}: the run "
-                   f"stopped while saving; resume from an earlier copy of {out_dir} or start from scratch")
+    if state["iter_num"] != checkpoint["iter_num"]:
+        common.die(f"{out_dir}/ckpt_dcp holds iter {state['iter_num']} but ckpt_meta.pt iter {checkpoint['iter_num']}:"
+                   f" the run stopped while saving; resume from an earlier copy of {out_dir} or start from scratch")
     set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    del checkpoint, state, model_state, optimizer_state
-elif init_from == "resume":
-    raw_model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+
+
+iter_num, best_val_loss = 0, float("inf")
+if checkpoint is not None:
+    load_checkpoint()
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     del checkpoint
-scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
-train_model = torch.compile(raw_model) if compile and not fsdp else raw_model  # FSDP compiled its blocks above
-if ddp and not fsdp:
-    train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
+metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
-    os.makedirs(out_dir, exist_ok=True)
     print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}")
+    if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
+        common.keep_records(metrics_path, before_iter=iter_num if resume else 0)
+    if wandb_log:
+        wandb.init(project=wandb_project, name=wandb_run_name, config={**config, **model_config})
 
 
 def get_lr(it):
@@ -247,7 +261,7 @@ def get_lr(it):
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:
         return min_lr
-    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
@@ -284,76 +298,53 @@ def estimate_loss():
     return out
 
 
-def save_checkpoint():
-    """Rank 0 writes out_dir/ckpt.pt. Under FSDP every process writes its own shards of the weights and AdamW state
-    (torch.distributed.checkpoint) to out_dir/ckpt_dcp, through a temporary folder renamed once complete, and
-    rank 0 the plain out_dir/ckpt_meta.pt (everything of ckpt.pt but the tensors) that a resume reads first."""
-    info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
-            "iter_num": iter_num, "best_val_loss": best_val_loss}
-    if fsdp:
-        path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
-        if master:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
-        dist.barrier()
-        model_state, optimizer_state = get_state_dict(raw_model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state, "iter_num": iter_num}, checkpoint_id=tmp)
-        if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-            common.save_checkpoint(info, os.path.join(out_dir, "ckpt_meta.pt"))
-            print(f"saved sharded checkpoint to {out_dir}/ckpt_dcp and {out_dir}/ckpt_meta.pt")
-    elif master:
-        common.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
-                               os.path.join(out_dir, "ckpt.pt"))
-        print(f"saved checkpoint to {out_dir}/ckpt.pt")
-
-
 def log_record(record):
     """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
-    common.append_record(os.path.join(out_dir, "metrics.jsonl"), record)
+    common.append_record(metrics_path, record)
     if wandb_log:
         wandb.log(record, step=record["iter"])
 
 
-def truncate_metrics(after_iter):
-    """A resumed run drops the records past its checkpoint, so a curve never doubles back."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["iter"] < after_iter]
-        with open(path, "w") as f:
-            f.writelines(kept)
+def duration(seconds):
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
 
 
-if master:
-    if init_from == "resume":
-        truncate_metrics(iter_num)
-    else:
-        open(os.path.join(out_dir, "metrics.jsonl"), "w").close()
-    if wandb_log:
-        wandb.init(project=wandb_project, name=wandb_run_name, config={**config, **model_config})
+def fit(parts, width=120):
+    """Join the parts of a log line, dropping from the end of the optional ones until the line fits `width`."""
+    head, optional, tail = parts
+    while optional and len(" ".join([head, *optional, tail])) > width:
+        optional = optional[:-1]
+    return " ".join([head, *optional, tail])
 
-nonfinite_total, nonfinite_streak, last_stats = 0, 0, {}
+
+nonfinite_total, nonfinite_streak = 0, 0
+start_iter, t_start = iter_num, time.time()
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
         group["lr"] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         evals = estimate_loss()
-        if master:
-            print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+        if master and eval_only:  # printed in full, logged nowhere: the run's records stay as they are
+            print(f"{ckpt_file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
+        elif master:
+            shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
+            print(fit((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
-        if (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
+        if not eval_only and (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
             best_val_loss = min(best_val_loss, evals["val_loss"])
             save_checkpoint()
-    if eval_only or iter_num == max_iters:
+            if master:
+                print(f"saved checkpoint to {ckpt_file}")
+    if eval_only or iter_num >= max_iters:
         break
 
     # The model's own noise (B-Trans minds, EVE eps, Free Z) comes from the global generator: seeded per step and
     # per process, so ranks draw different noise and a resumed run draws the same noise as an uninterrupted one.
-    torch.manual_seed(int(seeded(MODEL_NOISE, rank, iter_num).integers(2**62)))
+    torch.manual_seed(common.seed_of(seed, MODEL_NOISE, rank, iter_num))
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(gradient_accumulation_steps):
@@ -389,7 +380,7 @@ while True:
             # Under FSDP the weights they rescale are DTensor shards; implicit_replication lets the models' plain
             # per-neuron tensors act on them as replicated DTensors, so each process scales its own rows.
             with implicit_replication() if fsdp else nullcontext():
-                raw_model.update_controllers(stats)
+                raw_model.update_controllers()
 
     if iter_num % log_interval == 0 and master:
         dt = time.time() - t0  # this one step (finite.item() above waited for the device)
@@ -398,9 +389,13 @@ while True:
         record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
                   "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
-        print(f"iter {iter_num}: loss {record['loss']:.4f}, " + "".join(f"{k} {float(v):.4f}, " for k, v in stats.items())
-              + f"{dt * 1000:.1f} ms/iter, {record['tokens_per_s']:,.0f} tok/s"
-              + (f", mfu {mfu * 100:.1f}%" if mfu else "") + (f", skipped {nonfinite_total}" if nonfinite_total else ""))
+        elapsed = time.time() - t_start
+        eta = elapsed / (iter_num + 1 - start_iter) * (max_iters - iter_num - 1)
+        speed = f"| {dt * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu else "")
+        skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
+        print(fit((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
+                   [f"{k} {float(v):.4f}" for k, v in stats.items()],
+                   f"{speed}{skipped} | {duration(elapsed)} elapsed, ETA {duration(eta)}")))
         log_record(record)
     iter_num += 1
 

@@ -14,14 +14,13 @@ det sweep traces diversity against NLL; each B-Trans row is compared with the de
 """
 
 import os
-import sys
 
 import numpy as np
 import torch
 
 import common
-from configurator import configure
-from evaluate import distinct_n, pairwise_distance
+import configurator
+from tasks import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
 prompts = ("ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY VI:\n", "MENENIUS:\n", "LADY CAPULET:\n")
@@ -32,9 +31,7 @@ sigmas = (0.1, 0.2, 0.4)
 seed = 1337
 figure = "assets/btrans_diversity.png"
 device = "cpu"
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))]
-config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
-globals().update(config)
+configurator.apply(globals())
 
 common.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
 det, checkpoint = common.load_model(out_dir, device)

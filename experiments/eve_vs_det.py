@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import common
-from configurator import configure
+import configurator
 
 det_dir = "out-det-shakespeare-char"
 eve_dir = "out-eve-shakespeare-char"
@@ -21,17 +21,15 @@ mc_samples = 8
 max_tokens = 65536  # validation tokens evaluated (the same windows for both models)
 device = "cpu"
 results = "assets/eve_vs_det.json"
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))]
-config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
-globals().update(config)
+configurator.apply(globals())
 
 common.train_if_missing(det_dir, "config/det_shakespeare_char.py", f"--device={device}")
 common.train_if_missing(eve_dir, "config/eve_shakespeare_char.py", f"--device={device}")
 steps = [
-    ["evaluate.py", f"--ckpts={det_dir},{eve_dir}", f"--mc_samples={mc_samples}", f"--max_tokens={max_tokens}",
+    ["evaluate.py", f"--out_dir={det_dir},{eve_dir}", f"--mc_samples={mc_samples}", f"--max_tokens={max_tokens}",
      f"--device={device}", f"--out_json={results}"],
     ["plot.py", det_dir, eve_dir, "--keys=val_ce,val_loss", "--out=assets/eve_vs_det_curves.png"],
-    ["plot.py", "--eval", results, "--out=assets/eve_vs_det_metrics.png"],
+    ["plot.py", results, "--out=assets/eve_vs_det_metrics.png"],
 ]
 for step in steps:
     subprocess.run([sys.executable, *step], check=True)

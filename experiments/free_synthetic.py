@@ -17,6 +17,7 @@ groups agree on the position; at 8 bits Z carries everything and prior samples d
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,10 +26,10 @@ import numpy as np
 import torch
 
 import common
-from configurator import configure
-from evaluate import letters_answer
+import configurator
+from tasks import letters_answer
 
-kappas = ("1_64", "1_8", "1", "8")  # config/free_synthetic_k<kappa>.py
+kappas = ("1_64", "1_8", "1", "8")  # config/free_synthetic_k<kappa>.py; κ = 1 is config/free_synthetic.py
 seeds = (1, 2, 3)
 runs_dir = "out-free-synthetic"  # each run in runs_dir/k<kappa>_s<seed>
 letter = "K"  # the prompt is letter + ">"
@@ -40,11 +41,10 @@ parallel = 1  # training runs at once (a GPU holds several of these small models
 device = "cuda" if torch.cuda.is_available() else "cpu"
 figure = "assets/free_synthetic.png"
 train_args = ""  # extra train.py arguments, e.g. "--max_iters=3000"
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))]
-config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
-globals().update(config)
-kappas = tuple(map(str, kappas))  # --kappas=1,8 arrives as numbers
+configurator.apply(globals())
 KAPPA_BITS = {"1_64": 1 / 64, "1_8": 1 / 8, "1": 1.0, "8": 8.0}
+if not kappas or set(kappas) - set(KAPPA_BITS):
+    common.die(f"--kappas takes some of {','.join(KAPPA_BITS)} (the config files there are), got {','.join(kappas)}")
 
 
 def run_dir(kappa, seed):
@@ -58,7 +58,8 @@ def train_missing():
     for kappa, seed in todo:
         out = run_dir(kappa, seed)
         os.makedirs(out, exist_ok=True)
-        cmd = [sys.executable, "train.py", f"config/free_synthetic_k{kappa}.py", f"--out_dir={out}", f"--seed={seed}",
+        config_file = "config/free_synthetic.py" if kappa == "1" else f"config/free_synthetic_k{kappa}.py"
+        cmd = [sys.executable, "train.py", config_file, f"--out_dir={out}", f"--seed={seed}",
                f"--device={device}", *train_args.split()]
         if len(running) == parallel:
             running.pop(0).wait()
@@ -125,7 +126,10 @@ for r in results:
 
 plt = common.pyplot("the table is above; the figure")
 firsts = [r for r in results if r["seed"] == seeds[0]]
-fig, axes = plt.subplots(2, 2, figsize=(13, 11))
+rows = math.ceil(len(firsts) / 2)  # a run of fewer kappas draws only their panels
+fig, axes = plt.subplots(rows, min(len(firsts), 2), figsize=(6.5 * min(len(firsts), 2), 5.5 * rows), squeeze=False)
+for ax in axes.flat[len(firsts):]:
+    ax.remove()
 for ax, r in zip(axes.flat, firsts):
     lines = [("independent Z", "black")] + [(f"{letter}>{t}", "tab:blue") for t in r["indep"]]
     for i, group in enumerate(r["groups"]):

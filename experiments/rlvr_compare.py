@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import common
-from configurator import configure
+import configurator
 
 sft_dir = "out-det-arith"
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
@@ -42,9 +42,7 @@ parallel = 2  # rlvr.py processes at once (one thread each)
 extra = ""  # more rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
 figure = "assets/rlvr_compare.png"
 device = "cpu"
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))]
-config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
-globals().update(config)
+configurator.apply(globals())
 
 common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

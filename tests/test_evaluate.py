@@ -15,6 +15,7 @@ from conftest import SHARED_DATA, TINY, run_script
 
 import common
 import evaluate
+import tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
 CHARS = " abcdefghijklmnopqrstuvwxyz.:"
@@ -265,8 +266,8 @@ def test_pass_at_k_matches_brute_force_enumeration_of_subsets():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
-                assert evaluate.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
-    assert evaluate.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
+                assert tasks.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    assert tasks.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
 
 
 def test_letters_verifier_on_hand_made_strings():
@@ -274,7 +275,7 @@ def test_letters_verifier_on_hand_made_strings():
     noisy = "_!__" + "KKK!KKKK" + "_" * 40 + "!" + "_" * 11  # '!' noise, also inside the target
     edge = "!" + "K" * 7 + "_" * 56  # the first target character replaced by noise
     for text in (good, good + "\n", noisy, edge, "_" * 56 + "K" * 8):
-        assert evaluate.verify_letters("K>", text), text
+        assert tasks.verify_letters("K>", text), text
     bad = {"wrong letter": "_" * 10 + "J" * 8 + "_" * 46,
            "run of 9": "_" * 10 + "K" * 9 + "_" * 45,
            "run of 7": "_" * 10 + "K" * 7 + "_" * 47,
@@ -285,31 +286,31 @@ def test_letters_verifier_on_hand_made_strings():
            "no letter": "_" * 64,
            "letter outside the window": "_" * 10 + "K" * 8 + "_" * 20 + "K" + "_" * 25}
     for reason, text in bad.items():
-        assert not evaluate.verify_letters("K>", text), reason
-    assert evaluate.letters_answer(bad["wrong letter"]) == "J"
-    assert evaluate.verify_letters("K>", good, strict=True) and not evaluate.verify_letters("K>", noisy, strict=True)
+        assert not tasks.verify_letters("K>", text), reason
+    assert tasks.letters_answer(bad["wrong letter"]) == "J"
+    assert tasks.verify_letters("K>", good, strict=True) and not tasks.verify_letters("K>", noisy, strict=True)
 
 
 def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
-    assert evaluate.majority_answer(["A", None, "B", "B", None, None]) == "B"  # None does not vote
-    assert evaluate.majority_answer(["A", "B"]) == "A" and evaluate.majority_answer([None]) is None
-    assert evaluate.distinct_n(["abab", "abc"], 2) == pytest.approx(3 / 5)  # ab ba ab | ab bc
-    assert evaluate.edit_distance("kitten", "sitting") == 3
-    assert evaluate.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
+    assert tasks.majority_answer(["A", None, "B", "B", None, None]) == "B"  # None does not vote
+    assert tasks.majority_answer(["A", "B"]) == "A" and tasks.majority_answer([None]) is None
+    assert tasks.distinct_n(["abab", "abc"], 2) == pytest.approx(3 / 5)  # ab ba ab | ab bc
+    assert tasks.edit_distance("kitten", "sitting") == 3
+    assert tasks.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
 
 
 def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     torch.manual_seed(0)
-    chars = sorted(set("\n!>_" + evaluate.LETTERS))
+    chars = sorted(set("\n!>_" + tasks.LETTERS))
     net = common.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
     enc = lambda s: [chars.index(ch) for ch in s]
     dec = lambda ids: "".join(chars[i] for i in ids)
     out = evaluate.evaluate_population(net, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
                                        temperature=0.0)
     texts = [dec(net.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
-    correct = [evaluate.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
+    correct = [tasks.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
     assert out["pairwise_edit"] == 0.0 and out["pass@1"] == out["pass@3"] == sum(correct) / 2
-    assert out["distinct_4"] == pytest.approx(sum(evaluate.distinct_n([t] * 3, 4) for t in texts) / 2)
+    assert out["distinct_4"] == pytest.approx(sum(tasks.distinct_n([t] * 3, 4) for t in texts) / 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

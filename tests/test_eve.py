@@ -221,7 +221,7 @@ def train_toy(homeostat, steps=50):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        model.update_controllers(stats)
+        model.update_controllers()
     return model, model(idx, targets=idx)[2]
 
 

@@ -53,7 +53,7 @@ def test_plot_draws_evaluate_json_files_with_exact_zeros_on_a_floor(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(
             {"task": "lm", "results": {name: {"model_type": name, "nll": 1.2, "ece": 0.02, "mi": mi, "flip_rate": mi}}}))
     out = tmp_path / "eval.png"
-    run_script("plot.py", "--eval", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
+    run_script("plot.py", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 

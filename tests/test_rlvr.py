@@ -11,6 +11,7 @@ from conftest import records, run_script, train_det
 
 import common
 import rlvr
+import tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=32, vocab_size=14)
 
@@ -95,14 +96,14 @@ def test_ttrl_reward_is_agreement_with_the_group_majority_first_seen_wins_and_no
 
 
 def test_arith_verifier_on_edge_cases():
-    assert rlvr.verify_arith("\n37*12=", "444\n12+3=15\n")  # text after the newline is ignored
-    assert rlvr.verify_arith("37+12=", "49")  # no newline within the budget: what was generated
-    assert not rlvr.verify_arith("\n37*12=", "0444\n")  # a leading zero is wrong
-    assert not rlvr.verify_arith("\n37*12=", "4445")  # budget ran out on a longer number
-    assert not rlvr.verify_arith("\n37*12=", "")  # empty
-    assert not rlvr.verify_arith("\n37*12=", "\n444\n")  # empty before the newline
-    assert not rlvr.verify_arith("\n37*12=", "444*1\n")  # not only digits
-    assert rlvr.arith_answer("0444\nxyz") == "0444" and rlvr.arith_answer("*3\n") is None
+    assert tasks.verify_arith("\n37*12=", "444\n12+3=15\n")  # text after the newline is ignored
+    assert tasks.verify_arith("37+12=", "49")  # no newline within the budget: what was generated
+    assert not tasks.verify_arith("\n37*12=", "0444\n")  # a leading zero is wrong
+    assert not tasks.verify_arith("\n37*12=", "4445")  # budget ran out on a longer number
+    assert not tasks.verify_arith("\n37*12=", "")  # empty
+    assert not tasks.verify_arith("\n37*12=", "\n444\n")  # empty before the newline
+    assert not tasks.verify_arith("\n37*12=", "444*1\n")  # not only digits
+    assert tasks.arith_answer("0444\nxyz") == "0444" and tasks.arith_answer("*3\n") is None
 
 
 def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
@@ -151,11 +152,11 @@ def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith
     monkeypatch.setenv("NANOLATENT_DATA", str(root))
     meta = common.load_meta("arith")
     lines = "".join(meta["chars"][t] for t in common.load_tokens("arith", "val", meta)).split("\n")[:-1]
-    prompts = rlvr.load_prompts("arith", "arith", "val", meta)
+    prompts = tasks.load_prompts("arith", "arith", "val", meta)
     assert len(prompts) == len(lines) == 100
     assert prompts == ["\n" + line[:line.index("=") + 1] for line in lines]
-    assert all(rlvr.verify_arith(p, line.split("=")[1] + "\n") for p, line in zip(prompts, lines))
-    assert not any(rlvr.verify_arith(p, "0" + line.split("=")[1]) for p, line in zip(prompts, lines))
+    assert all(tasks.verify_arith(p, line.split("=")[1] + "\n") for p, line in zip(prompts, lines))
+    assert not any(tasks.verify_arith(p, "0" + line.split("=")[1]) for p, line in zip(prompts, lines))
 
 
 def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(arith_ckpt, tmp_path):
@@ -163,7 +164,7 @@ def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(ari
     proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
                       "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
                       "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
-    assert "step 1: reward" in proc.stdout
+    assert "step 1/2: reward" in proc.stdout
     net, checkpoint = common.load_model(tmp_path)
     assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
     assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"

@@ -1,0 +1,157 @@
+"""The synthetic tasks with a checkable answer, and the metrics of a population of answers: what prepare.py writes,
+what evaluate.py, rlvr.py and the experiments score. No model in here.
+
+    letters  the Free Transformer's synthetic task (Fleuret, §4.1): "K>" then 64 characters holding the letter 8 times
+    arith    "37*12=444" lines: two- and three-digit addition and multiplication, verified exactly (rlvr.py)
+"""
+
+import math
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+
+import common
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+# ----------------------------------------------------------------------------------------------------------------
+# generation: the text prepare.py tokenizes
+
+
+def synthetic_sequences(n, rng, length=64, target_len=8, noise=1 / 16):
+    """n sequences "K>" + 64 chars + "\\n": underscores, a target of one random upper-case letter repeated 8 times at
+    a random position, every character of the 64 replaced by '!' with probability 1/16, the letter as prompt."""
+    letters = rng.integers(len(LETTERS), size=n)
+    starts = rng.integers(length - target_len + 1, size=n)
+    body = np.full((n, length), "_", dtype="<U1")
+    cols = np.arange(length)
+    in_target = (cols >= starts[:, None]) & (cols < starts[:, None] + target_len)  # (n, 64)
+    body[in_target] = np.repeat(np.array(list(LETTERS))[letters], target_len)
+    body[rng.random((n, length)) < noise] = "!"
+    return ["%s>%s\n" % (LETTERS[k], "".join(row)) for k, row in zip(letters, body)]
+
+
+def arith_lines(n, rng, exclude=frozenset()):
+    """n distinct problems "a+b=c" or "a*b=c" with 2- or 3-digit operands, none of them in `exclude`."""
+    lines = set()
+    while len(lines) < n:
+        a, b = rng.integers(10, 1000, size=2)
+        op = "+*"[rng.integers(2)]
+        line = f"{a}{op}{b}={a + b if op == '+' else a * b}\n"
+        if line not in exclude:
+            lines.add(line)
+    return sorted(lines, key=lambda _: rng.random())
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# answers and verifiers
+
+
+def letters_answer(text, strict=False, length=64, run=8):
+    """The letter a continuation of the synthetic task (Free Transformer §4.1, prepare.py) writes, or None.
+
+    The continuation's first `length` (64) characters must all be '_', '!' or one upper-case letter L, L must
+    appear, and some window of `run` (8) consecutive positions must hold every L while being L or '!' throughout:
+    the task's target of 8 L's, each of which the data's noise may have replaced by '!'. So the answer is L exactly
+    when the 64 characters could have come from the task's generator for prompt "L>". Characters past 64 (the
+    data's '\\n') are ignored. strict=True asks for the noise-free form: exactly 8 L's, consecutive."""
+    body = text[:length]
+    letters = set(body) - {"_", "!"}
+    if len(body) < length or len(letters) != 1 or not letters <= set(LETTERS):
+        return None
+    (letter,) = letters
+    if strict:
+        return letter if body.count(letter) == run and letter * run in body else None
+    pos = [i for i, ch in enumerate(body) if ch == letter]
+    for s in range(max(0, pos[-1] - run + 1), min(pos[0], length - run) + 1):  # the windows holding every L
+        if all(ch in (letter, "!") for ch in body[s:s + run]):
+            return letter
+    return None
+
+
+def verify_letters(prompt, text, strict=False):
+    """True when the continuation `text` of the prompt "L>" is well formed for L (see letters_answer)."""
+    if not re.fullmatch(r"[A-Z]>", prompt):
+        raise ValueError(f"a letters-task prompt is one upper-case letter and '>', got {prompt!r}")
+    return letters_answer(text, strict) == prompt[0]
+
+
+def arith_answer(text):
+    """The digits a continuation writes before its first '\\n' (all of it when the budget ran out first), or None
+    when that is empty or not only digits. Text after the '\\n' (the model's next problem) is ignored."""
+    answer = text.split("\n", 1)[0]
+    return answer if re.fullmatch("[0-9]+", answer) else None
+
+
+def verify_arith(prompt, text):
+    """Exact match with the true result as written in the data: '0444' is not 444, '444 ' is not either."""
+    a, op, b = re.fullmatch(r"\n?([0-9]+)([+*])([0-9]+)=", prompt).groups()
+    return arith_answer(text) == str(int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier
+    "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith),
+    "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters),
+}
+
+
+def load_prompts(task, dataset, split, meta):
+    """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
+    every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
+    letters: the first two characters "K>" of each fixed-length sequence."""
+    data = common.load_tokens(dataset, split, meta)
+    if task == "letters":
+        n = meta["doc_len"]
+        return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
+    text = "".join(np.array(meta["chars"])[np.asarray(data)])
+    return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# population metrics: pass@k, majority vote, diversity
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
+    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_answer(answers):
+    """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
+    goes to the answer seen first. None when no answer parses."""
+    counts = Counter(a for a in answers if a is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def distinct_n(seqs, n):
+    """Distinct n-grams over a group of sequences (Li et al. 2016): unique n-grams / all n-grams, pooled."""
+    grams = [tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def edit_distance(a, b):
+    """Levenshtein distance (insertions, deletions, substitutions, each 1)."""
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def pairwise_distance(seqs):
+    """Mean over pairs of edit_distance(a, b) / max(len a, len b): 0 for identical, 1 for entirely different."""
+    pairs = [(a, b) for i, a in enumerate(seqs) for b in seqs[i + 1:]]
+    if not pairs:
+        return 0.0
+    return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -28,10 +29,23 @@ def peak_flops(device):
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
-def progress(iterable, **kwargs):
-    """A progress bar with rate and ETA on a terminal, silent in logs and CI (tqdm comes with datasets)."""
-    from tqdm import tqdm
-    return tqdm(iterable, disable=not sys.stdout.isatty(), **kwargs)
+def progress(iterable, desc="", every=10.0, total=None):
+    """A progress bar with rate and ETA on a terminal (tqdm comes with datasets). In a log or CI, where a bar would
+    be one endless line, a plain line every `every` seconds instead: done/total, elapsed and ETA."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        yield from tqdm(iterable, desc=desc, total=total, leave=False)
+        return
+    total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+    start = last = time.time()
+    for i, item in enumerate(iterable):
+        yield item
+        now = time.time()
+        if now - last >= every:
+            last = now
+            done = f"{i + 1}/{total} ({(i + 1) / total:.0%})" if total else f"{i + 1}"
+            eta = f", ETA {(now - start) / (i + 1) * (total - i - 1):.0f} s" if total else ""
+            print(f"{desc}: {done}, {now - start:.0f} s elapsed{eta}", file=sys.stderr, flush=True)
 
 
 def pyplot(who):
@@ -316,6 +330,15 @@ def repeat_latents(latents, n):
 # ----------------------------------------------------------------------------------------------------------------
 # data and tokenizers
 
+# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
+HUB_DATASETS = {
+    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
+    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation"),
+    "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
+                        val=None),
+}
+
+
 
 def data_dir(dataset):
     """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
@@ -326,8 +349,10 @@ def data_dir(dataset):
 def load_meta(dataset):
     path = os.path.join(data_dir(dataset), "meta.json")
     if not os.path.exists(path):
-        die(f"dataset {dataset!r} is not prepared ({path} is missing): run `python prepare.py {dataset}` "
-            f"(or `python prepare.py text --input=FILE --name={dataset}` for a local file)")
+        named = dataset in ("synthetic", "arith", *HUB_DATASETS)  # the names prepare.py makes on its own
+        how = (f"`python prepare.py {dataset}`" if named else
+               f"`python prepare.py text --input=FILE --name={dataset}` on a local .txt or .jsonl")
+        die(f"dataset {dataset!r} is not prepared ({path} is missing): run {how}")
     with open(path) as f:
         return json.load(f)
 

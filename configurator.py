@@ -26,8 +26,9 @@ TYPES = (int, float, bool, str, tuple)  # what a default may be
 
 def read_config_file(path):
     """Top-level assignments of a Python config file, one line on stderr for anything wrong with it."""
-    if os.path.isdir(path) or not os.path.exists(path):
-        common.die(f"config file {path!r} not found (arguments are config files ending in .py, or --key=value)")
+    if not os.path.isfile(path):
+        common.die(f"config file {path!r} {'is a directory' if os.path.isdir(path) else 'not found'} (arguments are "
+                   f"config files ending in .py, or --key=value)")
     namespace = {}
     try:
         with open(path) as f:

@@ -191,7 +191,8 @@ def hellaswag_preprocess(text):
 def hellaswag_example(doc):
     ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
     return {"context": hellaswag_preprocess(doc["activity_label"] + ": " + ctx),
-            "choices": [hellaswag_preprocess(e) for e in doc["endings"]], "label": int(doc["label"])}
+            "choices": [hellaswag_preprocess(e) for e in doc["endings"]],
+            "label": int(doc["label"]) if str(doc["label"]).isdigit() else doc["label"]}  # checked by mc_example
 
 
 def hub_example(name, doc):
@@ -205,22 +206,38 @@ def hub_example(name, doc):
             "label": list(doc["choices"]["label"]).index(doc["answerKey"])}
 
 
+def mc_example(line, where):
+    """One example of a local .jsonl line, checked: a list of at least two strings as choices, an integer label
+    that indexes them (a line with "endings" is HellaSwag's original format)."""
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as e:
+        common.die(f"{where} is not JSON ({e.msg}): one object per line, e.g. "
+                   f'{{"context": "...", "choices": ["...", "..."], "label": 0}}')
+    if not isinstance(doc, dict) or not ({"context", "choices", "label"} <= set(doc) or "endings" in doc):
+        common.die(f"{where} has keys {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}: expected "
+                   f"context, choices, label (or HellaSwag's activity_label, ctx_a, ctx_b, endings, label)")
+    example = hellaswag_example(doc) if "endings" in doc else dict(doc)
+    choices, label = example["choices"], example["label"]
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        common.die(f"{where}: choices must be a list of at least two non-empty strings, got {choices!r}")
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        label = int(label)  # HellaSwag's labels are strings of digits
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+        common.die(f"{where}: label must be the index (0 to {len(choices) - 1}) of the right choice, got {label!r}")
+    if not isinstance(example["context"], str):
+        common.die(f"{where}: context must be a string, got {example['context']!r}")
+    return {"context": example["context"], "choices": choices, "label": label}
+
+
 def load_mc_examples(source, limit=0):
     """Examples from a local .jsonl (a line with "endings" is HellaSwag's original format), or a hub name."""
-    if os.path.exists(source):
+    if os.path.isfile(source):
         examples = []
         with open(source) as f:
             for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                doc = json.loads(line)
-                if "endings" in doc:
-                    examples.append(hellaswag_example(doc))
-                elif {"context", "choices", "label"} <= set(doc):
-                    examples.append({"context": doc["context"], "choices": doc["choices"], "label": int(doc["label"])})
-                else:
-                    common.die(f"{source} line {i} has keys {sorted(doc)}: expected context, choices, label "
-                               f"(or HellaSwag's activity_label, ctx_a, ctx_b, endings, label)")
+                if line.strip():
+                    examples.append(mc_example(line, f"{source} line {i}"))
     elif source in HF_TASKS:
         import datasets
         path, name, hub_split = HF_TASKS[source]
@@ -261,7 +278,7 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_s
     stats, and for a model with an encoder (Free) the ELBO and the importance-weighted bound."""
     device = net.tok_emb.weight.device
     mc, stats, bounds, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), 0
-    for i in common.progress(range(0, len(starts), batch_size), desc="windows", unit="batch", leave=False):
+    for i in common.progress(range(0, len(starts), batch_size), desc="lm batches"):
         rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
         xy = torch.stack(rows).to(device)
         x, y = xy[:, :-1], xy[:, 1:]  # (B, T) each
@@ -352,7 +369,7 @@ def evaluate_mc(net, examples, encode, n_passes, generator, autocast=nullcontext
     """acc: argmax of the summed log-likelihood; acc_char: of the sum / len(choice) in characters (the harness'
     acc_norm); acc_completion: of the mean per token (ours). Stochastic models score with p̄ over n_passes."""
     hits, truncated = Counter(), 0
-    for ex in common.progress(examples, desc="examples", unit="ex", leave=False):
+    for ex in common.progress(examples, desc="mc examples"):
         pairs = [choice_tokens(encode, ex["context"], choice) for choice in ex["choices"]]
         ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast)
         truncated += cut
@@ -372,7 +389,7 @@ def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_t
     pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
     device = net.tok_emb.weight.device
     totals = Counter()
-    for prompt in common.progress(prompts, desc="prompts", unit="prompt", leave=False):
+    for prompt in common.progress(prompts, desc="population prompts"):
         idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
         out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
                            latents=net.sample_latents(K, generator), generator=generator)

@@ -38,13 +38,6 @@ val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 f
 configurator.apply(globals(), positional="source")
 configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
                      choices={"tokenizer": ("gpt2", "char")})
-# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
-HUB_DATASETS = {
-    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
-    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation"),
-    "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
-                        val=None),
-}
 
 
 def token_dtype(vocab_size):
@@ -59,7 +52,7 @@ def write_dataset(name, splits, meta):
     for split, chunks in splits.items():
         n = 0
         with open(os.path.join(out, f"{split}.bin.tmp"), "wb") as f:
-            for chunk in common.progress(chunks, desc=f"writing {split}.bin", unit="doc"):
+            for chunk in common.progress(chunks, desc=f"writing {split}.bin"):
                 f.write(np.asarray(chunk, dtype=meta["dtype"]).tobytes())
                 n += len(chunk)
         os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
@@ -129,24 +122,23 @@ def load_datasets():
 
 
 def load_local_documents(path, fields):
-    """Documents of a local file through datasets' local loaders: a .txt is one document, a .jsonl one per line."""
-    datasets = load_datasets()
+    """Documents of a local file: a .txt is one document, a .jsonl one per line (its `fields` joined)."""
     if not os.path.isfile(path):
         common.die(f"input file {path!r} not found")
-    if not path.endswith((".jsonl", ".json", ".txt")):
+    if not path.endswith((".jsonl", ".txt")):
         common.die(f"{path}: expected a .txt or .jsonl file")
     try:
-        if path.endswith(".txt"):
-            rows = datasets.load_dataset("text", data_files=path, sample_by="document", split="train")
-            docs = [r["text"] for r in rows]
-        else:
-            rows = datasets.load_dataset("json", data_files=path, split="train")
-            docs = [record_text(r, fields) for r in rows]
-    except Exception as e:  # datasets wraps the cause (a UnicodeDecodeError, a JSON error) in pages of traceback
-        cause = e.__cause__ or e.__context__ or e
-        what = "is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else "could not be parsed"
-        common.die(f"{path} {what} ({type(cause).__name__}: {str(cause).splitlines()[0][:150] if str(cause) else ''}); "
-                   f"a .txt must be UTF-8, a .jsonl one JSON object per line")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        common.die(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. iconv -t utf-8")
+    docs = [text] if path.endswith(".txt") else []
+    for i, line in enumerate(text.split("\n") if path.endswith(".jsonl") else [], 1):
+        if line.strip():
+            try:
+                docs.append(record_text(json.loads(line), fields))
+            except json.JSONDecodeError as e:
+                common.die(f"{path} line {i} could not be parsed ({e.msg}): a .jsonl holds one JSON object per line")
     if not any(doc.strip() for doc in docs):
         common.die(f"{path} holds no text: nothing to prepare")
     return docs
@@ -179,7 +171,7 @@ def prepare_text():
 
 def prepare_hub():
     datasets = load_datasets()
-    spec = HUB_DATASETS[source]
+    spec = common.HUB_DATASETS[source]
     encoding, local_bpe = common.gpt2_encoding(bpe_file)
 
     def documents(split, limit):
@@ -206,7 +198,7 @@ def prepare_hub():
 
 
 PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text,
-           **{hub: prepare_hub for hub in HUB_DATASETS}}
+           **{hub: prepare_hub for hub in common.HUB_DATASETS}}
 if source not in PREPARE:
     common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
                + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")

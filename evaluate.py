@@ -20,6 +20,8 @@ Definitions (N predicted tokens, M passes, p_m the softmax of pass m, p̄ = (1/M
     cond_var         Var_m p_m(y) (population variance over the M passes), mean over tokens
     flip_rate        share of (pass, token) pairs with argmax p_m != argmax p̄
     cvar_nll         mean of the worst ceil(5% N) token NLLs
+    seq_nll          -1/T log mean_m prod_t p_m(y_t) per window: the likelihood when a latent is frozen for the whole
+                     window (B-Trans minds, Eq. 3), where nll mixes the passes token by token; equal for det
 Each pass draws fresh latents with model.sample_latents(B, generator): EVE fresh eps, B-Trans one mind per sequence,
 the Free Transformer Z from its uniform prior (the honest, generation-time predictive). det has none: M = 1.
 For the Free Transformer also: neg_elbo (posterior CE + full KL, nats/token, from forward(x, y)) and iw_bound
@@ -60,6 +62,7 @@ cvar_alpha = 0.05  # cvar_nll averages the worst cvar_alpha share of token NLLs
 # mc: multiple-choice benchmarks
 mc_file = ""  # a local .jsonl ({"context", "choices", "label"} or HellaSwag's format), or a hub name (HF_TASKS)
 max_examples = 0  # 0 = all
+mixture = "auto"  # passes average per 'token' or per 'sequence' (score_choices); auto: sequence for B-Trans minds
 # population: K minds on the synthetic letters task (Free Transformer §4.1)
 minds = 8  # K: latents per prompt, one generation each
 num_prompts = 32  # prompts "K>" taken from the first sequences of the split
@@ -176,7 +179,7 @@ HF_TASKS = {  # name: (hub path, config, split), loaded with datasets.load_datas
     "hellaswag": ("Rowan/hellaswag", None, "validation"),
     "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
     "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
-    "piqa": ("ybisk/piqa", None, "validation"),
+    "piqa": ("baber/piqa", None, "validation"),  # parquet; ybisk/piqa's loading script no longer loads
 }
 
 
@@ -275,9 +278,10 @@ def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
 def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_samples=0, n_bins=15,
                 cvar_alpha=0.05, autocast=nullcontext()):
     """Monte Carlo metrics of net on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
-    stats, and for a model with an encoder (Free) the ELBO and the importance-weighted bound."""
+    stats, the sequence-level mixture's NLL, and for a model with an encoder (Free) the ELBO and the importance-weighted
+    bound."""
     device = net.tok_emb.weight.device
-    mc, stats, bounds, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), 0
+    mc, stats, bounds, seq_nll, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), Counter(), 0
     for i in common.progress(range(0, len(starts), batch_size), desc="lm batches"):
         rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
         xy = torch.stack(rows).to(device)
@@ -288,19 +292,25 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_s
             logits, _, batch_stats = net(x, y)  # (B, T, V)
         stats.update({k: float(v) * B for k, v in batch_stats.items()})
 
+        seq_ll = []  # (B,) log prod_t p_m(y_t) of each pass: the sequence-level mixture
+
         def passes():
-            if net.latent_kind == "none":  # the forward above was the one pass there is
-                yield F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
-                return
-            for _ in range(n_passes):  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
-                with autocast:
-                    pass_logits = net(x, y, latents=net.sample_latents(B, generator))[0]  # (B, T, V)
-                yield F.log_softmax(pass_logits.float(), dim=-1).flatten(0, 1)  # (B*T, V)
+            for m in range(1 if net.latent_kind == "none" else n_passes):
+                if net.latent_kind != "none":  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
+                    with autocast:
+                        pass_logits = net(x, y, latents=net.sample_latents(B, generator))[0]  # (B, T, V)
+                log_p = F.log_softmax((logits if net.latent_kind == "none" else pass_logits).float(), dim=-1)
+                seq_ll.append(log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1).double().sum(1))  # (B,)
+                yield log_p.flatten(0, 1)  # (B*T, V)
         mc.add(passes(), y.reshape(-1))
+        seq_nll["sum"] -= (torch.logsumexp(torch.stack(seq_ll), 0) - math.log(len(seq_ll))).sum().item()
         if net.latent_kind == "code" and iw_samples:
             bounds["iw_bound"] += iw_bound(net, x, y, iw_samples, generator, autocast).sum().item()
         n_seqs += B
     out = {"latents": LATENTS[net.latent_kind], **mc.result()}
+    # -1/T log mean_m prod_t p_m(y_t): the windows' likelihood under the population when a latent is frozen for a
+    # whole window (a B-Trans mind, Eq. 3); nll above averages per token. Equal for a deterministic model.
+    out["seq_nll"] = seq_nll["sum"] / (n_seqs * T)
     if net.latent_kind == "code":  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
         # -ELBO per token, nats: -log p(y|z) at one encoder sample z ~ q(Z|x) per sequence + the exact KL(q || uniform)
         out["neg_elbo"] = stats.pop("elbo") / n_seqs
@@ -327,21 +337,47 @@ def iw_bound(net, x, y, K, generator, autocast=nullcontext()):
     return -(torch.logsumexp(torch.stack(log_w), dim=0) - math.log(K))  # (B,)
 
 
-def choice_tokens(encode, context, choice):
-    """(context ids, continuation ids) for the continuation " " + choice, tokenized in context as
-    lm-evaluation-harness does: encode context + continuation and take the tokens past the context's."""
-    context = context.rstrip(" ")
+def choice_tokens(encode, context, choice, eot=None):
+    """(context ids, continuation ids) of the continuation " " + choice, as lm-evaluation-harness's _encode_pair
+    makes them: trailing whitespace of the context moves onto the continuation, the pair is encoded whole and the
+    continuation is the tokens past the context's. An empty context conditions on the end-of-text token `eot`."""
+    continuation = " " + choice
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    if not context:
+        if eot is None:
+            common.die("a multiple-choice example has an empty context, and this tokenizer has no end-of-text "
+                       "token to condition on: give every example a context")
+        return [eot], encode(continuation)
     ctx = encode(context)
-    if not ctx:
-        common.die("a multiple-choice example has an empty context")
-    return ctx, encode(context + " " + choice)[len(ctx):]
+    return ctx, encode(context + continuation)[len(ctx):]
+
+
+def example_latents(net, contexts, generator):
+    """One draw of latents for all the choices of an example, consistent with its context: the Free Transformer's Z
+    for the context from its encoder on the context alone, for the choice tokens from the uniform prior (§3.2: the
+    encoder never reads the answer). When left-truncation leaves the choices different contexts (Free only: the
+    other models' latents ignore the tokens), each gets its own encoder draw on the same uniform codes."""
+    device = net.tok_emb.weight.device
+    if net.latent_kind != "code" or all(c == contexts[0] for c in contexts):
+        latents = net.sample_latents(1, generator, prompt=torch.tensor([contexts[0]], device=device))
+        return None if latents is None else common.repeat_latents(latents, len(contexts))
+    state = generator.get_state()
+    rows = []
+    for context in contexts:
+        generator.set_state(state)
+        rows.append(net.sample_latents(1, generator, prompt=torch.tensor([context], device=device)))
+    return torch.cat(rows)  # (n_choices, block_size)
 
 
 @torch.no_grad()
-def score_choices(net, pairs, n_passes, generator, autocast=nullcontext()):
-    """Sum over each choice's continuation tokens of log p̄(token), p̄ the mean softmax of n_passes passes whose
-    latents are shared by all choices of the example. pairs: [(context ids, continuation ids)] -> (log-likelihoods
-    [float], token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens."""
+def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixture="token"):
+    """Log-likelihood of each choice's continuation tokens under n_passes passes whose latents all choices of the
+    example share. mixture 'token': sum over tokens of log p̄(token), p̄ the mean of the passes' softmaxes; 'sequence':
+    log mean_m prod_t p_m(token_t), the likelihood under the population when a latent is frozen for the whole sequence
+    (a B-Trans mind, B-Trans Eq. 3). pairs: [(context ids, continuation ids)] -> (log-likelihoods [float], scored
+    token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens."""
     device, T = net.tok_emb.weight.device, net.config.block_size
     seqs = [(ctx + cont)[-(T + 1):] for ctx, cont in pairs]  # left-truncate
     n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(pairs, seqs)]
@@ -352,34 +388,44 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext()):
         x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
         y[i, len(seq) - 1 - n:len(seq) - 1] = torch.tensor(seq[len(seq) - n:])
     x, y = x.to(device), y.to(device)
+    contexts = [seq[:len(seq) - n] for seq, n in zip(seqs, n_cont)]  # what precedes each continuation
     lse = None
     for _ in range(n_passes):
-        latents = net.sample_latents(1, generator)
-        latents = None if latents is None else common.repeat_latents(latents, len(seqs))  # same latents per choice
+        latents = example_latents(net, contexts, generator)
         with autocast:
             logits = net(x, y, latents=latents)[0]  # (n_choices, L, V)
         log_p = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        log_p = log_p.masked_fill(y == -1, 0.0)  # (n_choices, L)
+        if mixture == "sequence":
+            log_p = log_p.sum(1)  # (n_choices,) log prod_t p_m(token_t)
         lse = log_p if lse is None else torch.logaddexp(lse, log_p)
-    log_p_bar = (lse - math.log(n_passes)).masked_fill(y == -1, 0.0)  # (n_choices, L)
+    log_mix = lse - math.log(n_passes)
+    if mixture == "token":
+        log_mix = log_mix.masked_fill(y == -1, 0.0).sum(1)
     truncated = any(len(ctx) + len(cont) > T + 1 for ctx, cont in pairs)
-    return log_p_bar.sum(1).tolist(), n_cont, truncated
+    return log_mix.tolist(), n_cont, truncated
 
 
-def evaluate_mc(net, examples, encode, n_passes, generator, autocast=nullcontext()):
-    """acc: argmax of the summed log-likelihood; acc_char: of the sum / len(choice) in characters (the harness'
-    acc_norm); acc_completion: of the mean per token (ours). Stochastic models score with p̄ over n_passes."""
+def evaluate_mc(net, examples, encode, decode, n_passes, generator, *, autocast=nullcontext(), mixture="token",
+                eot=None):
+    """acc: argmax of the summed log-likelihood; acc_char: of the sum / the characters scored (the whole choice, or
+    the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (ours).
+    Stochastic models score with the `mixture` of n_passes passes (score_choices)."""
     hits, truncated = Counter(), 0
     for ex in common.progress(examples, desc="mc examples"):
-        pairs = [choice_tokens(encode, ex["context"], choice) for choice in ex["choices"]]
-        ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast)
+        pairs = [choice_tokens(encode, ex["context"], choice, eot) for choice in ex["choices"]]
+        ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast, mixture)
         truncated += cut
-        scores = {"acc": ll, "acc_char": [s / max(len(c), 1) for s, c in zip(ll, ex["choices"])],
+        chars = [len(c) if n == len(cont) else len(decode(cont[len(cont) - n:]))
+                 for c, n, (_, cont) in zip(ex["choices"], n_tokens, pairs)]
+        scores = {"acc": ll, "acc_char": [s / max(n, 1) for s, n in zip(ll, chars)],
                   "acc_completion": [s / max(n, 1) for s, n in zip(ll, n_tokens)]}
         for name, values in scores.items():
             hits[name] += max(range(len(values)), key=values.__getitem__) == ex["label"]
     return {"latents": LATENTS[net.latent_kind],
             **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
-            "examples": len(examples), "passes": n_passes, "truncated": truncated}
+            "mixture": mixture if n_passes > 1 else "none", "examples": len(examples), "passes": n_passes,
+            "truncated": truncated}
 
 
 @torch.no_grad()
@@ -391,8 +437,9 @@ def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_t
     totals = Counter()
     for prompt in common.progress(prompts, desc="population prompts"):
         idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
+        # K independent draws consistent with the prompt: the Free Transformer's prompt Z from its encoder (§3.2)
         out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                           latents=net.sample_latents(K, generator), generator=generator)
+                           latents=net.sample_latents(K, generator, prompt=idx), generator=generator)
         texts = [decode(row[idx.size(1):]) for row in out.tolist()]
         answers = [tasks.letters_answer(t) for t in texts]
         c = sum(a == prompt[0] for a in answers)
@@ -467,13 +514,16 @@ def run_mc(checkpoints):
         common.die(f"--task=mc needs --mc_file: a .jsonl file or one of {', '.join(HF_TASKS)}")
     examples = load_mc_examples(mc_file, max_examples)
     print(f"mc: {len(examples)} examples from {mc_file}; choices scored by the log-likelihood of ' ' + choice; "
-          f"stochastic models by p̄ over {mc_samples} passes (latents shared by the choices)")
+          f"stochastic models by a mixture of {mc_samples} passes (latents shared by the choices)")
     results = {}
     for path, checkpoint in checkpoints.items():
         net, generator = load_net(path, checkpoint)
-        encode, _ = common.tokenizer(checkpoint["meta"])
+        encode, decode = common.tokenizer(checkpoint["meta"])
         n_passes = 1 if net.latent_kind == "none" else mc_samples
-        results[path] = evaluate_mc(net, examples, encode, n_passes, generator, autocast)
+        how = mixture if mixture != "auto" else "sequence" if net.latent_kind == "mind" else "token"
+        eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None  # GPT-2's <|endoftext|>
+        results[path] = evaluate_mc(net, examples, encode, decode, n_passes, generator, autocast=autocast,
+                                    mixture=how, eot=eot)
         if results[path]["truncated"]:
             print(f"{path}: {results[path]['truncated']} examples longer than block_size={net.config.block_size} "
                   f"were left-truncated (their first tokens dropped)")
@@ -530,7 +580,8 @@ if __name__ == "__main__":
     configurator.require(config, positive=("batch_size", "mc_samples", "ece_bins", "minds", "num_prompts",
                                            "max_new_tokens", "ngram"),
                          non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k"),
-                         choices={"task": ("lm", "mc", "population"), "dtype": tuple(common.DTYPES)})
+                         choices={"task": ("lm", "mc", "population"), "dtype": tuple(common.DTYPES),
+                                  "mixture": ("auto", "token", "sequence")})
     common.check_device(device)
     if not checkpoints:
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")

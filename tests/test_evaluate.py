@@ -26,6 +26,10 @@ def encode(text):
     return [STOI[ch] for ch in text]
 
 
+def decode(ids):
+    return "".join(CHARS[i] for i in ids)
+
+
 def tiny(model_type, **kwargs):
     torch.manual_seed(0)
     return common.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
@@ -218,7 +222,7 @@ def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
     path.write_text("\n".join(json.dumps(e) for e in examples) + "\n")
     loaded = evaluate.load_mc_examples(str(path))
     assert loaded == examples
-    out = evaluate.evaluate_mc(net, loaded, encode, 1, None)
+    out = evaluate.evaluate_mc(net, loaded, encode, decode, 1, None)
     hits = {"acc": 0, "acc_char": 0, "acc_completion": 0}
     for ex in examples:
         ll, n = [], []

@@ -171,8 +171,11 @@ class VariationalMLP(nn.Module):
             self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
         # §3.2 q(z | x, h): mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate. Choice: |c| < 1, so the L_AR and
         # KL fixed point of the prior, h = mu_q, is finite (h = w_mu u / (1 - c)); b sets h's scale, so c loses
-        # nothing by being bounded. 0 at init: the model starts as the x-only posterior and learns to read h.
-        self.mem_gain = nn.Parameter(torch.zeros(D)) if config.ar_prior and config.posterior_memory else None
+        # nothing by being bounded. h = 0 at init (b = m0 = 0), so the model starts as the x-only posterior either
+        # way; c != 0 lets the task gradient reach b and m0 through c h from the first step.
+        self.mem_gain = None
+        if config.ar_prior and config.posterior_memory:
+            self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init)))
         # Controller state (§3.3 control), updated by Model.update_controllers and saved in checkpoints.
         self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # EMA of each neuron's latent energy
         self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # per-unit KL weight (beta controller)
@@ -302,6 +305,7 @@ class Config:
     logvar_max: float = 2.0
     ar_prior: bool = True  # §3.3 autoregressive local prior; False: the fixed prior N(0, I)
     posterior_memory: bool = True  # §3.2 q(z | x, h): mu_q reads the memory h = mu_p (with ar_prior); False: q(z | x)
+    mem_gain_init: float = 0.5  # initial c of mu_q = w_mu u + c h, in (-1, 1)
     ar_a_init: float = 0.5  # initial AR coefficient a of mu_p(t) = a mu_p(t-1) + b z(t-1) (= the pole alpha, c = 0)
     ar_b_init: float = 0.0  # initial b: the prior starts as N(0, 1) (m0 = 0) and learns its dynamics
     # §3.6 objective L = CE + beta KL + L_control + alpha_AR L_AR
@@ -340,8 +344,9 @@ class Config:
         if not self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max:
             raise ValueError(f"2 log sigma_init = {2 * math.log(self.sigma_init):.2f} lies outside "
                              f"[logvar_min, logvar_max] = [{self.logvar_min}, {self.logvar_max}]")
-        if not -1 < self.ar_a_init < 1:
-            raise ValueError(f"ar_a_init={self.ar_a_init} must lie in (-1, 1), a = tanh(.) keeps the AR prior stable")
+        if not (-1 < self.ar_a_init < 1 and -1 < self.mem_gain_init < 1):
+            raise ValueError(f"ar_a_init={self.ar_a_init} and mem_gain_init={self.mem_gain_init} must lie in (-1, 1): "
+                             "both are tanh(.), which keeps the AR prior and the posterior's memory loop stable")
         if not (self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1] and self.kl_band[0] <= self.kl_band[1]):
             raise ValueError("need mu2_band[0] <= mu2_target <= mu2_band[1] and kl_band[0] <= kl_band[1]")
 
@@ -509,10 +514,11 @@ class Model(nn.Module):
                 m.mu2_ema.mul_(scale.pow(2))
         self.ctrl_step += 1
 
-    def sample_latents(self, batch_size, generator=None):
+    def sample_latents(self, batch_size, generator=None, prompt=None):
         """Pinned noise: the eps of every neuron at every position and layer, (B, block_size, n_layer, D) ~ N(0, I).
         Same latents -> same output (forward and generate). Drawn on the generator's device, so a CPU generator
-        gives the same latents on any device."""
+        gives the same latents on any device. `prompt` is ignored: eps ~ N(0, I) whatever the tokens (§3.2), the
+        posterior reads them in forward()."""
         cfg, p = self.config, self.tok_emb.weight
         device = p.device if generator is None else generator.device
         eps = torch.randn(batch_size, cfg.block_size, cfg.n_layer, cfg.n_latent, generator=generator, device=device)

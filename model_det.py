@@ -198,8 +198,8 @@ class Model(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss, {"ce": loss.detach()}
 
-    def sample_latents(self, batch_size, generator=None):
-        return None  # nothing stochastic to pin
+    def sample_latents(self, batch_size, generator=None, prompt=None):
+        return None  # nothing stochastic to pin, for any prompt
 
     def setup_kv_cache(self, batch_size, max_len):
         p = self.tok_emb.weight

@@ -1,10 +1,11 @@
 """EVE variational Transformer ("variational neurons", paper: eve_variational_neurons.txt): the det decoder whose
 feed-forward computation is a bank of local variational neurons (§3.2, §3.4).
 
-Per block and token, neuron i infers a posterior q(z_i | u, h_i) = N(mu_q, sigma_q^2) from u = RMSNorm(x), samples
-z_i = mu_q + sigma_q * eps (§3.2), decodes an activation y_i = g(z_i) and the bank is projected back to model width.
-A local autoregressive prior p(z_i | h_i) = N(mu_p, sigma_p^2), mu_p(t) = a * mu_p(t-1) + b * z(t-1) (§3.3), a KL
-term, a latent-energy band penalty and a homeostat (§3.3) join the cross-entropy in one objective (§3.6).
+Per block and token, neuron i infers a posterior q(z_i | u, h_i) = N(mu_q, sigma_q^2) from u = RMSNorm(x) and its
+memory h_i, samples z_i = mu_q + sigma_q * eps (§3.2), decodes an activation y_i = g(z_i) and the bank is projected
+back to model width. The memory is the mean of a local autoregressive prior p(z_i | h_i) = N(mu_p, sigma_p^2),
+h = mu_p(t) = f_AR(mu_p(t-1), z(t-1)) (§3.3), linear, so the posterior reading it keeps training parallel (one scan).
+A KL term, a latent-energy band penalty and a homeostat (§3.3) join the cross-entropy in one objective (§3.6).
 
 The paper numbers no equations; comments cite its sections and the symbols it uses. Where it leaves a detail open
 (decoder g, form of f_AR, L_AR, control penalty, head layer weights: see its README) the choice is marked "choice:".
@@ -147,8 +148,8 @@ class VariationalMLP(nn.Module):
         self.config = config
         N, dz = config.n_neurons, config.latent_dim
         D = N * dz  # latent coordinates of the layer, neuron-major: coordinate n * dz + j is dim j of neuron n
-        # §3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): per-neuron linear heads on u. The memory
-        # h_i enters through the prior only (choice: the posterior reads u, the prior carries the memory).
+        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): per-neuron linear heads on u, and with
+        # posterior_memory mu_q,i = w_mu,i . u + c_i h_i (below). Choice: sigma_q reads u only, so z stays affine in h.
         self.w_mu = nn.Linear(config.n_embd, D, bias=False)
         self.w_logvar = nn.Linear(config.n_embd, D, bias=True)  # bias: sigma_q starts at config.sigma_init
         # §3.2 decoder y = g_theta(z). Choice: per neuron y_i = silu(d_i . z_i + c_i), a gain vector d_i (dz,) and a
@@ -158,34 +159,53 @@ class VariationalMLP(nn.Module):
         self.w2 = nn.Linear(N, config.n_embd, bias=False)  # "projected back to the model space" (§3.4)
         if config.ar_prior:
             # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: the per-coordinate linear recurrence
-            # mu_p(t) = a * mu_p(t-1) + b * z(t-1), mu_p(0) = m0, with a = tanh(.) in (-1, 1) so it stays stable.
-            # The prior scale is learned per coordinate but static (§3.3: "an analogous update for the prior scale
-            # when used": not used here).
-            self.ar_a = nn.Parameter(torch.full((D,), math.atanh(config.ar_a_init)))  # a = tanh(ar_a)
+            # mu_p(t) = a * mu_p(t-1) + b * z(t-1), mu_p(0) = m0. The prior mean is the neuron's memory, h = mu_p
+            # (§3.2: p(z | h) = N(mu_p(h), ...)). The prior scale is learned per coordinate but static (§3.3: "an
+            # analogous update for the prior scale when used": not used here).
+            # With the posterior reading h, z(t) = e(t) + c h(t), e = w_mu u + sigma_q eps the innovation, so
+            # h(t) = (a + b c) h(t-1) + b e(t-1): the loop's pole is a + b c. Choice: tanh(ar_a) in (-1, 1) is that
+            # pole, alpha, and a = alpha - b c, so the recurrence stays stable whatever b and c learn (c = 0: a = alpha)
+            self.ar_a = nn.Parameter(torch.full((D,), math.atanh(config.ar_a_init)))  # alpha = tanh(ar_a)
             self.ar_b = nn.Parameter(torch.full((D,), config.ar_b_init))
             self.prior_m0 = nn.Parameter(torch.zeros(D))
             self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
+        # §3.2 q(z | x, h): mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate. Choice: |c| < 1, so the L_AR and
+        # KL fixed point of the prior, h = mu_q, is finite (h = w_mu u / (1 - c)); b sets h's scale, so c loses
+        # nothing by being bounded. h = 0 at init (b = m0 = 0), so the model starts as the x-only posterior either
+        # way; c != 0 lets the task gradient reach b and m0 through c h from the first step.
+        self.mem_gain = None
+        if config.ar_prior and config.posterior_memory:
+            self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init)))
         # Controller state (§3.3 control), updated by Model.update_controllers and saved in checkpoints.
         self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # EMA of each neuron's latent energy
         self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # per-unit KL weight (beta controller)
         self.stash = None  # (2, N) detached [KL_u, mu2_u] of the last training forward, for update_controllers
         self.prior_cache = None  # a PriorCache while generate() runs
 
-    def prior(self, z, start_pos):
-        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,), from the sampled z (B, T, D). Training and
-        prefill compute every position at once (linear_scan); a decode step reads and advances the cached state."""
-        a = torch.tanh(self.ar_a)
+    def prior(self, e, start_pos):
+        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,), from the innovations e = z - c mu_p
+        (B, T, D) (= the sampled z without posterior_memory): mu_p(t) = alpha mu_p(t-1) + b e(t-1), which is
+        a mu_p(t-1) + b z(t-1) with a = alpha - b c. Training and prefill compute every position at once
+        (linear_scan); a decode step reads and advances the cached state."""
+        alpha = torch.tanh(self.ar_a)
         if self.prior_cache is not None and start_pos > 0:
             mu_p = self.prior_cache.mean.unsqueeze(1).clone()  # (B, 1, D), a copy: the cache moves on below
         elif start_pos > 0:
             raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
         else:
-            # Unrolled causally: the input at t is b * z(t-1) (m0 at t = 0), so mu_p(t) sees only z(< t).
-            drive = torch.cat([self.prior_m0.expand(z.size(0), 1, -1), self.ar_b * z[:, :-1]], dim=1)  # (B, T, D)
-            mu_p = linear_scan(drive, a)  # (B, T, D)
+            # Unrolled causally: the input at t is b * e(t-1) (m0 at t = 0), so mu_p(t) sees only z(< t).
+            drive = torch.cat([self.prior_m0.expand(e.size(0), 1, -1), self.ar_b * e[:, :-1]], dim=1)  # (B, T, D)
+            mu_p = linear_scan(drive, alpha)  # (B, T, D)
         if self.prior_cache is not None:  # the next position's prior mean: the same recurrence, one step on
-            self.prior_cache.mean.copy_((a * mu_p[:, -1] + self.ar_b * z[:, -1]).detach())
+            self.prior_cache.mean.copy_((alpha * mu_p[:, -1] + self.ar_b * e[:, -1]).detach())
         return mu_p, self.prior_logvar.clamp(self.config.logvar_min, self.config.logvar_max)  # (B, T, D), (D,)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint from before posterior_memory has no mem_gain: c = 0 is exactly the x-only posterior it was
+        # trained with (alpha = a when c = 0), so it loads as that model (as BatchNorm fills num_batches_tracked).
+        if self.mem_gain is not None and prefix + "ar_a" in state_dict:
+            state_dict.setdefault(prefix + "mem_gain", torch.zeros_like(self.mem_gain))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, u, eps, start_pos=0, with_aux=False):
         """u (B, T, C) normed residual stream, eps (B, T, D) -> (update (B, T, C), aux or None).
@@ -197,6 +217,10 @@ class VariationalMLP(nn.Module):
         logvar_q = self.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2, (B, T, D)
         sigma_q = torch.exp(0.5 * logvar_q)
         z = torch.addcmul(mu_q, sigma_q, eps)  # §3.2 reparameterisation z = mu_q + sigma_q * eps, (B, T, D)
+        if self.mem_gain is not None:  # §3.2 q(z | x, h): mu_q and z above are the innovation; add c h, h = mu_p
+            mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
+            read = torch.tanh(self.mem_gain) * mu_p  # (B, T, D)
+            mu_q, z = mu_q + read, z + read
         if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N): one fused pass
             y = F.silu(torch.addcmul(self.dec_bias, z, self.dec_gain.view(N)))
         else:
@@ -204,7 +228,7 @@ class VariationalMLP(nn.Module):
         out = self.w2(y)  # (B, T, C)
         if not (with_aux or (cfg.ar_prior and self.prior_cache is not None)):
             return out, None
-        if cfg.ar_prior:
+        if cfg.ar_prior and self.mem_gain is None:
             mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
         if not with_aux:
             return out, None
@@ -280,7 +304,9 @@ class Config:
     logvar_min: float = -6.0  # log sigma^2 (posterior and prior) clipped to [logvar_min, logvar_max]
     logvar_max: float = 2.0
     ar_prior: bool = True  # §3.3 autoregressive local prior; False: the fixed prior N(0, I)
-    ar_a_init: float = 0.5  # initial AR coefficient a of mu_p(t) = a mu_p(t-1) + b z(t-1)
+    posterior_memory: bool = True  # §3.2 q(z | x, h): mu_q reads the memory h = mu_p (with ar_prior); False: q(z | x)
+    mem_gain_init: float = 0.5  # initial c of mu_q = w_mu u + c h, in (-1, 1)
+    ar_a_init: float = 0.5  # initial AR coefficient a of mu_p(t) = a mu_p(t-1) + b z(t-1) (= the pole alpha, c = 0)
     ar_b_init: float = 0.0  # initial b: the prior starts as N(0, 1) (m0 = 0) and learns its dynamics
     # §3.6 objective L = CE + beta KL + L_control + alpha_AR L_AR
     kl_beta: float = 0.2  # beta; KL counted in nats per neuron and token, summed over layers (see objective())
@@ -318,8 +344,9 @@ class Config:
         if not self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max:
             raise ValueError(f"2 log sigma_init = {2 * math.log(self.sigma_init):.2f} lies outside "
                              f"[logvar_min, logvar_max] = [{self.logvar_min}, {self.logvar_max}]")
-        if not -1 < self.ar_a_init < 1:
-            raise ValueError(f"ar_a_init={self.ar_a_init} must lie in (-1, 1), a = tanh(.) keeps the AR prior stable")
+        if not (-1 < self.ar_a_init < 1 and -1 < self.mem_gain_init < 1):
+            raise ValueError(f"ar_a_init={self.ar_a_init} and mem_gain_init={self.mem_gain_init} must lie in (-1, 1): "
+                             "both are tanh(.), which keeps the AR prior and the posterior's memory loop stable")
         if not (self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1] and self.kl_band[0] <= self.kl_band[1]):
             raise ValueError("need mu2_band[0] <= mu2_target <= mu2_band[1] and kl_band[0] <= kl_band[1]")
 
@@ -458,7 +485,8 @@ class Model(nn.Module):
           shrinks while below, within beta_range (buffer beta_unit);
         - homeostat (homeostat): after homeostat_warmup steps, every homeostat_every steps, each neuron's rows of
           w_mu are scaled by sqrt(mu2_target / EMA) bounded to [1/(1+m), 1+m]; mu_q is linear in them, so its mu^2
-          moves by that factor squared toward the target (and the EMA is moved with it)."""
+          moves by that factor squared toward the target (and the EMA is moved with it). With posterior_memory,
+          mu_q = w_mu u + c h and h carries sigma_q eps too, so the move is approximate; the next EMA corrects it."""
         cfg = self.config
         mlps = [block.mlp for block in self.blocks]
         if any(m.stash is None for m in mlps):
@@ -487,10 +515,11 @@ class Model(nn.Module):
                 m.mu2_ema.mul_(scale.pow(2))
         self.ctrl_step += 1
 
-    def sample_latents(self, batch_size, generator=None):
+    def sample_latents(self, batch_size, generator=None, prompt=None):
         """Pinned noise: the eps of every neuron at every position and layer, (B, block_size, n_layer, D) ~ N(0, I).
         Same latents -> same output (forward and generate). Drawn on the generator's device, so a CPU generator
-        gives the same latents on any device."""
+        gives the same latents on any device. `prompt` is ignored: eps ~ N(0, I) whatever the tokens (§3.2), the
+        posterior reads them in forward()."""
         cfg, p = self.config, self.tok_emb.weight
         device = p.device if generator is None else generator.device
         eps = torch.randn(batch_size, cfg.block_size, cfg.n_layer, cfg.n_latent, generator=generator, device=device)
@@ -549,9 +578,11 @@ class Model(nn.Module):
         12 * L * C * T for attention scores, plus the neurons' elementwise work per latent coordinate, forward
         counted and x3 for forward + backward: 11 to sample and decode (clip, exp, z = mu + sigma eps, d z + c,
         silu), 6 for the means behind the KL and mu^2, and with the AR prior 2 per scan step (ceil(log2 T) steps)
-        + 8 for its drive, the KL distance and L_AR. All of it times n_samples, the draws per training token."""
+        + 8 for its drive, the KL distance and L_AR, + 3 with posterior_memory (c h, added to mu_q and to z).
+        All of it times n_samples, the draws per training token."""
         cfg = self.config
         prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
+        prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent
         dense = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         return cfg.n_samples * (dense + variational)

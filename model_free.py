@@ -364,10 +364,19 @@ class Model(nn.Module):
         if bit_logits is None:
             return logits, loss, {"ce": loss.detach()}
         kl = kl_per_token(bit_logits)  # (B, T) nats, Eq. 4
-        free_bits = F.relu(kl - self.config.kappa_nats).mean()  # Eq. 5: token-wise free bits
-        # -ELBO per predicted token: E_Q[-log P(S | Z)] + KL(Q(Z | S) || P(Z)), every Z_t counted (Eq. 3).
-        elbo = loss + kl.sum() / (targets != -1).sum()
-        stats = {"ce": loss.detach(), "kl": kl.mean().detach() / math.log(2), "free_bits": free_bits.detach(),
+        # Which Z_t count: Z_t enters block L/2+1's keys/values at position t (§3.2), so it reaches the predictions
+        # at positions >= t. It counts while some target at or after t is scored: positions after a row's last scored
+        # target (padding) drop out; a masked prompt before scored targets still pays, else the encoder, which reads
+        # the whole sequence, could pass the answer through the prompt's Z for free. Like the cross-entropy, both
+        # sums are per predicted token: with no target masked, Eq. 5's mean over tokens of max(0, KL_t - κ).
+        scored = targets != -1  # (B, T)
+        reach = scored.flip(1).cummax(1).values.flip(1)  # (B, T): a target at some position >= t is scored
+        n_pred = scored.sum()
+        free_bits = F.relu(kl - self.config.kappa_nats).masked_fill(~reach, 0.0).sum() / n_pred  # Eq. 5
+        kl_sum = kl.masked_fill(~reach, 0.0).sum()
+        # -ELBO per predicted token: E_Q[-log P(S | Z)] + KL(Q(Z | S) || P(Z)) over the Z_t that reach it (Eq. 3).
+        elbo = loss + kl_sum / n_pred
+        stats = {"ce": loss.detach(), "kl": (kl_sum / n_pred).detach() / math.log(2), "free_bits": free_bits.detach(),
                  "elbo": elbo.detach()}
         return logits, loss + free_bits, stats
 
@@ -414,10 +423,28 @@ class Model(nn.Module):
         """log P(Z_t = code) = -H log 2 per token (§3.3: uniform prior), shaped like codes."""
         return torch.full(codes.shape, -self.config.latent_bits * math.log(2), device=codes.device)
 
-    def sample_latents(self, batch_size, generator=None):
-        """Codes (batch_size, block_size) from the uniform prior: pass to generate() to pin Z, or share one row."""
-        shape = (batch_size, self.config.block_size)
-        return torch.randint(2 ** self.config.latent_bits, shape, generator=generator, device=self.zeta.device)
+    @torch.no_grad()
+    def sample_latents(self, batch_size, generator=None, prompt=None):
+        """Codes (batch_size, block_size) to pin Z in forward() or generate(); share one row across a group.
+
+        prompt None: every Z_t from the uniform prior (§3.3), the prompt's included. prompt (1 or batch_size, T)
+        token ids: Z for positions < T consistent with the prompt, sampled from the encoder on the prompt alone
+        (§3.2, Algorithm 2: "during ... KV cache pre-filling, Z has to be consistent with the tokens of S already
+        fixed, and the sampling is done with the encoder"), as generate(latents=None) does at its prefill; positions
+        >= T (new or scored continuation tokens) uniform. Each row is an independent draw (a batch-1 prompt is
+        encoded once, its codes drawn batch_size times); encoder codes come first from `generator`, so they equal
+        posterior_latents(prompt, generator) drawn from the same state."""
+        K, device = 2 ** self.config.latent_bits, self.zeta.device
+        if prompt is None:
+            return torch.randint(K, (batch_size, self.config.block_size), generator=generator, device=device)
+        T = prompt.size(1)
+        if prompt.size(0) not in (1, batch_size) or T > self.config.block_size:
+            raise ValueError(f"prompt {tuple(prompt.shape)} must be (1 or batch_size={batch_size}, "
+                             f"<= block_size={self.config.block_size})")
+        bit_logits = self.encoder_logits(prompt.to(device))  # (1 or batch_size, T, H): the prompt alone
+        prompt_codes = sample_codes(bit_logits.expand(batch_size, -1, -1), generator)  # (batch_size, T)
+        rest = torch.randint(K, (batch_size, self.config.block_size - T), generator=generator, device=device)
+        return torch.cat((prompt_codes, rest), dim=1)  # (batch_size, block_size)
 
     def setup_kv_cache(self, batch_size, max_len):
         p = self.tok_emb.weight
@@ -433,9 +460,10 @@ class Model(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
         """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
 
-        Z for the prompt comes from the encoder at the prefill, Z for each new token from the uniform prior; or all of
-        it from `latents` (B, L), e.g. one sample_latents() row repeated over a group, or posterior_latents() of a
-        reference; positions past L get uniform codes."""
+        Z for the prompt comes from the encoder at the prefill, Z for each new token from the uniform prior (§3.2);
+        or all of it from `latents` (B, L): sample_latents(B, generator, prompt=idx) pins the same distribution
+        (one row repeated over a group shares it), sample_latents() without a prompt draws the prompt's Z uniform
+        too, posterior_latents() of a reference copies another sequence's; positions past L get uniform codes."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:

@@ -93,6 +93,29 @@ def test_token_mode_offset_changes_with_every_position_and_every_call():
     assert (offsets[0] - offsets[model.config.n_norms]).abs().max() > 0.05  # same norm, next call
 
 
+def test_token_mode_noise_is_drawn_from_the_generator_so_a_seed_reproduces_the_generation():
+    model = make(sigma=0.5, noise_mode="token")
+    with torch.no_grad():  # larger weights than at init, so that the noise decides the greedy tokens
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=gen(9))
+    prompt = tokens(B=4, T=5)
+    # temperature 0: the only randomness is the per-token eps, every draw of it from `generator`
+    a, b, c = (model.generate(prompt, 20, temperature=0, generator=gen(s)) for s in (5, 5, 6))
+    assert torch.equal(a, b)
+    assert (a != c).any(dim=1).all()
+    # forward with a generator: the same eps as drawn by hand from that generator, on its device
+    idx = tokens()
+    offsets, handles = record_offsets(model)
+    logits = model(idx, targets=idx, generator=gen(3))[0]
+    for h in handles:
+        h.remove()
+    eps = torch.randn(3, model.config.n_norms, 12, model.config.n_embd, generator=gen(3))
+    assert torch.allclose(offsets[0], 0.5 * eps[:, 0], atol=1e-5)
+    assert torch.allclose(offsets[-1], 0.5 * eps[:, -1], atol=1e-5)
+    assert torch.equal(logits, model(idx, targets=idx, generator=gen(3))[0])
+
+
 def test_kv_cache_generation_matches_full_forward_greedy_generation_with_pinned_latents():
     model = make(sigma=0.5)
     with torch.no_grad():  # larger weights than at init, so that greedy decoding does not just repeat a token

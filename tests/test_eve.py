@@ -1,5 +1,6 @@
-"""EVE (model_eve.py): KL and reparameterisation, causality of the model and its AR prior, KV-cache decoding with
-pinned noise, the sigma -> 0 limit, the homeostat and beta controller, diagnostics."""
+"""EVE (model_eve.py): KL and reparameterisation, causality of the model and its AR prior, the posterior reading the
+neuron's memory, KV-cache decoding with pinned noise, the sigma -> 0 limit, the homeostat and beta controller,
+diagnostics, loading checkpoints from before the memory term."""
 
 import math
 import os
@@ -340,9 +341,150 @@ def test_parameters_match_det_at_equal_width_and_flops_count_the_variational_wor
     cfg = eve.config
     N, D, L = cfg.n_neurons, cfg.n_latent, cfg.n_layer
     assert N == det.config.ffn_hidden  # latent_dim = 1: one neuron per SwiGLU hidden unit
-    # w_mu, w_logvar, w2 replace w1, w3, w2; new: logvar bias, decoder gain and bias, AR a, b, m0, log sigma_p^2
-    extra = L * (D + 2 * N + 4 * D) + L  # + the layer-weight logits
+    # w_mu, w_logvar, w2 replace w1, w3, w2; new: logvar bias, decoder gain and bias, AR a, b, m0, log sigma_p^2,
+    # the posterior's memory gain c
+    extra = L * (D + 2 * N + 5 * D) + L  # + the layer-weight logits
     assert eve.num_params() - det.num_params() == extra
-    prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8  # the AR scan: 5 doubling steps for block_size 32
+    prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 + 3  # the AR scan (5 doubling steps at T = 32), c h
     assert eve.flops_per_token() == det.flops_per_token() + 6 * extra + 3 * (17 + prior) * L * D
     assert make(n_samples=2).flops_per_token() == 2 * eve.flops_per_token()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# §3.2/§3.4 q(z | x, h): the posterior mean reads the neuron's memory h = mu_p (posterior_memory, on by default).
+
+
+def make_with_memory(seed=0, **overrides):
+    """A model whose memory is non-trivial everywhere: AR coefficients, m0 and the posterior's gain c all random."""
+    model = make(seed, **overrides)
+    g = gen(seed + 100)
+    with torch.no_grad():
+        for block in model.blocks:
+            mlp = block.mlp
+            for p in (mlp.ar_a, mlp.ar_b, mlp.prior_m0, mlp.mem_gain):
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_posterior_memory_follows_the_papers_recurrence_run_as_a_sequential_loop():
+    # The definitions, one position at a time: h(t) = mu_p(t) = a mu_p(t-1) + b z(t-1), mu_p(0) = m0 (§3.3);
+    # mu_q(t) = w_mu u(t) + c h(t) (§3.2 q(z | x, h)); z(t) = mu_q(t) + sigma_q(t) eps(t); KL(q(t) || p(t)).
+    model, idx = make_with_memory(latent_dim=2), tokens()
+    latents = model.sample_latents(3, gen(0))
+    inputs = []
+    mlp = model.blocks[0].mlp
+    mlp.register_forward_hook(lambda m, args, out: inputs.append((*args[:2], out[0])))  # (u, eps, update)
+    _, _, stats = model(idx, targets=idx, latents=latents)
+    u, eps, update = inputs[0]
+    alpha, b, c = torch.tanh(mlp.ar_a), mlp.ar_b, torch.tanh(mlp.mem_gain)
+    a = alpha - b * c  # the prior's own coefficient: alpha is the pole of the loop prior <-> posterior
+    sigma_q = (0.5 * mlp.w_logvar(u).clamp(-6, 2)).exp()
+    mu_p, mu_q, z = [], [], []
+    h = mlp.prior_m0.expand(3, -1)
+    for t in range(idx.size(1)):
+        if t > 0:
+            h = a * h + b * z[-1]
+        mu_p.append(h)
+        mu_q.append(mlp.w_mu(u[:, t]) + c * h)
+        z.append(mu_q[-1] + sigma_q[:, t] * eps[:, t])
+    mu_p, mu_q, z = (torch.stack(v, dim=1) for v in (mu_p, mu_q, z))  # (B, T, D)
+    y = F.silu((z.view(3, 12, -1, 2) * mlp.dec_gain).sum(-1) + mlp.dec_bias)
+    assert torch.allclose(update, mlp.w2(y), atol=1e-5)
+    sigma_p = (0.5 * mlp.prior_logvar.clamp(-6, 2)).exp()
+    ref = kl_divergence(Normal(mu_q, sigma_q), Normal(mu_p, sigma_p))  # (B, T, D)
+    assert torch.allclose(stats["kl_0"], ref.view(3, 12, -1, 2).sum(-1).mean(), atol=1e-5)
+    assert (c * mu_p).abs().mean() > 0.1  # the memory term is far from negligible here
+
+
+def test_posterior_memory_lets_the_ar_prior_change_the_logits_and_off_it_cannot():
+    idx = tokens()
+    for memory in (True, False):
+        model = make_with_memory(posterior_memory=memory) if memory else make(posterior_memory=False, ar_b_init=0.3)
+        latents = model.sample_latents(3, gen(0))
+        before = model(idx, targets=idx, latents=latents)[0]
+        changes = []
+        for name in ("ar_a", "ar_b", "prior_m0"):
+            p = getattr(model.blocks[0].mlp, name)
+            saved = p.detach().clone()
+            with torch.no_grad():
+                p.add_(0.5)
+            changes.append((model(idx, targets=idx, latents=latents)[0] - before).abs().max().item())
+            with torch.no_grad():
+                p.copy_(saved)
+        if memory:
+            assert min(changes) > 1e-3, changes
+        else:  # q(z | x): the prior reaches the loss through the KL and L_AR only, never the logits
+            assert changes == [0.0, 0.0, 0.0]
+    assert not hasattr(model.blocks[0].mlp, "mem_gain") or model.blocks[0].mlp.mem_gain is None
+
+
+def test_posterior_memory_is_causal_in_the_tokens():
+    model = make_with_memory()
+    latents = model.sample_latents(2, gen(0))
+    idx, k = tokens(B=2, T=16), 9
+    changed = idx.clone()
+    changed[:, k] = (idx[:, k] + 1) % SMALL["vocab_size"]
+    records = record_priors(model)
+    logits_a = model(idx, targets=idx, latents=latents)[0]
+    logits_b = model(changed, targets=changed, latents=latents)[0]
+    assert torch.allclose(logits_a[:, :k], logits_b[:, :k], atol=1e-6)
+    assert (logits_a[:, k] - logits_b[:, k]).abs().max() > 1e-4
+    mu_a, mu_b = records[1][0][0], records[1][1][0]  # block 1's memory: untouched up to k, changed from k + 1
+    assert torch.allclose(mu_a[:, :k + 1], mu_b[:, :k + 1], atol=1e-6)
+    assert (mu_a[:, k + 1] - mu_b[:, k + 1]).abs().max() > 1e-4
+
+
+def test_posterior_memory_cached_decode_equals_the_full_forward_with_pinned_eps():
+    model = make_with_memory()
+    B, T, P = 2, 20, 6
+    idx, latents = tokens(B=B, T=T), model.sample_latents(B, gen(0))
+    full = model(idx, targets=idx, latents=latents)[0]  # (B, T, V)
+    model.setup_kv_cache(B, T)
+    try:
+        cached = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
+        cached += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
+    finally:
+        model.clear_kv_cache()
+    assert torch.allclose(torch.cat(cached, dim=1), full[:, P - 1:], atol=1e-5)
+    out = model.generate(idx[:, :P], 10, temperature=0, latents=latents)
+    seq = idx[:, :P]
+    for _ in range(10):  # no cache: the whole sequence at every step
+        seq = torch.cat([seq, model(seq, latents=latents)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_memory_gain_receives_gradient_and_the_loop_stays_stable_for_any_b_and_c():
+    model, idx = make_with_memory(), tokens()
+    with torch.no_grad():
+        for block in model.blocks:  # large b and c; the pole alpha = tanh(ar_a) near 1
+            block.mlp.ar_b.fill_(5.0)
+            block.mlp.mem_gain.fill_(3.0)
+            block.mlp.ar_a.fill_(3.0)
+    _, loss, stats = model(idx, targets=idx, latents=model.sample_latents(3, gen(0)))
+    assert torch.isfinite(loss) and stats["nonfinite"].item() == 0
+    loss.backward()
+    assert model.blocks[0].mlp.mem_gain.grad.abs().sum() > 0
+
+
+def test_checkpoint_from_before_the_memory_term_loads_and_computes_the_same_logits():
+    # A model saved without posterior_memory (its state_dict has no mem_gain) loads strictly into the default
+    # model: the missing gain is filled with c = 0, exactly the x-only posterior it was trained with.
+    old = make(posterior_memory=False, ar_b_init=0.3)
+    with torch.no_grad():
+        for block in old.blocks:
+            block.mlp.prior_m0.normal_(generator=gen(5))
+    state = old.state_dict()
+    assert not any("mem_gain" in key for key in state)
+    new = make(seed=1)  # posterior_memory=True, different initial weights
+    missing, unexpected = new.load_state_dict(state, strict=True)
+    assert missing == [] and unexpected == []
+    assert all(torch.equal(block.mlp.mem_gain, torch.zeros_like(block.mlp.mem_gain)) for block in new.blocks)
+    idx, latents = tokens(), old.sample_latents(3, gen(0))
+    logits_old, loss_old, _ = old(idx, targets=idx, latents=latents)
+    logits_new, loss_new, _ = new(idx, targets=idx, latents=latents)
+    assert torch.allclose(logits_new, logits_old, atol=1e-6) and torch.allclose(loss_new, loss_old, atol=1e-6)
+    # and a memory checkpoint keeps its learned gain
+    trained = make_with_memory()
+    fresh = make(seed=2)
+    fresh.load_state_dict(trained.state_dict())
+    assert torch.equal(fresh.blocks[0].mlp.mem_gain, trained.blocks[0].mlp.mem_gain)

@@ -192,6 +192,110 @@ def test_generation_pinned_to_a_reference_posterior_draws_uniform_z_past_its_end
     assert torch.equal(codes[:, 6:], extra[:, :5])  # drawn once, before decoding, from the token generator
 
 
+def test_sample_latents_with_a_prompt_draws_its_z_from_the_encoder_and_the_rest_uniform():
+    model = tiny_model()
+    with torch.no_grad():
+        model.encoder_readout.weight.mul_(100)  # bit probabilities far from 1/2, so prompts tell apart
+    prompt, other = random_tokens(3, 7, seed=1), random_tokens(3, 7, seed=2)
+    codes = model.sample_latents(3, torch.Generator().manual_seed(4), prompt=prompt)
+    assert codes.shape == (3, TINY["block_size"]) and codes.min() >= 0 and codes.max() < 2 ** TINY["latent_bits"]
+    # §3.2: positions < T from the encoder on the prompt, the same draw as posterior_latents from the same state
+    assert torch.equal(codes[:, :7], model.posterior_latents(prompt, torch.Generator().manual_seed(4)))
+    # positions >= T: uniform draws that do not depend on the prompt's tokens (another prompt, the same codes)
+    codes_other = model.sample_latents(3, torch.Generator().manual_seed(4), prompt=other)
+    assert not torch.equal(codes_other[:, :7], codes[:, :7])
+    assert torch.equal(codes_other[:, 7:], codes[:, 7:])
+    # prompt=None keeps the old behaviour: the uniform prior everywhere, the prompt's positions included
+    assert torch.equal(model.sample_latents(3, torch.Generator().manual_seed(4)),
+                       torch.randint(2 ** TINY["latent_bits"], (3, TINY["block_size"]),
+                                     generator=torch.Generator().manual_seed(4)))
+
+
+def test_sample_latents_prompt_codes_follow_the_encoder_distribution_one_independent_draw_per_row():
+    model = tiny_model()
+    with torch.no_grad():
+        model.encoder_readout.weight.mul_(100)  # bit probabilities spread over (0, 1)
+    prompt = random_tokens(1, 5)
+    codes = model.sample_latents(20_000, torch.Generator().manual_seed(0), prompt=prompt)  # a batch-1 prompt
+    p = torch.sigmoid(model.encoder_logits(prompt)[0])  # (5, H) Eq. 6 on the prompt alone
+    assert p.min() < 0.2 and p.max() > 0.8
+    freq = code_bits(codes[:, :5], TINY["latent_bits"]).float().mean(0)  # (5, H)
+    assert torch.allclose(freq, p, atol=0.015)
+    uniform = code_bits(codes[:, 5:], TINY["latent_bits"]).float().mean((0, 1))  # (H,) the prior: 1/2 per bit
+    assert torch.allclose(uniform, torch.full_like(uniform, 0.5), atol=0.01)
+    # --latents=independent: rows are separate draws; --latents=shared repeats one row (sample_latents(1, ...))
+    assert len({tuple(row.tolist()) for row in codes[:50, :5]}) > 10
+
+
+def test_sample_latents_never_reads_tokens_past_the_prompt():
+    # MC scoring: the context is the prompt, the choice tokens get uniform codes; the non-causal encoder on
+    # context + choice would read the answer. Z for the context is the same whichever choice follows.
+    model = tiny_model()
+    context, choice_a, choice_b = random_tokens(2, 6, seed=1), random_tokens(2, 4, seed=2), random_tokens(2, 4, seed=3)
+    seen, encoder_logits = [], model.encoder_logits
+    model.encoder_logits = lambda idx: seen.append(idx.clone()) or encoder_logits(idx)
+    latents = model.sample_latents(2, torch.Generator().manual_seed(0), prompt=context)
+    assert len(seen) == 1 and torch.equal(seen[0], context)  # the encoder ran on the context alone
+    full_a, full_b = torch.cat((context, choice_a), 1), torch.cat((context, choice_b), 1)
+    assert not torch.allclose(encoder_logits(full_a)[:, :6], encoder_logits(full_b)[:, :6])  # it would leak
+    with torch.no_grad():  # scored with these latents, the context's logits are the same for both choices
+        logits_a = model(full_a, full_a, latents=latents)[0]
+        logits_b = model(full_b, full_b, latents=latents)[0]
+    assert torch.equal(logits_a[:, :6], logits_b[:, :6])
+
+
+def test_generate_with_prompt_latents_equals_generate_without_latents_given_the_same_codes():
+    model = tiny_model()
+    prompt = random_tokens(2, 5)
+    seen = record_codes(model)
+    free_run = model.generate(prompt, 10, temperature=0, generator=torch.Generator().manual_seed(3))
+    prefill, decoded = seen[0], torch.cat(seen[1:], dim=1)  # (2, 5) encoder codes, (2, 9) uniform codes
+    # sample_latents(prompt=...) from the same generator state draws the prefill's codes exactly ...
+    latents = model.sample_latents(2, torch.Generator().manual_seed(3), prompt=prompt)  # (2, block_size)
+    assert torch.equal(latents[:, :5], prefill)
+    # ... and with the new tokens' uniform codes set to the ones generate drew, the pinned run is the same run
+    latents[:, 5:14] = decoded
+    seen.clear()
+    pinned_run = model.generate(prompt, 10, temperature=0, latents=latents)
+    assert torch.equal(torch.cat(seen, dim=1), latents[:, :14])
+    assert torch.equal(pinned_run, free_run)
+
+
+def test_mean_kl_and_free_bits_count_the_z_that_reach_a_scored_target():
+    model = tiny_model().train()
+    idx = random_tokens(2, 12)
+    targets = random_tokens(2, 12, seed=5)
+    targets[0, :4] = -1  # a masked prompt: its Z_t still reach the scored targets after it
+    targets[0, 9:] = -1  # padding after the last scored target: its Z_t reach nothing scored
+    targets[1, 6] = -1  # one masked target in the middle
+    kl = model_free.kl_per_token(model.encoder_logits(idx)).detach()  # (2, 12) nats, the same in every draw
+    kappa = kl.median().item()
+    model.config.kappa_nats = kappa
+    kept, encode = [], model.encode
+
+    def keep(x, cos, sin):
+        bit_logits = encode(x, cos, sin)
+        bit_logits.retain_grad()
+        kept.append(bit_logits)
+        return bit_logits
+
+    model.encode = keep
+    _, loss, stats = model(idx, targets)
+    # by hand: row 0 counts positions 0..8 (the last scored target is at 8), row 1 all 12; 5 + 11 predicted tokens
+    counted = [(0, t) for t in range(9)] + [(1, t) for t in range(12)]
+    n_pred = 5 + 11
+    hinge = sum(max(0.0, kl[b, t].item() - kappa) for b, t in counted) / n_pred
+    kl_per_pred = sum(kl[b, t].item() for b, t in counted) / n_pred
+    assert math.isclose(stats["free_bits"].item(), hinge, rel_tol=1e-5)
+    assert math.isclose(stats["kl"].item(), kl_per_pred / math.log(2), rel_tol=1e-5)
+    assert math.isclose(stats["elbo"].item(), stats["ce"].item() + kl_per_pred, rel_tol=1e-5)
+    assert math.isclose(loss.item(), stats["ce"].item() + hinge, rel_tol=1e-5)
+    assert not math.isclose(hinge, F.relu(kl - kappa).mean().item(), rel_tol=1e-3)  # the old mean over all 24
+    loss.backward()  # padding's Z_t get no gradient at all (neither term sees them); the masked prompt's do
+    grad = kept[0].grad.abs().sum(-1)  # (2, 12)
+    assert grad[0, 9:].max().item() == 0.0 and (grad[0, :9] > 0).all() and (grad[1] > 0).all()
+
+
 def test_posterior_and_prior_give_log_probabilities_of_the_codes():
     model = tiny_model()
     idx = random_tokens(2, 24)

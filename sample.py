@@ -21,6 +21,7 @@ temperature = 0.8  # 0 = greedy
 top_k = 0  # 0 = no top-k filtering
 seed = 1337  # token sampling
 latents = "independent"  # 'independent' (a draw per sample), 'shared' (one draw for all), 'posterior' (Free: encode --reference)
+prompt_latents = "encoder"  # Free: the prompt's Z from the 'encoder' on the prompt (§3.2), or the uniform 'prior' as well
 latent_seed = -1  # seeds the latents alone (-1: use seed), so the same minds / Z can be kept while tokens vary
 minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independent latents)
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
@@ -39,7 +40,8 @@ def model_fields(values):
 
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
 configurator.require(config, positive=("num_samples", "max_new_tokens"), non_negative=("temperature", "top_k", "minds"),
-                     choices={"latents": ("independent", "shared", "posterior")})
+                     choices={"latents": ("independent", "shared", "posterior"),
+                              "prompt_latents": ("encoder", "prior")})
 common.check_device(device)
 if start.startswith("FILE:"):
     if not os.path.isfile(start[5:]):
@@ -58,10 +60,14 @@ if minds:
 torch.manual_seed(seed)
 token_generator = torch.Generator(device).manual_seed(seed)
 latent_generator = torch.Generator(device).manual_seed(seed if latent_seed < 0 else latent_seed)
+prompt = torch.tensor([encode(start)] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
+if prompt.size(1) > net.config.block_size:
+    common.die(f"the prompt has {prompt.size(1)} tokens, more than the context (block_size={net.config.block_size})")
+consistent_with = prompt[:1] if prompt_latents == "encoder" else None  # Free: Z of the prompt from its encoder
 if latents == "independent":
-    pinned = net.sample_latents(num_samples, latent_generator)
-elif latents == "shared":
-    pinned = net.sample_latents(1, latent_generator)
+    pinned = net.sample_latents(num_samples, latent_generator, prompt=consistent_with)
+elif latents == "shared":  # one prompt-Z draw and one sequence of per-token codes for the whole group
+    pinned = net.sample_latents(1, latent_generator, prompt=consistent_with)
     pinned = None if pinned is None else common.repeat_latents(pinned, num_samples)
 else:
     if net.latent_kind != "code":
@@ -70,7 +76,6 @@ else:
     ref = torch.tensor([encode(reference or start)], dtype=torch.long, device=device)
     pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
 
-prompt = torch.tensor([encode(start)] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
 try:
     out = net.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
                        generator=token_generator)

@@ -16,7 +16,6 @@ Expected (§4.1): at 1/64 bit Z is unused (shared groups no tighter than indepen
 groups agree on the position; at 8 bits Z carries everything and prior samples degrade (fewer well-formed).
 """
 
-import json
 import math
 import os
 import subprocess
@@ -37,6 +36,7 @@ show = 8  # generations per printed group
 shared_groups = 8  # shared-Z groups for the numbers (of `show` generations each)
 independent = 64  # independent-Z generations for the numbers
 temperature = 1.0
+prompt_z = "encoder"  # the prompt's Z from the 'encoder' (§3.2), or from the uniform 'prior' (this README's first run)
 parallel = 1  # training runs at once (a GPU holds several of these small models)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 figure = "assets/free_synthetic.png"
@@ -89,14 +89,17 @@ def analyse(kappa, seed):
     model.eval()
     encode, decode = common.tokenizer(checkpoint["meta"])
     latent_gen = torch.Generator(device).manual_seed(seed)
-    indep = generate(model, model.sample_latents(independent, latent_gen), encode, decode, seed)
-    groups = [generate(model, common.repeat_latents(model.sample_latents(1, latent_gen), show), encode, decode,
-                       seed + g) for g in range(shared_groups)]
+    # §3.2: the prompt's Z from the encoder on the prompt, each new token's Z uniform; a shared group shares both
+    prompt = torch.tensor([encode(letter + ">")], device=device)
+    draw = lambda n: model.sample_latents(n, latent_gen, prompt=prompt if prompt_z == "encoder" else None)
+    indep = generate(model, draw(independent), encode, decode, seed)
+    groups = [generate(model, common.repeat_latents(draw(1), show), encode, decode, seed + g)
+              for g in range(shared_groups)]
     starts = lambda texts: [s for s in map(target_start, texts) if s is not None]
     spread = lambda texts: float(np.std(starts(texts))) if len(starts(texts)) >= 2 else float("nan")
     group_spreads = [spread(g) for g in groups if len(starts(g)) >= 2]
-    with open(os.path.join(run_dir(kappa, seed), "metrics.jsonl")) as f:
-        last_eval = [r for r in map(json.loads, f) if "val_loss" in r][-1]
+    last_eval = [r for r in common.read_records(os.path.join(run_dir(kappa, seed), "metrics.jsonl"))
+                 if "val_loss" in r][-1]
     return dict(kappa=kappa, seed=seed, iters=last_eval["iter"], kl_bits=last_eval["val_kl"],
                 ce_posterior=last_eval["val_ce"], ce_prior=last_eval["val_ce_prior"], neg_elbo=last_eval["val_elbo"],
                 well_formed=np.mean([letters_answer(t) == letter for t in indep]),

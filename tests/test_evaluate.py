@@ -209,7 +209,7 @@ def test_long_contexts_are_left_truncated_to_the_block_size():
     net = tiny("det")
     pairs = [evaluate.choice_tokens(encode, "a long context " * 4, c) for c in ("yes", "no")]  # 60 + tokens > 24
     ll, n_tokens, truncated = evaluate.score_choices(net, pairs, 1, None)
-    assert truncated and n_tokens == [4, 3]
+    assert truncated and n_tokens == [5, 4]  # "  yes": the context's trailing space moved onto the continuation
     assert ll[0] == pytest.approx(direct_loglik(net, *pairs[0], [None]), abs=1e-4)
 
 
@@ -359,3 +359,60 @@ def test_population_task_runs_on_the_letters_prompts(data_root, det_ckpt, tmp_pa
 def test_missing_checkpoint_is_one_clear_error(data_root, tmp_path):
     proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'nowhere'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1
+
+
+def test_choice_tokens_follow_the_harness_encode_pair():
+    """lm-evaluation-harness _encode_pair: trailing whitespace of the context moves onto the continuation; an empty
+    context conditions on the end-of-text token, or is refused when the tokenizer has none."""
+    assert evaluate.choice_tokens(encode, "the cat ", "sat") == (encode("the cat"), encode("  sat"))
+    assert evaluate.choice_tokens(encode, "", "sat", eot=0) == ([0], encode(" sat"))
+
+
+def test_acc_char_divides_by_the_characters_actually_scored():
+    """A choice cut to its tail by the context window is normalised by the tail's length, as it is scored."""
+    net = tiny("det")
+    examples = [{"context": "ab", "choices": ["c" * 30, "d"], "label": 0}]  # 30 + 1 characters > block_size 24
+    pairs = [evaluate.choice_tokens(encode, ex["context"], c) for ex in examples for c in ex["choices"]]
+    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, 1, None)
+    out = evaluate.evaluate_mc(net, examples, encode, decode, 1, None)
+    chars = [n_tokens[0], 2]  # the char tokenizer: a token is a character; " d" is two
+    expected = max(range(2), key=lambda i: ll[i] / chars[i]) == 0
+    assert truncated and n_tokens[0] == 24 and out["acc_char"] == float(expected)
+
+
+def test_sequence_mixture_is_the_likelihood_of_a_frozen_mind():
+    """mixture='sequence': log mean_m prod_t p_m(y_t) over minds shared by the choices (B-Trans Eq. 3)."""
+    net = tiny("btrans", sigma=0.5)
+    pairs = [evaluate.choice_tokens(encode, "the cat sat on the", c) for c in ("mat.", "moon")]
+    ll, _, _ = evaluate.score_choices(net, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
+    for (ctx, cont), got in zip(pairs, ll):
+        gen = torch.Generator().manual_seed(7)
+        per_mind = [direct_loglik(net, ctx, cont, [net.sample_latents(1, gen)]) for _ in range(3)]
+        assert got == pytest.approx(torch.logsumexp(torch.tensor(per_mind), 0).item() - math.log(3), abs=1e-4)
+
+
+def test_free_choices_take_the_context_z_from_the_encoder_on_the_context_alone():
+    """The choices' codes at context positions are the encoder's on the context (never on context + choice), the
+    same for every choice; the choice positions get uniform codes, also shared."""
+    net = tiny("free", latent_bits=4)
+    pairs = [evaluate.choice_tokens(encode, "the cat sat", c) for c in ("on", "under the")]
+    contexts = [ctx for ctx, _ in pairs]
+    codes = evaluate.example_latents(net, contexts, torch.Generator().manual_seed(3))
+    expected = net.sample_latents(1, torch.Generator().manual_seed(3), prompt=torch.tensor([contexts[0]]))
+    assert torch.equal(codes, expected.expand(2, -1))
+
+
+@pytest.mark.parametrize("name, doc, expected", [
+    ("piqa", {"goal": "open a jar", "sol1": "twist", "sol2": "bite", "label": 0},
+     {"context": "Question: open a jar\nAnswer:", "choices": ["twist", "bite"], "label": 0}),
+    ("arc_easy", {"question": "2+2?", "choices": {"text": ["3", "4"], "label": ["A", "B"]}, "answerKey": "B"},
+     {"context": "Question: 2+2?\nAnswer:", "choices": ["3", "4"], "label": 1}),
+])
+def test_hub_sets_load_through_datasets_in_their_hub_schema(name, doc, expected, monkeypatch):
+    """The hub ids are parquet sets current datasets loads (PIQA moved to baber/piqa); offline, a local copy in the
+    same schema stands in for the download."""
+    import datasets
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, config, split: calls.append(path) or [doc])
+    assert evaluate.load_mc_examples(name) == [expected]
+    assert calls == [evaluate.HF_TASKS[name][0]] and evaluate.HF_TASKS["piqa"][0] == "baber/piqa"

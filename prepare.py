@@ -4,6 +4,7 @@
     python prepare.py arith                                      # "37*12=444" lines for rlvr.py, no download
     python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
     python prepare.py text --input=wp.jsonl --fields=prompt,story --name=wp
+    python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json --name=shakespeare_smollm2
     python prepare.py writingprompts | tinystories | fineweb_edu  # Hugging Face hub, GPT-2 BPE
 """
 
@@ -98,6 +99,11 @@ def prepare_arith(args):
     stoi = {ch: i for i, ch in enumerate(chars)}
     encode = lambda lines: [np.array([stoi[c] for c in "".join(lines)])]
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars, task="arith")
+    if args.tokenizer != "char":  # the same problems in a pretrained model's vocabulary (convert.py's tokenizer.json)
+        meta = dict(tokenizer="hf", tokenizer_file=os.path.abspath(args.tokenizer), task="arith")
+        meta["vocab_size"] = common.hf_tokenizer(meta["tokenizer_file"]).get_vocab_size()
+        encode_text, _ = common.tokenizer(meta)
+        encode = lambda lines: [encode_text("".join(lines))]
     write_dataset(args.name or "arith", {"train": encode(train), "val": encode(val)}, meta)
 
 
@@ -156,8 +162,17 @@ def prepare_text(args):
     else:
         cut = int(len(docs) * (1 - args.val_fraction))
         train_docs, val_docs = docs[:cut], docs[cut:]
-    name = args.name or f"{os.path.splitext(os.path.basename(args.input))[0]}_{args.tokenizer}"
-    if args.tokenizer == "char":
+    kind = args.tokenizer if args.tokenizer in ("gpt2", "char") else "hf"
+    name = args.name or f"{os.path.splitext(os.path.basename(args.input))[0]}_{kind}"
+    if kind == "hf":  # a pretrained model's own vocabulary (convert.py copies its tokenizer.json next to ckpt.pt)
+        if not os.path.isfile(args.tokenizer):
+            common.die(f"--tokenizer must be gpt2, char or the path of a tokenizer.json, got {args.tokenizer!r}")
+        meta = dict(tokenizer="hf", tokenizer_file=os.path.abspath(args.tokenizer))
+        meta["vocab_size"] = common.hf_tokenizer(meta["tokenizer_file"]).get_vocab_size()
+        encode_text, _ = common.tokenizer(meta)
+        encode = lambda ds: [encode_text("\n\n".join(ds))]
+        write_dataset(name, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
+    elif kind == "char":
         chars = sorted(set("".join(train_docs + val_docs)))
         stoi = {ch: i for i, ch in enumerate(chars)}
         encode = lambda ds: [[stoi[c] for c in "\n\n".join(ds)]]
@@ -211,12 +226,13 @@ def main(argv=None):
     p.add_argument("--num_val", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--name", default=None, help="output folder under data/ (default: arith)")
+    p.add_argument("--tokenizer", default="char", help="char, or a Hugging Face tokenizer.json (convert.py)")
     p = sub.add_parser("text", help="a local .txt (one document) or .jsonl (one document a line)")
     p.add_argument("--input", required=True)
     p.add_argument("--val_input", default=None, help="a separate validation file (default: split off the input)")
     p.add_argument("--val_fraction", type=float, default=0.1)
     p.add_argument("--fields", default="text", help="jsonl fields joined into a document, e.g. prompt,story")
-    p.add_argument("--tokenizer", choices=("gpt2", "char"), default="gpt2")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2, char, or a Hugging Face tokenizer.json (convert.py)")
     p.add_argument("--bpe_file", default=None, help=f"local gpt2.tiktoken (offline; or ${common.GPT2_BPE_ENV})")
     p.add_argument("--name", default=None, help="output folder under data/ (default: <input stem>_<tokenizer>)")
     for source in HUB_DATASETS:

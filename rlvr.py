@@ -106,7 +106,7 @@ def load_prompts(task, dataset, split, meta):
     if task == "letters":
         n = meta["doc_len"]
         return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
-    text = "".join(np.array(meta["chars"])[np.asarray(data)])
+    text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
     return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
 
 

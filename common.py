@@ -390,8 +390,24 @@ def gpt2_encoding(bpe_file=None):
         return gpt2_from_file(fallback), fallback
 
 
+def hf_tokenizer(path):
+    """A Hugging Face tokenizer.json (a pretrained model's own BPE, recorded by convert.py or prepare.py), read with
+    the tokenizers package: an optional dependency, imported only here."""
+    if not os.path.exists(path):
+        die(f"tokenizer file {path} not found (checkpoints and datasets record it by absolute path): put it back, "
+            f"or run convert.py or prepare.py --tokenizer=... again")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        die("a Hugging Face tokenizer needs the tokenizers package: pip install tokenizers")
+    return Tokenizer.from_file(path)
+
+
 def tokenizer(meta):
     """(encode, decode) for a prepared dataset's meta.json."""
+    if meta["tokenizer"] == "hf":  # no special tokens added, as lm-evaluation-harness encodes for causal LMs
+        tok = hf_tokenizer(meta["tokenizer_file"])
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
     if meta["tokenizer"] == "char":
         stoi = {ch: i for i, ch in enumerate(meta["chars"])}
 

@@ -120,8 +120,12 @@ def configure(defaults, argv, model_fields=None, positional=None):
 
 def apply(namespace, argv=None, model_fields=None, positional=None):
     """configure() on the caller's module globals (their public int/float/bool/str/tuple names), which it updates.
-    Returns (config, model values): config is every script value after overrides, as a checkpoint records it."""
-    defaults = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, TYPES)}
+    Returns (config, model values): config is every script value after overrides, as a checkpoint records it. The
+    defaults are those the module had at its first call, so a main() called twice (in tests) starts afresh."""
+    if "_config_defaults" not in namespace:
+        namespace["_config_defaults"] = {k: v for k, v in namespace.items() if not k.startswith("_")
+                                         and isinstance(v, TYPES)}
+    defaults = namespace["_config_defaults"]
     config, model_values = configure(defaults, sys.argv[1:] if argv is None else argv, model_fields, positional)
     namespace.update(config)
     return config, model_values

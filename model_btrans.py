@@ -167,6 +167,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     # B-Trans (§4.1 Eq. 4). The paper gives no sigma; 0.02 is the default of the only public re-implementation.
     sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm
     # Or one sigma per wrapped norm, in forward order (attn_norm, mlp_norm of each block, then norm_f): 2L+1 of them.
@@ -215,7 +216,8 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.norm_f = BayesianBiasNorm(config, config.sigmas[-1])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+            self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -229,8 +231,11 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+    def num_params(self, non_embedding=False):
+        """Every parameter once (a tied head/embedding once). non_embedding=True leaves out an untied embedding:
+        a lookup, no matmul, so not part of the 6N of flops_per_token (nanoGPT's get_num_params)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding and not self.config.tie_embeddings else n
 
     def norms(self):
         """The wrapped norms in forward order, the order of sample_latents' second axis and of sigma_per_layer."""
@@ -352,5 +357,5 @@ class Model(nn.Module):
         backward (its gradient passes x unchanged; the sums for learned mu, sigma). mu + sigma * eps is per row."""
         cfg = self.config
         n_offset = sum(p.numel() for norm in self.norms() for p in (norm.mu, norm.log_sigma) if p is not None)
-        return (6 * (self.num_params() - n_offset) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return (6 * (self.num_params(non_embedding=True) - n_offset) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
                 + 3 * cfg.n_norms * cfg.n_embd)

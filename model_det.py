@@ -135,6 +135,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
 
     def __post_init__(self):
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
@@ -158,7 +159,8 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+            self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -172,8 +174,11 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+    def num_params(self, non_embedding=False):
+        """Every parameter once (a tied head/embedding once). non_embedding=True leaves out an untied embedding:
+        a lookup, no matmul, so not part of the 6N of flops_per_token (nanoGPT's get_num_params)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding and not self.config.tie_embeddings else n
 
     def forward(self, idx, targets=None, latents=None, start_pos=0):
         """idx (B, T) token ids -> (logits, loss, stats). The det model has no latents; `latents` is ignored.
@@ -246,4 +251,4 @@ class Model(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights
         (the tied head's matmul included, the embedding lookup not) plus 12 * L * C * T for attention scores."""
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -297,6 +297,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     # EVE variational neurons (§3.2, §3.4). The paper gives no sizes or coefficients; these defaults are ours.
     n_neurons: int = None  # neurons per block; None = ffn_hidden // latent_dim: latent width D = det's SwiGLU width
     latent_dim: int = 1  # d_z, latent dimensions per neuron
@@ -361,7 +362,8 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+            self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -384,8 +386,11 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+    def num_params(self, non_embedding=False):
+        """Every parameter once (a tied head/embedding once). non_embedding=True leaves out an untied embedding:
+        a lookup, no matmul, so not part of the 6N of flops_per_token (nanoGPT's get_num_params)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding and not self.config.tie_embeddings else n
 
     def forward(self, idx, targets=None, latents=None, start_pos=0):
         """idx (B, T) token ids -> (logits, loss, stats). latents (B, block_size, n_layer, D) pin the neurons' eps
@@ -584,5 +589,5 @@ class Model(nn.Module):
         prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
         prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent
-        dense = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        dense = 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         return cfg.n_samples * (dense + variational)

@@ -260,6 +260,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     latent_bits: int = 8  # H: Z_t is one of 2^H codes; 8 for the tiny default (§4.3's H = 16: config/free_1b5.py)
     kappa_bits: float = 0.5  # free-bits threshold κ per token, in bits (§4.5: κ = log(2)/2, half a bit)
     mapper: str = "factored"  # Binary Mapper: "dense" builds (B, T, 2^H) as §3.4 writes it; "factored" never does
@@ -301,7 +302,8 @@ class Model(nn.Module):
         self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+            self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -316,8 +318,11 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # the tied head/embedding is counted once
+    def num_params(self, non_embedding=False):
+        """Every parameter once (a tied head/embedding once). non_embedding=True leaves out an untied embedding:
+        a lookup, no matmul, so not part of the 6N of flops_per_token (nanoGPT's get_num_params)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding and not self.config.tie_embeddings else n
 
     def forward(self, idx, targets=None, latents=None, start_pos=0, generator=None):
         """idx (B, T) token ids -> (logits, loss, stats).
@@ -506,6 +511,6 @@ class Model(nn.Module):
         factored: a gather forward, v = W g backward 2CK, its two contractions 4K, the scatter-add into W C."""
         cfg = self.config
         C, H, K = cfg.n_embd, cfg.latent_bits, 2 ** cfg.latent_bits
-        n_matmul = self.num_params() - self.zeta.numel() - self.post_sampler.weight.numel()
+        n_matmul = self.num_params(non_embedding=True) - self.zeta.numel() - self.post_sampler.weight.numel()
         mapper = 6 * C * K + 4 * H * K if cfg.mapper == "dense" else 2 * C * K + 4 * K + C
         return 6 * n_matmul + 12 * (cfg.n_layer + 1) * cfg.n_embd * cfg.block_size + mapper

@@ -4,6 +4,7 @@
     python prepare.py arith                                      # "37*12=444" lines for rlvr.py, no download
     python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
     python prepare.py text --input=wp.jsonl --fields=prompt,story --name=wp
+    python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json --name=shakespeare_smollm2
     python prepare.py writingprompts | tinystories | fineweb_edu  # Hugging Face hub, GPT-2 BPE
 """
 
@@ -29,15 +30,23 @@ input = ""
 val_input = ""  # a separate validation file ('' = split off the input)
 val_fraction = 0.1
 fields = ("text",)  # jsonl fields joined into a document, e.g. --fields=prompt,story
-tokenizer = "gpt2"  # gpt2 or char
+tokenizer = "gpt2"  # gpt2, char, or a pretrained model's tokenizer.json (convert.py copies it beside ckpt.pt)
 bpe_file = ""  # a local gpt2.tiktoken (offline; or $NANOLATENT_GPT2_BPE)
 # hub datasets
 max_docs = 0  # stop after this many training documents (0 = all)
 val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 for a hub set with none)
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals(), positional="source")
-configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
-                     choices={"tokenizer": ("gpt2", "char")})
+configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"))
+
+
+def hf_meta(path):
+    """meta.json of a dataset in a pretrained model's own vocabulary, and its encode."""
+    if not os.path.isfile(path):
+        common.die(f"--tokenizer must be gpt2, char or the path of a tokenizer.json, got {path!r}")
+    meta = dict(tokenizer="hf", tokenizer_file=os.path.abspath(path))
+    meta["vocab_size"] = common.hf_tokenizer(meta["tokenizer_file"]).get_vocab_size()
+    return meta, common.tokenizer(meta)[0]
 
 
 def token_dtype(vocab_size):
@@ -88,6 +97,10 @@ def prepare_arith():
     stoi = {ch: i for i, ch in enumerate(chars)}
     encode = lambda lines: [np.array([stoi[c] for c in "".join(lines)])]
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars, task="arith")
+    if tokenizer not in ("char", "gpt2"):  # the same problems in a pretrained model's vocabulary (convert.py)
+        meta, encode_text = hf_meta(tokenizer)
+        meta["task"] = "arith"
+        encode = lambda lines: [encode_text("".join(lines))]
     write_dataset(name or "arith", {"train": encode(train), "val": encode(val)}, meta)
 
 
@@ -156,8 +169,13 @@ def prepare_text():
     else:
         cut = int(len(docs) * (1 - val_fraction))
         train_docs, val_docs = docs[:cut], docs[cut:]
-    out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{tokenizer}"
-    if tokenizer == "char":
+    kind = tokenizer if tokenizer in ("gpt2", "char") else "hf"
+    out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
+    if kind == "hf":  # a pretrained model's own vocabulary (convert.py copies its tokenizer.json next to ckpt.pt)
+        meta, encode_text = hf_meta(tokenizer)
+        encode = lambda ds: [encode_text("\n\n".join(ds))]
+        write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
+    elif kind == "char":
         chars = sorted(set("".join(train_docs + val_docs)))
         stoi = {ch: i for i, ch in enumerate(chars)}
         encode = lambda ds: [[stoi[c] for c in "\n\n".join(ds)]]

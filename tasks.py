@@ -34,15 +34,17 @@ def synthetic_sequences(n, rng, length=64, target_len=8, noise=1 / 16):
 
 
 def arith_lines(n, rng, exclude=frozenset()):
-    """n distinct problems "a+b=c" or "a*b=c" with 2- or 3-digit operands, none of them in `exclude`."""
-    lines = set()
+    """n distinct problems "a+b=c" or "a*b=c" with 2- or 3-digit operands, none of them in `exclude`, in an order
+    that depends on rng alone (a dict keeps insertion order; a set's would follow the per-process string hash)."""
+    lines = {}
     while len(lines) < n:
         a, b = rng.integers(10, 1000, size=2)
         op = "+*"[rng.integers(2)]
         line = f"{a}{op}{b}={a + b if op == '+' else a * b}\n"
         if line not in exclude:
-            lines.add(line)
-    return sorted(lines, key=lambda _: rng.random())
+            lines[line] = None
+    lines = list(lines)
+    return [lines[i] for i in rng.permutation(len(lines))]
 
 
 
@@ -106,7 +108,7 @@ def load_prompts(task, dataset, split, meta):
     if task == "letters":
         n = meta["doc_len"]
         return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
-    text = "".join(np.array(meta["chars"])[np.asarray(data)])
+    text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
     return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
 
 

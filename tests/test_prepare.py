@@ -105,3 +105,12 @@ def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_
         a, op, b, answer = re.fullmatch(r"(\d{2,3})([+*])(\d{2,3})=(\d+)", line).groups()
         assert int(answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
     assert {line[line.index("+") if "+" in line else line.index("*")] for line in lines["val"]} == {"+", "*"}
+
+
+def test_arith_data_is_the_same_whatever_the_string_hash_seed(tmp_path, monkeypatch):
+    """The problems' order depends on the seed alone: Python's per-process string hashing must not reach it."""
+    for hash_seed in ("1", "2"):
+        monkeypatch.setenv("PYTHONHASHSEED", hash_seed)
+        run_script("prepare.py", "arith", "--num_train=200", "--num_val=20", f"--name=a{hash_seed}", data_dir=tmp_path)
+    assert all((tmp_path / "a1" / f"{s}.bin").read_bytes() == (tmp_path / "a2" / f"{s}.bin").read_bytes()
+               for s in ("train", "val"))

@@ -1,0 +1,363 @@
+"""convert.py against transformers, an implementation no one here wrote: a Hugging Face Llama imported into model_det
+gives LlamaForCausalLM's logits, loss and greedy tokens; a det checkpoint exported loads in transformers with the same
+logits; an imported tokenizer works through sample.py, prepare.py and evaluate.py; other architectures and broken
+files are refused with one line. Also the tie_embeddings switch of the four model files."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the reference implementation of Llama (pip install transformers)")
+pytest.importorskip("safetensors", reason="Hugging Face checkpoints are safetensors files (pip install safetensors)")
+tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers (pip install tokenizers)")
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from conftest import run_script  # noqa: E402
+
+import common  # noqa: E402
+import convert  # noqa: E402
+
+TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
+    f"The {a} model reads the {b} and writes a {c}. Each mind of the {a} model sees the same {b}, yet writes its "
+    f"own {c}; a population of minds explores more than one.\n"
+    for a in ("small", "tiny", "random", "pretrained") for b in ("prompt", "context", "question", "story")
+    for c in ("answer", "story", "line"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A byte-level BPE (GPT-2's scheme) trained on TEXT, saved as a tokenizer.json."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def hf_llama(folder, tokenizer_file, tie, n_kv_head=2, rope_theta=500.0, rms_norm_eps=1e-3, max_shard_size=None,
+             legacy_config=False):
+    """A random LlamaForCausalLM saved with save_pretrained (+ tokenizer.json). Weights are drawn wider than a fresh
+    model's and the norm gains away from 1, so that any misplaced tensor or constant moves the logits visibly.
+    legacy_config rewrites config.json the way transformers 4 wrote it (SmolLM2's): rope_theta at the top level."""
+    torch.manual_seed(0)
+    vocab = tokenizers.Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=n_kv_head, max_position_embeddings=64,
+                         rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie,
+                         initializer_range=0.1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    shutil.copyfile(tokenizer_file, os.path.join(folder, "tokenizer.json"))
+    if legacy_config:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            values = json.load(f)
+        values["rope_theta"] = values.pop("rope_parameters")["rope_theta"]
+        values["rope_scaling"] = None
+        with open(path, "w") as f:
+            json.dump(values, f)
+    return model
+
+
+def refusal(capsys, *argv):
+    """Run convert.py in-process expecting a refusal: exit code 2 and one line on stderr; returns the line."""
+    capsys.readouterr()  # what ran before (transformers' progress bars)
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face -> ours
+
+
+@pytest.mark.parametrize("tie, n_kv_head, rope_theta, rms_norm_eps, max_shard_size, legacy_config", [
+    (True, 2, 500.0, 1e-3, None, False),  # tied, GQA (2 query heads per KV head), transformers 5's config.json
+    (False, 1, 100.0, 1e-4, "40KB", False),  # untied, multi-query, sharded files
+    (False, 4, 50.0, 1e-2, None, True),  # multi-head, rope_theta at the top level (transformers 4's config.json)
+], ids=["tied-gqa", "untied-mqa-sharded", "untied-mha-legacy-config"])
+def test_import_gives_the_logits_loss_and_greedy_tokens_of_transformers(tmp_path, tokenizer_file, tie, n_kv_head,
+                                                                         rope_theta, rms_norm_eps, max_shard_size,
+                                                                         legacy_config):
+    hf = hf_llama(tmp_path / "hf", tokenizer_file, tie, n_kv_head, rope_theta, rms_norm_eps, max_shard_size,
+                  legacy_config)
+    assert (len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1) == bool(max_shard_size)
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    ours, checkpoint = common.load_model(tmp_path / "ours")
+    ours.eval()
+    cfg = ours.config
+    assert (cfg.n_kv_head, cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (n_kv_head, rope_theta, rms_norm_eps,
+                                                                                 tie)
+    assert (cfg.block_size, cfg.ffn_hidden, cfg.vocab_size) == (64, 96, hf.config.vocab_size)
+    assert (ours.lm_head.weight is ours.tok_emb.weight) == tie
+    assert checkpoint["meta"]["tokenizer"] == "hf" and checkpoint["meta"]["vocab_size"] == cfg.vocab_size
+
+    idx = torch.randint(cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx, labels=idx)  # transformers shifts the labels inside: position t predicts idx[t + 1]
+        logits, loss, _ = ours(idx[:, :-1], idx[:, 1:])
+    assert ref.logits.abs().max() > 1  # far from the ~0 logits of an untrained head: the comparison has teeth
+    torch.testing.assert_close(logits, ref.logits[:, :-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-6)
+
+    prompt = idx[:, :8]
+    expected = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 20, temperature=0), expected)
+
+
+def test_export_of_an_import_gives_back_the_same_files(tmp_path, tokenizer_file, capsys):
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=False)
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    convert.main(["to_hf", f"--out_dir={tmp_path / 'ours'}", f"--dst={tmp_path / 'back'}"])
+    assert "copied the tokenizer" in capsys.readouterr().out
+    from safetensors.torch import load_file
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    reference = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for field in ("num_key_value_heads", "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+                  "bos_token_id", "eos_token_id"):
+        assert getattr(model.config, field) == getattr(reference.config, field), field
+    tok, text = AutoTokenizer.from_pretrained(tmp_path / "back"), "Each mind of the model writes its own story."
+    assert tok(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(text).ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ours -> Hugging Face
+
+
+def our_checkpoint(path, model_type="det", tie=True, **config):
+    """A random det model of ours saved in train.py's format (char tokenizer), norm gains away from 1; the model."""
+    torch.manual_seed(0)
+    model = common.build_model(model_type, dict(vocab_size=40, n_layer=2, n_embd=48, n_head=4, n_kv_head=2,
+                                                block_size=32, rope_theta=300.0, norm_eps=1e-4, tie_embeddings=tie,
+                                                **config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.normal_(1.0, 0.3)
+    os.makedirs(path, exist_ok=True)
+    common.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(model.config),
+                            "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
+                            "meta": {"tokenizer": "char", "chars": [chr(32 + i) for i in range(40)],
+                                     "vocab_size": 40}}, os.path.join(path, "ckpt.pt"))
+    return model
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, capsys, tie):
+    ours = our_checkpoint(tmp_path / "run", tie=tie)
+    convert.main(["to_hf", f"--out_dir={tmp_path / 'run'}", f"--dst={tmp_path / 'hf'}"])
+    assert "char tokenizer has no Hugging Face form" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.tie_word_embeddings == tie and hf.config.rope_parameters["rope_theta"] == 300.0
+    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tie
+    idx = torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx, idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_btrans_exports_only_with_its_noise_off(tmp_path, capsys):
+    det = our_checkpoint(tmp_path / "off", "btrans", sigma=0.0)
+    convert.main(["to_hf", f"--out_dir={tmp_path / 'off'}", f"--dst={tmp_path / 'hf'}"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(40, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, det(idx, idx)[0], rtol=1e-5, atol=1e-5)
+    our_checkpoint(tmp_path / "on", "btrans", sigma=0.02)
+    assert "B-Trans population (sigma=0.02" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'on'}",
+                                                        f"--dst={tmp_path / 'x'}")
+    our_checkpoint(tmp_path / "eve", "eve")
+    assert "holds a eve model" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'eve'}", f"--dst={tmp_path / 'x'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the scripts on an imported model, with its tokenizer
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory, tokenizer_file):
+    """An untied random Llama with the BPE tokenizer, imported by the command line; (folder, HF model, tokenizer)."""
+    root = tmp_path_factory.mktemp("imported")
+    hf = hf_llama(root / "hf", tokenizer_file, tie=False)
+    run_script("convert.py", "hf", f"--src={root / 'hf'}", f"--out_dir={root / 'ours'}", data_dir=root)
+    return root, hf, tokenizers.Tokenizer.from_file(str(tokenizer_file))
+
+
+def test_sample_py_decodes_the_greedy_tokens_of_transformers_also_as_btrans_minds(imported):
+    root, hf, tok = imported
+    prompt = "Each mind of the"
+    ids = torch.tensor([tok.encode(prompt).ids])
+    expected = tok.decode(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                      pad_token_id=0)[0].tolist())
+    args = ["sample.py", f"--out_dir={root / 'ours'}", f"--start={prompt}", "--temperature=0", "--max_new_tokens=12",
+            "--device=cpu"]
+    out = run_script(*args, "--num_samples=1", data_dir=root).stdout
+    assert out.count(expected + "\n---------------\n") == 1
+    # The untied checkpoint as B-Trans minds: with sigma = 0 every mind is the det model.
+    out = run_script(*args, "--model=btrans", "--minds=3", "--sigma=0.0", data_dir=root).stdout
+    assert out.count(expected + "\n---------------\n") == 3
+
+
+def test_evaluate_py_mc_and_lm_agree_with_transformers(imported, tmp_path):
+    root, hf, tok = imported
+    encode = lambda text: tok.encode(text).ids
+
+    def log_likelihood(context, choice):  # the harness' tokenization: the continuation is what follows the context
+        ctx, full = encode(context), encode(context + " " + choice)
+        with torch.no_grad():
+            log_p = hf(torch.tensor([full])).logits[0].log_softmax(-1)
+        return sum(log_p[t - 1, full[t]].item() for t in range(len(ctx), len(full)))
+
+    # Each example's label is transformers' pick, so evaluate.py's accuracy is 1 only if it agrees on every one.
+    words = ["prompt", "story", "answer", "line", "context", "question"]
+    examples = [{"context": f"The {a} model reads the", "choices": [words[(i + k) % 6] for k in range(3)]}
+                for i, a in enumerate(("small", "tiny", "random", "pretrained", "big", "odd"))]
+    for e in examples:
+        e["label"] = int(np.argmax([log_likelihood(e["context"], c) for c in e["choices"]]))
+    assert len({e["label"] for e in examples}) > 1
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    run_script("evaluate.py", f"--out_dir={root / 'ours'}", "--task=mc", f"--mc_file={tmp_path / 'mc.jsonl'}",
+               f"--out_json={tmp_path / 'mc.json'}", "--device=cpu", data_dir=tmp_path)
+    assert json.loads((tmp_path / "mc.json").read_text())["results"][str(root / "ours")]["acc"] == 1.0
+
+    # prepare.py tokenizes a text with the model's tokenizer; evaluate.py's lm task gives transformers' mean loss.
+    (tmp_path / "text.txt").write_text(TEXT)
+    run_script("prepare.py", "text", f"--input={tmp_path / 'text.txt'}",
+               f"--tokenizer={root / 'ours' / 'tokenizer.json'}", "--name=bpe", "--val_fraction=0.2", data_dir=tmp_path)
+    meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
+    val = np.fromfile(tmp_path / "bpe" / "val.bin", dtype=meta["dtype"]).astype(np.int64)
+    assert meta["tokenizer"] == "hf" and val.tolist() == encode(TEXT[int(len(TEXT) * 0.8):])
+    run_script("evaluate.py", f"--out_dir={root / 'ours'}", "--dataset=bpe", "--seq_len=32",
+               f"--out_json={tmp_path / 'lm.json'}", "--device=cpu", data_dir=tmp_path)
+    nll = json.loads((tmp_path / "lm.json").read_text())["results"][str(root / "ours")]["nll"]
+    windows = torch.tensor(np.stack([val[s:s + 33] for s in range(0, len(val) - 32, 32)]))  # evaluate.lm_windows
+    with torch.no_grad():
+        assert nll == pytest.approx(hf(windows, labels=windows).loss.item(), abs=1e-5)
+
+
+def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tmp_path, monkeypatch):
+    root, _, _ = imported
+    for name, tokenizer in (("arith_char", "char"), ("arith_bpe", root / "ours" / "tokenizer.json")):
+        run_script("prepare.py", "arith", "--num_train=300", "--num_val=40", f"--name={name}",
+                   f"--tokenizer={tokenizer}", data_dir=tmp_path)
+    monkeypatch.setenv("NANOLATENT_DATA", str(tmp_path))
+    import tasks
+    for split in ("train", "val"):
+        char, bpe = (tasks.load_prompts("arith", name, split, common.load_meta(name)) for name in ("arith_char",
+                                                                                                  "arith_bpe"))
+        assert bpe == char and len(char) == {"train": 300, "val": 40}[split]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# refusals: one line naming the field, file or tensor
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope_parameters="),
+    ({"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+    ({"head_dim": 32}, "head_dim=32"),
+    ({"model_type": "qwen3"}, 'model_type="qwen3"'),
+    ({"architectures": ["MistralForCausalLM"]}, "architectures="),
+])
+def test_a_config_model_det_cannot_compute_is_refused_naming_the_field(tmp_path, tokenizer_file, capsys, edit,
+                                                                       named):
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    assert named in refusal(capsys, "hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}")
+    assert not (tmp_path / "ours" / "ckpt.pt").exists()
+
+
+def test_broken_or_foreign_weights_are_refused_in_one_line(tmp_path, tokenizer_file, capsys):
+    from safetensors.torch import load_file, save_file
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True, max_shard_size="40KB")
+    src, args = tmp_path / "hf", ["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"]
+    shards = sorted(src.glob("model-*.safetensors"))
+    # a QK-norm gain (Qwen3, OLMo 2) under a llama config: a tensor with no place in model_det
+    tensors = load_file(shards[0])
+    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}, shards[0],
+              metadata={"format": "pt"})
+    assert "tensor model.layers.0.self_attn.q_norm.weight (and 0 more) has no place" in refusal(capsys, *args)
+    save_file(tensors, shards[0], metadata={"format": "pt"})
+    # a shard cut short by an interrupted download: from the command line, exit 2 and one line, no traceback
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-100])
+    proc = run_script("convert.py", *args, data_dir=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"{shards[-1]} is unreadable" in proc.stderr and "truncated" in proc.stderr
+    shards[-1].unlink()
+    assert f"{shards[-1]} is missing" in refusal(capsys, *args)
+    (src / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in refusal(capsys, *args)
+
+
+def test_a_missing_tokenizer_file_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        common.tokenizer({"tokenizer": "hf", "tokenizer_file": "/nonexistent/tokenizer.json"})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "/nonexistent/tokenizer.json not found" in err
+
+
+def test_a_hub_id_goes_through_snapshot_download(tmp_path, tokenizer_file, monkeypatch, capsys):
+    """Offline here: snapshot_download is replaced by a stand-in serving a local folder, then by a failing one."""
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="the hub client (pip install huggingface_hub)")
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        return str(tmp_path / "hf")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    convert.main(["hf", "--src=HuggingFaceTB/SmolLM2-135M", f"--out_dir={tmp_path / 'ours'}"])
+    (repo_id, patterns), = calls
+    assert repo_id == "HuggingFaceTB/SmolLM2-135M" and {"config.json", "tokenizer.json"} <= set(patterns)
+    assert common.load_checkpoint(tmp_path / "ours")["config"]["src"] == "HuggingFaceTB/SmolLM2-135M"
+
+    def offline(repo_id, allow_patterns):
+        raise ConnectionError("no route to huggingface.co")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert "could not be downloaded" in refusal(capsys, "hf", "--src=HuggingFaceTB/SmolLM2-135M",
+                                                f"--out_dir={tmp_path / 'x'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tie_embeddings in the four model files
+
+
+@pytest.mark.parametrize("model_type", common.MODEL_TYPES)
+def test_an_untied_head_is_its_own_matrix_and_costs_the_same_flops(model_type):
+    values = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=16)
+    tied, untied = (common.build_model(model_type, {**values, "tie_embeddings": t}) for t in (True, False))
+    assert tied.lm_head.weight is tied.tok_emb.weight and untied.lm_head.weight is not untied.tok_emb.weight
+    assert untied.num_params() - tied.num_params() == 50 * 32  # the head's own matrix
+    # 6N counts the head's matmul once either way; an untied embedding is a lookup, no FLOPs
+    assert untied.flops_per_token() == tied.flops_per_token()
+
+
+def test_a_checkpoint_from_before_tie_embeddings_loads_tied(tmp_path):
+    ours = our_checkpoint(tmp_path / "run")
+    checkpoint = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    del checkpoint["model_config"]["tie_embeddings"]
+    common.save_checkpoint(checkpoint, tmp_path / "run" / "ckpt.pt")
+    model, _ = common.load_model(tmp_path / "run")
+    assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.lm_head.weight, ours.lm_head.weight)

@@ -98,7 +98,8 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast). Attention reads all of it and masks the
+    positions past each query, so a decode step has the same shapes at every position and compiles once."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -107,10 +108,13 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, start_pos, k, v):
-        end = start_pos + k.size(2)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1; start_pos is an int, or a (1,)
+        tensor in generate()'s decode steps. -> the whole cache and the mask of the keys each query sees."""
+        pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
+        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each
 
 
 class Attention(nn.Module):
@@ -131,10 +135,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
-        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        if self.kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, max_len, hd) each, (T, max_len)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -240,6 +245,7 @@ class Model(nn.Module):
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
         self.apply(self._init_weights)
         # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
         for name, p in self.named_parameters():
@@ -262,16 +268,18 @@ class Model(nn.Module):
 
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus
         kl_weight * KL when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0 only
-        in KV-cache decoding. latents=None in 'sequence' mode draws a fresh mind per row from the global RNG;
-        'token' and 'mean' modes ignore latents (config.noise_mode may be switched between calls, e.g. §5).
+        in KV-cache decoding (a (1,) tensor from generate()). latents=None in 'sequence' mode draws a fresh mind per
+        row from the global RNG; 'token' and 'mean' modes ignore latents (config.noise_mode may be switched between
+        calls, e.g. §5).
         """
         B, T = idx.shape
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-        if start_pos > 0 and T > 1:
-            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
-        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd)
-        sin = self.rope_sin[start_pos:start_pos + T]
+        if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+            if start_pos > 0 and T > 1:
+                raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         eps = self.offset_noise(B, T, latents, start_pos)  # n_norms tensors (B, 1 or T, C), or Nones
         x = self.tok_emb(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
@@ -328,8 +336,10 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
-        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
-        Row b is generated by mind latents[b]; latents=None draws B minds from `generator` once, first (§4.3)."""
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token, compiled
+        after compile_decode(). Row b is generated by mind latents[b]; latents=None draws B minds from `generator`
+        once, first (§4.3). Tokens are drawn between steps, from `generator`, compiled or not ('token' mode's fresh
+        eps are drawn inside the step: a compiled step draws other numbers)."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -337,17 +347,28 @@ class Model(nn.Module):
                              f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
         if latents is None:
             latents = self.sample_latents(B, generator)  # §4.3 (1) Initialization: sample once and cache
-        self.setup_kv_cache(B, total)
+        step = self.decode_step or self
+        self.setup_kv_cache(B, total if self.decode_step is None else self.config.block_size)  # compiled: one shape
+        positions = torch.arange(total, device=idx.device)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0)  # (B, 1, V)
             for pos in range(T, total):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:  # §4.3 (2) Generation: every step applies the same frozen eps
-                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos)
+                    logits, _, _ = step(idx_next, latents=latents, start_pos=positions[pos:pos + 1])
         finally:
             self.clear_kv_cache()
         return idx
+
+    def compile_decode(self, mode=None):
+        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache spans
+        block_size, so every step of every call has the same shapes: one compilation per batch size. On CUDA the mode
+        defaults to "reduce-overhead" (CUDA graphs: the step is launch-bound). Prefill and sampling stay eager."""
+        if mode is None and self.tok_emb.weight.is_cuda:
+            mode = "reduce-overhead"
+        self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)
+        return self
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""

@@ -78,7 +78,8 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast). Attention reads all of it and masks the
+    positions past each query, so a decode step has the same shapes at every position and compiles once."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -87,10 +88,13 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, start_pos, k, v):
-        end = start_pos + k.size(2)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1; start_pos is an int, or a (1,)
+        tensor in generate()'s decode steps. -> the whole cache and the mask of the keys each query sees."""
+        pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
+        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each
 
 
 class PriorCache(nn.Module):
@@ -119,10 +123,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
-        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        if self.kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, max_len, hd) each, (T, max_len)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -202,7 +207,7 @@ class VariationalMLP(nn.Module):
         """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,), from the sampled z (B, T, D). Training and
         prefill compute every position at once (linear_scan); a decode step reads and advances the cached state."""
         a = torch.tanh(self.ar_a)
-        if self.prior_cache is not None and start_pos > 0:
+        if self.prior_cache is not None and z.size(1) == 1:  # one position: the state, whatever the position
             mu_p = self.prior_cache.mean.unsqueeze(1).clone()  # (B, 1, D), a copy: the cache moves on below
         elif start_pos > 0:
             raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
@@ -364,6 +369,7 @@ class Model(nn.Module):
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
         # §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives no init).
         self.layer_logits = nn.Parameter(torch.zeros(config.n_layer)) if config.layer_weights else None
         self.register_buffer("ctrl_step", torch.zeros((), dtype=torch.long))  # update_controllers calls so far
@@ -392,14 +398,17 @@ class Model(nn.Module):
 
         With targets: logits (B, T, V) and loss = the §3.6 objective CE + beta KL + L_control + alpha_AR L_AR
         (targets == -1 are ignored by the CE). Without: logits of the last position only, (B, 1, V). start_pos > 0
-        only in KV-cache decoding. One forward is one stochastic pass: §3.5's Monte Carlo average is evaluate.py's.
+        only in KV-cache decoding (a (1,) tensor from generate()). One forward is one stochastic pass: §3.5's Monte
+        Carlo average is evaluate.py's.
         """
         cfg = self.config
         B, T = idx.shape
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-        if start_pos > 0 and T > 1:
-            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+            if start_pos > 0 and T > 1:
+                raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
         # n_samples > 1 in training: the batch repeated S times with independent eps; the mean CE and the per-unit
         # averages below are then the objective averaged over the S draws.
         S = cfg.n_samples if self.training and targets is not None and latents is None else 1
@@ -409,9 +418,8 @@ class Model(nn.Module):
         if latents is None:
             eps = torch.randn(S * B, T, cfg.n_layer, cfg.n_latent, device=p.device, dtype=p.dtype)  # §3.2 eps
         else:
-            eps = latents[:, start_pos:start_pos + T].to(p.device, p.dtype)  # (B, T, L, D)
-        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd)
-        sin = self.rope_sin[start_pos:start_pos + T]
+            eps = latents[:, pos.to(latents.device)].to(p.device, p.dtype)  # (B, T, L, D)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         x = self.tok_emb(idx)  # (B, T, C)
         outs, auxs = [], []
         for i, block in enumerate(self.blocks):
@@ -529,6 +537,7 @@ class Model(nn.Module):
                                           p.device, p.dtype)
             if self.config.ar_prior:  # §3.3: the AR prior's recurrence state travels with the KV cache
                 block.mlp.prior_cache = PriorCache(batch_size, self.config.n_latent, p.device)
+                block.mlp.prior_cache.mean.copy_(block.mlp.prior_m0.detach())  # mu_p(0) = m0: a decode step at 0
 
     def clear_kv_cache(self):
         for block in self.blocks:
@@ -537,8 +546,9 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
-        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token. The
-        neurons' noise is pinned for the whole call: `latents`, or one draw of sample_latents(B, generator)."""
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token, compiled
+        after compile_decode(). The neurons' noise is pinned for the whole call: `latents`, or one draw of
+        sample_latents(B, generator). Tokens are drawn between steps, from `generator`, compiled or not."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -546,17 +556,28 @@ class Model(nn.Module):
                              f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
         if latents is None:
             latents = self.sample_latents(B, generator)
-        self.setup_kv_cache(B, total)
+        step = self.decode_step or self
+        self.setup_kv_cache(B, total if self.decode_step is None else self.config.block_size)  # compiled: one shape
+        positions = torch.arange(total, device=idx.device)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0)  # (B, 1, V)
             for pos in range(T, total):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:
-                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos)
+                    logits, _, _ = step(idx_next, latents=latents, start_pos=positions[pos:pos + 1])
         finally:
             self.clear_kv_cache()
         return idx
+
+    def compile_decode(self, mode=None):
+        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache spans
+        block_size, so every step of every call has the same shapes: one compilation per batch size. On CUDA the mode
+        defaults to "reduce-overhead" (CUDA graphs: the step is launch-bound). Prefill and sampling stay eager."""
+        if mode is None and self.tok_emb.weight.is_cuda:
+            mode = "reduce-overhead"
+        self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)
+        return self
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""

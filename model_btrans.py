@@ -16,6 +16,30 @@ import torch.nn.functional as F
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """F.rms_norm's forward, op for op, and its backward in closed form. torch's CPU rms_norm is composite, so autograd
+    backpropagates through each of its ops: fwd + bwd took 13.2 ms against 6.0 here at (8, 256, 384), one thread."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()  # float32 at least, as F.rms_norm computes
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        x_hat = xf * rstd  # (..., C)
+        ctx.save_for_backward(x_hat, weight, rstd)
+        ctx.x_dtype = x.dtype
+        return x_hat.type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        # y = x_hat * w with x_hat = x * rstd: dx = rstd * (g_hat - x_hat * mean(g_hat * x_hat)) for g_hat = g * w.
+        x_hat, weight, rstd = ctx.saved_tensors
+        g_hat = (grad * weight).float()
+        dot = (g_hat * x_hat).mean(-1, keepdim=True)  # (..., 1)
+        grad_x = torch.addcmul(g_hat, x_hat, dot, value=-1).mul_(rstd)
+        grad_w = (grad * x_hat).sum(tuple(range(grad.dim() - 1)))  # (C,)
+        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
 
@@ -25,6 +49,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if x.device.type == "cpu":  # CUDA has a fused rms_norm kernel, the CPU a composite one
+            return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
@@ -57,21 +83,23 @@ class BayesianBiasNorm(RMSNorm):
 
 
 def precompute_rope(head_dim, max_len, theta):
-    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
+    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (max_len, hd) each
 
 
 def apply_rope(x, cos, sin):
-    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.type_as(x)
+    """x (B, nh, T, hd) rotated by cos, sin (T, hd) of precompute_rope: x * cos + (x with its halves swapped) * sin,
+    in float32 as the tables are. The swap is a roll by hd/2: three passes over x, no chunk and cat."""
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin).type_as(x)
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast). Attention reads all of it and masks the
+    positions past each query, so a decode step has the same shapes at every position and compiles once."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -80,10 +108,13 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, start_pos, k, v):
-        end = start_pos + k.size(2)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1; start_pos is an int, or a (1,)
+        tensor in generate()'s decode steps. -> the whole cache and the mask of the keys each query sees."""
+        pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
+        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each
 
 
 class Attention(nn.Module):
@@ -104,10 +135,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
-        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        if self.kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, max_len, hd) each, (T, max_len)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -219,8 +251,9 @@ class Model(nn.Module):
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
         self.apply(self._init_weights)
         # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
         for name, p in self.named_parameters():
@@ -246,17 +279,18 @@ class Model(nn.Module):
 
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus
         kl_weight * KL when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0 only
-        in KV-cache decoding. latents=None in 'sequence' mode draws a fresh mind per row, and 'token' mode its eps
-        at every position, from `generator` (the global RNG when None); 'token' and 'mean' modes ignore latents
-        (config.noise_mode may be switched between calls, e.g. §5).
+        in KV-cache decoding (a (1,) tensor from generate()). latents=None in 'sequence' mode draws a fresh mind per
+        row, and 'token' mode its eps at every position, from `generator` (the global RNG when None); 'token' and
+        'mean' modes ignore latents (config.noise_mode may be switched between calls, e.g. §5).
         """
         B, T = idx.shape
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-        if start_pos > 0 and T > 1:
-            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
-        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
-        sin = self.rope_sin[start_pos:start_pos + T]
+        if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+            if start_pos > 0 and T > 1:
+                raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+        pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         eps = self.offset_noise(B, T, latents, start_pos, generator)  # n_norms tensors (B, 1 or T, C), or Nones
         x = self.tok_emb(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
@@ -316,9 +350,11 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
-        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
-        Row b is generated by mind latents[b]; latents=None draws B minds from `generator` once, first (§4.3).
-        In 'token' mode every call draws its eps from `generator` too, so a seed reproduces the generation."""
+        """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token, compiled
+        after compile_decode(). Row b is generated by mind latents[b]; latents=None draws B minds from `generator`
+        once, first (§4.3). Tokens are drawn between steps, from `generator`, compiled or not. In 'token' mode an
+        eager step draws its eps from `generator` too, so a seed reproduces the generation; a compiled step takes no
+        generator and draws them from the global RNG."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -326,17 +362,29 @@ class Model(nn.Module):
                              f"(block_size={self.config.block_size}); shorten the prompt or ask for fewer tokens")
         if latents is None:
             latents = self.sample_latents(B, generator)  # §4.3 (1) Initialization: sample once and cache
-        self.setup_kv_cache(B, total)
+        step = self.decode_step or self
+        self.setup_kv_cache(B, total if self.decode_step is None else self.config.block_size)  # compiled: one shape
+        positions = torch.arange(total, device=idx.device)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0, generator=generator)  # (B, 1, V)
             for pos in range(T, total):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:  # §4.3 (2) Generation: every step applies the same frozen eps
-                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos, generator=generator)
+                    logits, _, _ = step(idx_next, latents=latents, start_pos=positions[pos:pos + 1],
+                                        **({} if self.decode_step else {"generator": generator}))
         finally:
             self.clear_kv_cache()
         return idx
+
+    def compile_decode(self, mode=None):
+        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache spans
+        block_size, so every step of every call has the same shapes: one compilation per batch size. On CUDA the mode
+        defaults to "reduce-overhead" (CUDA graphs: the step is launch-bound). Prefill and sampling stay eager."""
+        if mode is None and self.tok_emb.weight.is_cuda:
+            mode = "reduce-overhead"
+        self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)
+        return self
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""

@@ -13,6 +13,30 @@ import torch.nn.functional as F
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """F.rms_norm's forward, op for op, and its backward in closed form. torch's CPU rms_norm is composite, so autograd
+    backpropagates through each of its ops: fwd + bwd took 13.2 ms against 6.0 here at (8, 256, 384), one thread."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()  # float32 at least, as F.rms_norm computes
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        x_hat = xf * rstd  # (..., C)
+        ctx.save_for_backward(x_hat, weight, rstd)
+        ctx.x_dtype = x.dtype
+        return x_hat.type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        # y = x_hat * w with x_hat = x * rstd: dx = rstd * (g_hat - x_hat * mean(g_hat * x_hat)) for g_hat = g * w.
+        x_hat, weight, rstd = ctx.saved_tensors
+        g_hat = (grad * weight).float()
+        dot = (g_hat * x_hat).mean(-1, keepdim=True)  # (..., 1)
+        grad_x = torch.addcmul(g_hat, x_hat, dot, value=-1).mul_(rstd)
+        grad_w = (grad * x_hat).sum(tuple(range(grad.dim() - 1)))  # (C,)
+        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
 
@@ -22,25 +46,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if x.device.type == "cpu":  # CUDA has a fused rms_norm kernel, the CPU a composite one
+            return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
 def precompute_rope(head_dim, max_len, theta):
-    """cos/sin tables for rotary position embeddings (Su et al. 2021), one row per position."""
+    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
+    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (max_len, hd) each
 
 
 def apply_rope(x, cos, sin):
-    """Rotate the two halves of each head's channels by position-dependent angles; x is (B, nh, T, hd)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.type_as(x)
+    """x (B, nh, T, hd) rotated by cos, sin (T, hd) of precompute_rope: x * cos + (x with its halves swapped) * sin,
+    in float32 as the tables are. The swap is a roll by hd/2: three passes over x, no chunk and cat."""
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin).type_as(x)
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): decode steps have static shapes."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast). Attention reads all of it and masks the
+    positions past each query, so a decode step has the same shapes at every position and compiles once."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -49,10 +77,13 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, start_pos, k, v):
-        end = start_pos + k.size(2)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, n_kv, end, hd) each
+        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1; start_pos is an int, or a (1,)
+        tensor in generate()'s decode steps. -> the whole cache and the mask of the keys each query sees."""
+        pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
+        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each
 
 
 class Attention(nn.Module):
@@ -78,11 +109,11 @@ class Attention(nn.Module):
         k = self.wk(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, start_pos + T, hd)
-        # A prefill starts at position 0 (causal mask); a decode step has T == 1 and may see every cached key.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and T > 1,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        if self.kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, max_len, hd) each, (T, max_len)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -305,8 +336,9 @@ class Model(nn.Module):
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
         self.apply(self._init_weights)
         nn.init.normal_(self.zeta, mean=0.0, std=0.02)  # like a token embedding
         # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
@@ -331,24 +363,26 @@ class Model(nn.Module):
         otherwise with targets (training) or at start_pos 0 (generation's prefill) it is sampled from the encoder,
         and at a decode step it is uniform over the 2^H codes, drawn from `generator`.
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus the free-bits
-        term when the encoder ran. Without: logits of the last position only, (B, 1, V).
+        term when the encoder ran. Without: logits of the last position only, (B, 1, V). start_pos > 0 only in KV-cache
+        decoding (a (1,) tensor from generate()).
         """
         B, T = idx.shape
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-        if start_pos > 0 and T > 1:
-            raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
-        if latents is not None and latents.size(1) < start_pos + T:
-            raise ValueError(f"latents cover {latents.size(1)} positions, need {start_pos + T}")
-        cos = self.rope_cos[start_pos:start_pos + T]  # (T, hd/2)
-        sin = self.rope_sin[start_pos:start_pos + T]
+        if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+            if start_pos > 0 and T > 1:
+                raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+            if latents is not None and latents.size(1) < start_pos + T:
+                raise ValueError(f"latents cover {latents.size(1)} positions, need {start_pos + T}")
+        pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         x = self.tok_emb(idx)  # (B, T, C)
         half = self.config.n_layer // 2
         for block in self.blocks[:half]:
             x = block(x, cos, sin, start_pos)
         bit_logits = None
         if latents is not None:
-            codes = latents[:, start_pos:start_pos + T]  # (B, T)
+            codes = latents[:, pos]  # (B, T)
         elif targets is not None or start_pos == 0:  # training, or the prefill: Z consistent with the tokens (§3.2)
             bit_logits = self.encode(x, cos, sin)  # (B, T, H)
             codes = sample_codes(bit_logits, generator)  # (B, T)
@@ -468,7 +502,9 @@ class Model(nn.Module):
         Z for the prompt comes from the encoder at the prefill, Z for each new token from the uniform prior (§3.2);
         or all of it from `latents` (B, L): sample_latents(B, generator, prompt=idx) pins the same distribution
         (one row repeated over a group shares it), sample_latents() without a prompt draws the prompt's Z uniform
-        too, posterior_latents() of a reference copies another sequence's; positions past L get uniform codes."""
+        too, posterior_latents() of a reference copies another sequence's; positions past L get uniform codes. The
+        steps after the prefill are compiled after compile_decode(); tokens and codes are drawn between steps, from
+        `generator`, compiled or not."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -478,17 +514,34 @@ class Model(nn.Module):
             extra = torch.randint(2 ** self.config.latent_bits, (B, total - latents.size(1)), generator=generator,
                                   device=idx.device)
             latents = torch.cat((latents.expand(B, -1), extra), dim=1)  # (B, total)
-        self.setup_kv_cache(B, total)
+        z = idx.new_zeros(B, self.config.block_size)  # Z at every position for the decode steps: one shape per call
+        if latents is not None:
+            z[:, :total] = latents[:, :total]
+        step = self.decode_step or self
+        self.setup_kv_cache(B, total if self.decode_step is None else self.config.block_size)  # compiled: one shape
+        positions = torch.arange(total, device=idx.device)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0, generator=generator)  # (B, 1, V)
             for pos in range(T, total):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:
-                    logits, _, _ = self(idx_next, latents=latents, start_pos=pos, generator=generator)
+                    if latents is None:  # Z_t of a new token: uniform (Fig. 1), drawn once, from the token generator
+                        z[:, pos] = torch.randint(2 ** self.config.latent_bits, (B,), generator=generator,
+                                                  device=idx.device)
+                    logits, _, _ = step(idx_next, latents=z, start_pos=positions[pos:pos + 1])
         finally:
             self.clear_kv_cache()
         return idx
+
+    def compile_decode(self, mode=None):
+        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache spans
+        block_size, so every step of every call has the same shapes: one compilation per batch size. On CUDA the mode
+        defaults to "reduce-overhead" (CUDA graphs: the step is launch-bound). Prefill and sampling stay eager."""
+        if mode is None and self.tok_emb.weight.is_cuda:
+            mode = "reduce-overhead"
+        self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)
+        return self
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""

@@ -73,6 +73,33 @@ def test_rope_rotation_preserves_norms_and_depends_only_on_relative_position():
     assert torch.allclose((rot(q, 9) * rot(k, 4)).sum(), (rot(q, 20) * rot(k, 15)).sum(), atol=1e-5)
 
 
+def test_rope_turns_each_channel_pair_by_its_angle_as_a_complex_product():
+    """channels (j, j + hd/2) as the complex number x_j + i x_{j+hd/2}, times e^{i pos theta^(-2j/hd)}"""
+    hd, T = 8, 12
+    cos, sin = model_det.precompute_rope(hd, T, 10000.0)
+    x = torch.randn(2, 3, T, hd)
+    angles = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)  # (T, hd/2)
+    expected = torch.complex(x[..., :hd // 2], x[..., hd // 2:]) * torch.polar(torch.ones(T, hd // 2), angles)
+    assert torch.allclose(model_det.apply_rope(x, cos, sin), torch.cat([expected.real, expected.imag], -1), atol=1e-6)
+
+
+def test_rms_norm_forward_equals_torch_exactly_and_its_backward_to_float_rounding():
+    """RMSNorm on the CPU: model_det.RMSNormFunction, F.rms_norm's ops with a closed-form backward."""
+    norm = model_det.RMSNorm(48)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(4, 16, 48) * 3).requires_grad_()
+    g = torch.randn(4, 16, 48)
+    ours = norm(x)
+    ours.backward(g)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    ref = F.rms_norm(x_ref, (48,), w_ref, norm.eps)
+    ref.backward(g)
+    assert torch.equal(ours, ref)
+    assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(norm.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_loss_at_init_is_close_to_log_vocab_size():
     model = tiny(vocab_size=256, block_size=64)
     idx = torch.randint(0, 256, (8, 64))

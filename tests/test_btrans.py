@@ -114,6 +114,10 @@ def test_token_mode_noise_is_drawn_from_the_generator_so_a_seed_reproduces_the_g
     assert torch.allclose(offsets[0], 0.5 * eps[:, 0], atol=1e-5)
     assert torch.allclose(offsets[-1], 0.5 * eps[:, -1], atol=1e-5)
     assert torch.equal(logits, model(idx, targets=idx, generator=gen(3))[0])
+    # and in 'sequence' mode a forward without latents draws its minds from the generator, as sample_latents does
+    model.config.noise_mode = "sequence"
+    assert torch.equal(model(idx, targets=idx, generator=gen(3))[0],
+                       model(idx, targets=idx, latents=model.sample_latents(3, gen(3)))[0])
 
 
 def test_kv_cache_generation_matches_full_forward_greedy_generation_with_pinned_latents():

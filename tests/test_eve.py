@@ -58,7 +58,8 @@ def test_gaussian_kl_equals_torch_distributions_per_token_and_in_the_mean_over_t
 
 
 def test_layer_kl_stat_equals_torch_distributions_kl_of_posterior_and_ar_prior():
-    model, idx = make(ar_b_init=0.3, latent_dim=2), tokens()
+    # the x-only posterior; with the memory term: test_posterior_memory_follows_the_papers_recurrence_...
+    model, idx = make(ar_b_init=0.3, latent_dim=2, posterior_memory=False), tokens()
     latents = model.sample_latents(3, gen(0))
     inputs = []
     model.blocks[0].mlp.register_forward_hook(lambda m, args, out: inputs.append(args[:2]))  # (u, eps)

@@ -127,6 +127,24 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
+def pass_at_k_curve(correct, n, ks):
+    """{k: pass@k averaged over prompts} from the number of correct samples of each prompt, n samples each."""
+    return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
+
+
+def matching_setting(settings, values, target):
+    """The setting (a temperature, a sigma) at which a measured value (pass@1) reaches `target`: linear interpolation
+    between the two neighbouring measured settings whose values bracket it, the pair closest to the target when
+    several do (measurements are noisy, so a curve may cross more than once). None when no pair brackets it: the
+    target lies outside what the sweep reached."""
+    points = sorted(zip(settings, values))
+    pairs = [(a, b) for a, b in zip(points, points[1:]) if min(a[1], b[1]) <= target <= max(a[1], b[1])]
+    if not pairs:
+        return None
+    (x0, y0), (x1, y1) = min(pairs, key=lambda p: abs(p[0][1] - target) + abs(p[1][1] - target))
+    return x0 if y0 == y1 else x0 + (target - y0) * (x1 - x0) / (y1 - y0)
+
+
 def majority_answer(answers):
     """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
     goes to the answer seen first. None when no answer parses."""

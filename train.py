@@ -43,6 +43,7 @@ log_interval = 10
 eval_iters = 20  # batches per split per evaluation
 eval_only = False  # evaluate out_dir's checkpoint once and exit
 always_save_checkpoint = False  # save at every evaluation, not only when val loss improves
+select_by = "loss"  # val metric whose best is kept: 'loss' (the objective) or 'ce' (CE alone: EVE's select_by="ce")
 init_from = "scratch"  # 'scratch', or 'resume' to continue the run in out_dir
 overwrite = False  # init_from='scratch' into an out_dir that holds a checkpoint replaces that run
 wandb_log = False  # Weights & Biases logging (pip install wandb)
@@ -104,6 +105,8 @@ if ddp:
     gradient_accumulation_steps //= world_size
 else:
     rank, world_size = 0, 1
+if select_by not in ("loss", "ce"):
+    common.die(f"select_by must be 'loss' or 'ce', got {select_by!r}")
 if fsdp and not ddp:
     common.die("fsdp=True shards the model across processes: run under torchrun "
                "(torchrun --standalone --nproc_per_node=N train.py ...)")
@@ -334,8 +337,9 @@ while True:
             print(fit((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
-        if not eval_only and (evals["val_loss"] < best_val_loss or always_save_checkpoint) and iter_num > 0:
-            best_val_loss = min(best_val_loss, evals["val_loss"])
+        selected = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
+        if not eval_only and (selected < best_val_loss or always_save_checkpoint) and iter_num > 0:
+            best_val_loss = min(best_val_loss, selected)
             save_checkpoint()
             if master:
                 print(f"saved checkpoint to {ckpt_file}")

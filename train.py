@@ -82,7 +82,8 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                                        "gradient_accumulation_steps", "max_nonfinite"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
                                    "weight_decay", "grad_clip", "dry_run_world_size"),
-                     choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES)})
+                     choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
+                              "select_by": ("loss", "ce")})
 common.check_device(device)
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -105,8 +106,6 @@ if ddp:
     gradient_accumulation_steps //= world_size
 else:
     rank, world_size = 0, 1
-if select_by not in ("loss", "ce"):
-    common.die(f"select_by must be 'loss' or 'ce', got {select_by!r}")
 if fsdp and not ddp:
     common.die("fsdp=True shards the model across processes: run under torchrun "
                "(torchrun --standalone --nproc_per_node=N train.py ...)")

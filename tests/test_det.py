@@ -83,8 +83,9 @@ def test_rope_turns_each_channel_pair_by_its_angle_as_a_complex_product():
     assert torch.allclose(model_det.apply_rope(x, cos, sin), torch.cat([expected.real, expected.imag], -1), atol=1e-6)
 
 
-def test_rms_norm_forward_equals_torch_exactly_and_its_backward_to_float_rounding():
-    """RMSNorm on the CPU: model_det.RMSNormFunction, F.rms_norm's ops with a closed-form backward."""
+def test_rms_norm_on_the_cpu_equals_torch_rms_norm_exactly_and_its_gradients_to_float_rounding():
+    """RMSNorm on the CPU runs model_det.RMSNormFunction (closed-form backward): values equal F.rms_norm's exactly,
+    both gradients equal autograd's through F.rms_norm to 1e-6 of their largest magnitude (measured: 1.2e-7)."""
     norm = model_det.RMSNorm(48)
     with torch.no_grad():
         norm.weight.normal_()
@@ -96,8 +97,8 @@ def test_rms_norm_forward_equals_torch_exactly_and_its_backward_to_float_roundin
     ref = F.rms_norm(x_ref, (48,), w_ref, norm.eps)
     ref.backward(g)
     assert torch.equal(ours, ref)
-    assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(norm.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    for a, b in ((x.grad, x_ref.grad), (norm.weight.grad, w_ref.grad)):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
 
 
 def test_loss_at_init_is_close_to_log_vocab_size():

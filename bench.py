@@ -32,7 +32,7 @@ import time
 import torch
 
 import common
-from configurator import configure
+import configurator
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -54,11 +54,8 @@ compile_decode = False  # also time decoding with the cached step compiled (mode
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
 # ----------------------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple))]
-config, _ = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], lambda values: {})
-globals().update(config)
-device_type = "cuda" if device.startswith("cuda") else "cpu"
-ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+config, _ = configurator.apply(globals())
+device_type, autocast = common.autocast(device, dtype)
 PEER = "peer"  # the spec of the peer's row
 if peer == "nanogpt":
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "peers", "nanogpt", "model.py")
@@ -113,7 +110,6 @@ def bench_train(model_type, overrides):
     train_model = torch.compile(model) if compile else model
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
-    autocast = torch.autocast(device_type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     for i in range(warmup + steps):
         if i == warmup:
             sync()

@@ -88,7 +88,8 @@ common.check_device(device)
 # ----------------------------------------------------------------------------------------------------------------
 
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
-    model_config.setdefault("vocab_size", common.load_meta(dataset)["vocab_size"])
+    if "vocab_size" not in model_config:  # the data's only when the config does not say
+        model_config["vocab_size"] = common.load_meta(dataset)["vocab_size"]
     common.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
     raise SystemExit(0)

@@ -323,6 +323,7 @@ def fit(parts, width=120):
 
 nonfinite_total, nonfinite_streak = 0, 0
 start_iter, t_start = iter_num, time.time()
+t_paced = None  # the end of the first step: the pace for the ETA leaves out its compilation and first evaluation
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -385,6 +386,8 @@ while True:
             # per-neuron tensors act on them as replicated DTensors, so each process scales its own rows.
             with implicit_replication() if fsdp else nullcontext():
                 raw_model.update_controllers()
+    if iter_num == start_iter:
+        t_paced = time.time()
 
     if iter_num % log_interval == 0 and master:
         dt = time.time() - t0  # this one step (finite.item() above waited for the device)
@@ -394,7 +397,8 @@ while True:
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
                   "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
         elapsed = time.time() - t_start
-        eta = elapsed / (iter_num + 1 - start_iter) * (max_iters - iter_num - 1)
+        paced = iter_num - start_iter  # steps since the first, evaluations between them included
+        eta = ((time.time() - t_paced) / paced if paced else dt) * (max_iters - iter_num - 1)
         speed = f"| {dt * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu else "")
         skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
         print(fit((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",

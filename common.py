@@ -419,4 +419,18 @@ def tokenizer(meta):
         return encode, lambda ids: "".join(meta["chars"][i] for i in ids)
     bpe_file = meta.get("bpe_file")  # recorded by prepare.py when it used a local file
     encoding, _ = gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
-    return (lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"})), encoding.decode
+    encode = lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"})
+    if "token_ids" not in meta:
+        return encode, encoding.decode
+    token_ids = meta["token_ids"]  # prepare.py --vocab=used: id i is GPT-2's token_ids[i]
+    index = {t: i for i, t in enumerate(token_ids)}
+
+    def encode_used(text):
+        ids = encode(text)
+        missing = [t for t in ids if t not in index]
+        if missing:
+            die(f"{len(missing)} of the {len(ids)} tokens of {text[:40]!r} ({encoding.decode(missing[:5])!r}...) "
+                f"are not in this dataset's vocabulary (prepare.py --vocab=used keeps the {len(token_ids):,} ids its "
+                f"text uses); use words from the dataset, or prepare it with --vocab=full")
+        return [index[t] for t in ids]
+    return encode_used, lambda ids: encoding.decode([token_ids[i] for i in ids])

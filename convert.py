@@ -297,6 +297,9 @@ def export_hf(out_dir, dst):
     from safetensors.torch import save_file
     checkpoint = common.load_checkpoint(out_dir)
     path = common.checkpoint_path(out_dir)
+    if "token_ids" in checkpoint["meta"]:
+        common.die(f"{path} was trained on prepare.py --vocab=used ids (a renumbered subset of GPT-2's), which no "
+                   f"Hugging Face tokenizer reads: export a model trained on a --vocab=full dataset")
     cfg, state = det_state(checkpoint, path)
     tensors = {theirs: state[ours].contiguous() for ours, theirs in weight_names(cfg.n_layer, cfg.tie_embeddings)}
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]

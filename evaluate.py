@@ -521,7 +521,7 @@ def run_mc(checkpoints):
         encode, decode = common.tokenizer(checkpoint["meta"])
         n_passes = 1 if net.latent_kind == "none" else mc_samples
         how = mixture if mixture != "auto" else "sequence" if net.latent_kind == "mind" else "token"
-        eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None  # GPT-2's <|endoftext|>
+        eot = encode("<|endoftext|>")[0] if checkpoint["meta"]["tokenizer"] == "gpt2" else None
         results[path] = evaluate_mc(net, examples, encode, decode, n_passes, generator, autocast=autocast,
                                     mixture=how, eot=eot)
         if results[path]["truncated"]:

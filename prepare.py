@@ -32,12 +32,14 @@ val_fraction = 0.1
 fields = ("text",)  # jsonl fields joined into a document, e.g. --fields=prompt,story
 tokenizer = "gpt2"  # gpt2, char, or a pretrained model's tokenizer.json (convert.py copies it beside ckpt.pt)
 bpe_file = ""  # a local gpt2.tiktoken (offline; or $NANOLATENT_GPT2_BPE)
+vocab = "full"  # gpt2: 'full' (50,257 ids) or 'used' (only the ids the train and val text use, renumbered from 0)
+max_docs = 0  # stop after this many training documents (0 = all); text and hub
 # hub datasets
-max_docs = 0  # stop after this many training documents (0 = all)
 val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 for a hub set with none)
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals(), positional="source")
-configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"))
+configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
+                      choices={"vocab": ("full", "used")})
 
 
 def hf_meta(path):
@@ -169,7 +171,10 @@ def prepare_text():
     else:
         cut = int(len(docs) * (1 - val_fraction))
         train_docs, val_docs = docs[:cut], docs[cut:]
+    train_docs = train_docs[:max_docs or None]
     kind = tokenizer if tokenizer in ("gpt2", "char") else "hf"
+    if vocab == "used" and kind != "gpt2":
+        common.die(f"--vocab=used renumbers GPT-2 BPE ids; --tokenizer={tokenizer} has its own vocabulary")
     out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
     if kind == "hf":  # a pretrained model's own vocabulary (convert.py copies its tokenizer.json next to ckpt.pt)
         meta, encode_text = hf_meta(tokenizer)
@@ -184,7 +189,13 @@ def prepare_text():
     else:
         encoding, local_bpe = common.gpt2_encoding(bpe_file)
         meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe))
-        write_dataset(out, {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}, meta)
+        splits = {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}
+        if vocab == "used":  # a closed vocabulary for small data: the output layer shrinks to the ids that occur
+            splits = {split: list(chunks) for split, chunks in splits.items()}
+            used = np.unique(np.concatenate([np.concatenate(chunks) for chunks in splits.values()]))  # sorted ids
+            splits = {split: [np.searchsorted(used, chunk) for chunk in chunks] for split, chunks in splits.items()}
+            meta.update(vocab_size=len(used), token_ids=used.tolist())  # new id i is GPT-2's token_ids[i]
+        write_dataset(out, splits, meta)
 
 
 def prepare_hub():

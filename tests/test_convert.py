@@ -186,6 +186,16 @@ def test_btrans_exports_only_with_its_noise_off(tmp_path, capsys):
     assert "holds a eve model" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'eve'}", f"--dst={tmp_path / 'x'}")
 
 
+def test_a_model_on_renumbered_gpt2_ids_is_not_exported(tmp_path, capsys):
+    our_checkpoint(tmp_path / "used")
+    path = tmp_path / "used" / "ckpt.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["meta"] = {"tokenizer": "gpt2", "vocab_size": 40, "token_ids": list(range(0, 400, 10))}
+    common.save_checkpoint(checkpoint, path)
+    assert "--vocab=used" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'used'}", f"--dst={tmp_path / 'x'}")
+    assert not os.path.exists(tmp_path / "x")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the scripts on an imported model, with its tokenizer
 

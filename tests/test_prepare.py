@@ -82,6 +82,29 @@ def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_
 
 
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_path):
+    rows = [{"text": f"The {w} sat on the mat, story {i}."} for i, w in enumerate(["cat", "dog", "owl"] * 4)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["prepare.py", "text", f"--input={tmp_path / 'in.jsonl'}", f"--bpe_file={GPT2_BPE}", "--max_docs=6"]
+    run_script(*args, "--name=full", data_dir=tmp_path)
+    run_script(*args, "--name=used", "--vocab=used", data_dir=tmp_path)
+    full = {split: read(tmp_path, "full", split)[0] for split in ("train", "val")}
+    used = {split: read(tmp_path, "used", split)[0] for split in ("train", "val")}
+    _, meta = read(tmp_path, "used", "train")
+    ids = np.array(meta["token_ids"])
+    # exactly the GPT-2 ids of the text, sorted, renumbered from 0; max_docs kept 6 of the 10 training stories
+    assert ids.tolist() == sorted(set(full["train"].tolist()) | set(full["val"].tolist()))
+    assert meta["vocab_size"] == len(ids) < 60 and full["train"].tolist().count(50256) == 6
+    assert all(np.array_equal(ids[used[s]], full[s]) for s in used)
+    encode, decode = common.tokenizer(meta)
+    assert decode(used["val"].tolist()) == "".join(f"The {w} sat on the mat, story {i}.<|endoftext|>"
+                                                   for i, w in ((10, "dog"), (11, "owl")))
+    assert ids[encode("The dog sat")].tolist() == [464, 3290, 3332]
+    with pytest.raises(SystemExit):  # a word the dataset never uses has no id
+        encode("The giraffe")
+
+
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 def test_gpt2_falls_back_to_the_environment_variable_when_the_download_fails(tmp_path, monkeypatch):
     import tiktoken
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))

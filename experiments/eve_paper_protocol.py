@@ -1,12 +1,14 @@
 """EVE against det in the paper's own regime (Table 4, §4.5, Fig. 2): small data, several epochs, each model kept at
 its best validation CE, so that det can overfit and EVE's noise can act as the regulariser the paper reports.
 
-    python -m experiments.eve_paper_protocol                      # CPU size: n_embd 128, block 256, batch 8
-    python -m experiments.eve_paper_protocol --device=cuda --batch_size=48 --block_size=512 \\
-        --extra="--n_embd=384 --n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" --eval_tokens=0   # GPU
+    python -m experiments.eve_paper_protocol                      # CPU size: 100 stories, n_embd 128 (~30 min)
+    python -m experiments.eve_paper_protocol --dataset=wp_sample --device=cuda --batch_size=48 --block_size=512 \
+        --extra="--vocab_size=50304 --n_embd=384 --n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" \
+        --eval_tokens=0 --runs_dir=out-eve-paper-gpu                                                           # GPU
 
-Data: the 500 / 100 WritingPrompts stories of ../shared/data/writingprompts, GPT-2 BPE (config/det_wp_sample.py
-says how to prepare them; the full data set online: `python prepare.py writingprompts`). For each seed it trains
+Data: WritingPrompts stories of ../shared/data/writingprompts, GPT-2 BPE (config/det_wp_sample.py says how to
+prepare them: wp_sample_cpu, the first 100 training stories in the GPT-2 ids they use; wp_sample, all 500 in the
+whole vocabulary; the full data set online: `python prepare.py writingprompts`). For each seed it trains
 config/det_wp_sample.py and config/eve_wp_sample.py (same backbone, 3 blocks, same batches) for `epochs` passes over
 the training tokens, evaluating once per epoch on the test stories and keeping the checkpoint of best validation CE
 (select_by=ce), then runs evaluate.py on the same test tokens twice: one pass (Table 4's "final validation" CE, PPL,
@@ -25,10 +27,10 @@ import common
 import configurator
 
 configs = {"det": "config/det_wp_sample.py", "eve": "config/eve_wp_sample.py"}
-dataset = "wp_sample"
+dataset = "wp_sample_cpu"  # or wp_sample (500 stories, the whole GPT-2 vocabulary: a GPU run)
 runs_dir = "out-eve-paper"  # one folder per (model, seed)
 seeds = (1, 2, 3)
-epochs = 8
+epochs = 16
 batch_size = 8
 block_size = 256
 mc_samples = 8  # M
@@ -45,7 +47,7 @@ runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for m in configs for s in se
 print(f"{dataset}: {meta['train_tokens']:,} train tokens = {epoch_iters} steps of {batch_size} x {block_size} per "
       f"epoch; {epochs} epochs, seeds {list(seeds)}, evaluated once per epoch")
 for (m, s), out in runs.items():
-    common.train_if_missing(out, configs[m], f"--seed={s}", f"--batch_size={batch_size}",
+    common.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                             f"--block_size={block_size}", f"--max_iters={epochs * epoch_iters}",
                             f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                             f"--device={device}", "--compile=False", *extra.split())
@@ -97,7 +99,8 @@ for m in configs:
     ax.fill_between(x, c.min(0), c.max(0), alpha=0.2)
 ax.set_xlabel("epoch")
 ax.set_ylabel("validation CE (nats/token)")
-ax.set_title(f"{dataset}, GPT-2 BPE, 3 blocks; mean of {len(seeds)} seeds, band: min-max", fontsize=9)
+ax.set_title(f"{dataset}, GPT-2 BPE ({meta['vocab_size']:,} ids), 3 blocks; mean of {len(seeds)} seeds, band: min-max",
+             fontsize=9)
 ax.legend()
 fig.tight_layout()
 os.makedirs(os.path.dirname(figure), exist_ok=True)

@@ -201,6 +201,18 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(name, content, phrase,
     assert not (tmp_path / "data" / "x").exists()
 
 
+@pytest.mark.parametrize("args, phrase", [
+    (["--vocab=some"], "--vocab must be one of full, used"),
+    (["--vocab=used"], "--vocab=used renumbers GPT-2 BPE ids"),  # a char vocabulary is already what the text uses
+])
+def test_prepare_bad_vocab_is_one_line_and_writes_nothing(args, phrase, tmp_path):
+    (tmp_path / "in.txt").write_text("some text\n")
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x", *args,
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, phrase)
+    assert not (tmp_path / "data" / "x").exists()
+
+
 def test_prepare_without_a_source_says_which_there_are(tmp_path):
     assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
 

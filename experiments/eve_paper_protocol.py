@@ -1,7 +1,7 @@
 """EVE against det in the paper's own regime (Table 4, §4.5, Fig. 2): small data, several epochs, each model kept at
 its best validation CE, so that det can overfit and EVE's noise can act as the regulariser the paper reports.
 
-    python -m experiments.eve_paper_protocol                      # CPU size: 100 stories, n_embd 128 (~30 min)
+    python -m experiments.eve_paper_protocol                      # CPU size: 100 stories, n_embd 128 (~70 min)
     python -m experiments.eve_paper_protocol --dataset=wp_sample --device=cuda --batch_size=48 --block_size=512 \
         --extra="--vocab_size=50304 --n_embd=384 --n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" \
         --eval_tokens=0 --runs_dir=out-eve-paper-gpu                                                           # GPU
@@ -99,8 +99,7 @@ for m in configs:
     ax.fill_between(x, c.min(0), c.max(0), alpha=0.2)
 ax.set_xlabel("epoch")
 ax.set_ylabel("validation CE (nats/token)")
-ax.set_title(f"{dataset}, GPT-2 BPE ({meta['vocab_size']:,} ids), 3 blocks; mean of {len(seeds)} seeds, band: min-max",
-             fontsize=9)
+ax.set_title(f"{dataset} ({meta['vocab_size']:,} GPT-2 ids), 3 blocks; {len(seeds)} seeds, band: min-max", fontsize=9)
 ax.legend()
 fig.tight_layout()
 os.makedirs(os.path.dirname(figure), exist_ok=True)

@@ -122,6 +122,19 @@ def gpt2_chunks(docs, encoding, batch=256):
     yield from (ids + [eot] for ids in encoding.encode_ordinary_batch(buffer, num_threads=os.cpu_count()))
 
 
+def write_gpt2(out, train_docs, val_docs, **meta):
+    """Documents in GPT-2 BPE to data/<out>; with --vocab=used, in the ids the text uses, renumbered from 0."""
+    encoding, local_bpe = common.gpt2_encoding(bpe_file)
+    meta.update(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe))
+    splits = {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}
+    if vocab == "used":  # a closed vocabulary for small data: the output layer shrinks to the ids that occur
+        splits = {split: list(chunks) for split, chunks in splits.items()}
+        used = np.unique(np.concatenate([np.concatenate(chunks) for chunks in splits.values()]))  # sorted ids
+        splits = {split: [np.searchsorted(used, chunk) for chunk in chunks] for split, chunks in splits.items()}
+        meta.update(vocab_size=len(used), token_ids=used.tolist())  # new id i is GPT-2's token_ids[i]
+    write_dataset(out, splits, meta)
+
+
 def record_text(record, fields):
     missing = [f for f in fields if f not in record]
     if missing:
@@ -173,8 +186,6 @@ def prepare_text():
         train_docs, val_docs = docs[:cut], docs[cut:]
     train_docs = train_docs[:max_docs or None]
     kind = tokenizer if tokenizer in ("gpt2", "char") else "hf"
-    if vocab == "used" and kind != "gpt2":
-        common.die(f"--vocab=used renumbers GPT-2 BPE ids; --tokenizer={tokenizer} has its own vocabulary")
     out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
     if kind == "hf":  # a pretrained model's own vocabulary (convert.py copies its tokenizer.json next to ckpt.pt)
         meta, encode_text = hf_meta(tokenizer)
@@ -187,21 +198,12 @@ def prepare_text():
         meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars)
         write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
     else:
-        encoding, local_bpe = common.gpt2_encoding(bpe_file)
-        meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe))
-        splits = {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}
-        if vocab == "used":  # a closed vocabulary for small data: the output layer shrinks to the ids that occur
-            splits = {split: list(chunks) for split, chunks in splits.items()}
-            used = np.unique(np.concatenate([np.concatenate(chunks) for chunks in splits.values()]))  # sorted ids
-            splits = {split: [np.searchsorted(used, chunk) for chunk in chunks] for split, chunks in splits.items()}
-            meta.update(vocab_size=len(used), token_ids=used.tolist())  # new id i is GPT-2's token_ids[i]
-        write_dataset(out, splits, meta)
+        write_gpt2(out, train_docs, val_docs)
 
 
 def prepare_hub():
     datasets = load_datasets()
     spec = common.HUB_DATASETS[source]
-    encoding, local_bpe = common.gpt2_encoding(bpe_file)
 
     def documents(split, limit):
         try:
@@ -221,9 +223,7 @@ def prepare_hub():
         n_val = val_docs or 1000
         val = documents(spec["train"], n_val)
         train = (d for i, d in enumerate(documents(spec["train"], max_docs and max_docs + n_val)) if i >= n_val)
-    meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe),
-                source=spec["path"])
-    write_dataset(name or source, {"train": gpt2_chunks(train, encoding), "val": gpt2_chunks(val, encoding)}, meta)
+    write_gpt2(name or source, train, val, source=spec["path"])
 
 
 PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text,
@@ -231,4 +231,7 @@ PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepa
 if source not in PREPARE:
     common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
                + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")
+if vocab == "used" and (source in ("synthetic", "arith") or tokenizer != "gpt2"):
+    common.die(f"--vocab=used renumbers GPT-2 BPE ids: it applies to text with --tokenizer=gpt2 and to hub datasets, "
+               f"not to {source} with --tokenizer={tokenizer}")
 PREPARE[source]()

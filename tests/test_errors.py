@@ -213,6 +213,12 @@ def test_prepare_bad_vocab_is_one_line_and_writes_nothing(args, phrase, tmp_path
     assert not (tmp_path / "data" / "x").exists()
 
 
+def test_prepare_vocab_used_on_a_char_task_is_one_line(tmp_path):
+    proc = run_script("prepare.py", "synthetic", "--vocab=used", data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, "--vocab=used renumbers GPT-2 BPE ids", "not to synthetic")
+    assert not (tmp_path / "data").exists()
+
+
 def test_prepare_without_a_source_says_which_there_are(tmp_path):
     assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
 

@@ -2,18 +2,23 @@
 
     python convert.py hf --src=HuggingFaceTB/SmolLM2-135M --out_dir=out-smollm2    # from the hub (online)
     python convert.py hf --src=path/to/saved_model --out_dir=out-x --block_size=2048  # a local folder (offline)
+    python convert.py gguf --src=model.gguf --out_dir=out-smollm2  # a llama.cpp file, quantized or not (offline)
     python convert.py to_hf --out_dir=out-det --dst=hf-det          # for transformers and lm_eval --model hf
 
 `hf` reads a Llama checkpoint (config.json and *.safetensors, sharded or not) into <out_dir>/ckpt.pt for model_det,
 and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and --model=btrans
 (B-Trans minds) then use it as they use a run of ours. A checkpoint with something model_det does not compute (biases,
 RoPE scaling, QK-norm, another activation or architecture) is refused with one line naming the field or tensor.
+`gguf` reads a Llama-architecture GGUF (llama.cpp's format) the same way: its weights dequantized to float32 by the
+gguf package, q and k un-permuted, its tokenizer rebuilt from the file's metadata as a tokenizer.json.
 `to_hf` writes a det checkpoint, or a B-Trans one whose noise is off, as config.json + model.safetensors, plus the
-tokenizer files when the run has a Hugging Face tokenizer.
+tokenizer files when the run has a Hugging Face tokenizer. The chat template and generation_config.json travel with
+the tokenizer every way (sample.py --chat=True prompts with the template).
 
-Both ways are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers' rotate_half
+`hf` and `to_hf` are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers' rotate_half
 does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers and huggingface_hub are
-imported only where used; transformers is not needed at all (the tests use it as the reference implementation).
+imported only where used, and so is gguf; transformers is not needed at all (the tests use it as the reference
+implementation).
 """
 
 import dataclasses
@@ -26,11 +31,11 @@ import torch
 import common
 import configurator
 
-direction = ""  # the first argument: hf (a Hugging Face Llama checkpoint -> out_dir) or to_hf (out_dir -> dst)
-src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id
-out_dir = ""  # hf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
+direction = ""  # the first argument: hf or gguf (a Llama checkpoint -> out_dir), or to_hf (out_dir -> dst)
+src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
+out_dir = ""  # hf, gguf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
 dst = ""  # to_hf: the folder to write
-block_size = 0  # hf: the context length (RoPE tables, KV cache); 0 = the checkpoint's max_position_embeddings
+block_size = 0  # hf, gguf: the context length (RoPE tables, KV cache); 0 = the checkpoint's own
 
 # One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
 LAYER_NAMES = [
@@ -47,8 +52,12 @@ LAYER_NAMES = [
 # What a hub download fetches: the weights in safetensors, the config and the tokenizer, nothing else (no .bin
 # duplicates, no original/ consolidated files).
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
-             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "chat_template.jinja"]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+# How an Instruct model is prompted and decoded: transformers 5 saves the template as chat_template.jinja (older saves
+# keep it in tokenizer_config.json, copied with the tokenizer), and the sampling defaults as generation_config.json.
+CHAT_FILES = ["chat_template.jinja", "generation_config.json"]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -200,15 +209,20 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
     state = state_from_hf(read_safetensors(src), model)
 
     os.makedirs(out_dir, exist_ok=True)
-    for name in TOKENIZER_FILES:  # tokenizer.json for us; the other two for to_hf, if they exist
+    for name in TOKENIZER_FILES + CHAT_FILES:  # tokenizer.json for us; the others for to_hf and --chat, if they exist
         if os.path.exists(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    save_import(out_dir, model, state, {"init_from": "hf", "src": hub_or_dir, "hf_config": hf})
+
+
+def save_import(out_dir, model, state, config):
+    """ckpt.pt of an imported model whose tokenizer.json is already in out_dir."""
+    values = common.config_dict(model.config)
     meta = {"tokenizer": "hf", "tokenizer_file": os.path.abspath(os.path.join(out_dir, "tokenizer.json")),
             "vocab_size": values["vocab_size"]}
     # train.py's checkpoint format, without an optimizer: sample.py, evaluate.py and rlvr.py's --init_from read it.
     # "config" says where the weights came from; to_hf takes the special token ids back from hf_config.
-    checkpoint = {"model_type": "det", "model_config": common.config_dict(model.config), "model": state,
-                  "config": {"init_from": "hf", "src": hub_or_dir, "hf_config": hf}, "meta": meta,
+    checkpoint = {"model_type": "det", "model_config": values, "model": state, "config": config, "meta": meta,
                   "iter_num": 0, "best_val_loss": float("inf")}
     path = os.path.join(out_dir, "ckpt.pt")
     common.save_checkpoint(checkpoint, path)
@@ -217,6 +231,180 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
           f"{values['n_head']}/{values['n_kv_head']} heads, {'tied' if values['tie_embeddings'] else 'untied'} "
           f"head, block_size {values['block_size']}, rope_theta {values['rope_theta']:g}; tokenizer "
           f"{meta['tokenizer_file']}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF -> ours: the file's metadata becomes a config.json dict and its tensors Hugging Face-named ones, then the same
+# checks and placement as `hf`.
+
+# llama.cpp's tensor names for the llama architecture (gguf-py's TENSOR_NAMES) -> Hugging Face's.
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# The llama.* metadata that becomes config.json's fields (as transformers' GGUF loader maps them).
+GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+               "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
+               "attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
+               "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+# llama.cpp's pre-tokenizers (llama-vocab.cpp): regexes applied in turn, each to the pieces the one before left, then
+# GPT-2's byte-to-unicode map. SmolLM2's first regex puts every digit apart, so 2024 is four tokens: its own
+# tokenizer.json does this with a Digits pre-tokenizer, which transformers' GGUF tokenizer leaves out.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_SPLITS = {"gpt2": [GPT2_SPLIT], "smollm": [r"\p{N}", GPT2_SPLIT], "starcoder": [r"\p{N}", GPT2_SPLIT],
+               "llama-bpe": [LLAMA3_SPLIT]}
+GGUF_IGNORE_MERGES = {"llama-bpe"}  # llama.cpp looks a whole piece up in the vocabulary before merging (Llama 3)
+
+
+def gguf_metadata(reader):
+    """{key: value} of a GGUF's metadata (arrays as lists, strings decoded)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def config_from_gguf(metadata, tensor_names, path):
+    """A config.json dict for config_from_hf from a GGUF's llama.* metadata. Any other llama.* key could change what
+    the model computes (RoPE scaling, experts, another head size): it is refused by name unless its value is one
+    model_det computes anyway."""
+
+    def refuse(key, why):
+        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; convert.py gguf reads plain Llama files "
+                   f"(SmolLM2, TinyLlama and the like)")
+
+    if metadata.get("general.architecture") != "llama":
+        refuse("general.architecture", "not the Llama architecture")
+    hf = {field: metadata[f"llama.{key}"] for key, field in GGUF_CONFIG.items() if f"llama.{key}" in metadata}
+    hf.setdefault("vocab_size", len(metadata.get("tokenizer.ggml.tokens", [])))
+    missing = [f"llama.{k}" for k in ("embedding_length", "attention.head_count") if f"llama.{k}" not in metadata]
+    if missing:
+        common.die(f"{path} has no {missing[0]}: not a complete llama GGUF")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    harmless = {  # key: (the value model_det computes, why another value is refused)
+        "rope.dimension_count": (head_dim, "model_det rotates every channel of a head"),
+        "attention.key_length": (head_dim, "model_det's heads are embedding_length / head_count wide"),
+        "attention.value_length": (head_dim, "model_det's heads are embedding_length / head_count wide"),
+        "rope.scaling.type": ("none", "RoPE scaling (long-context variants such as Llama 3.1's) is not in model_det"),
+        "expert_count": (0, "a mixture of experts is not in model_det"),
+        "expert_used_count": (0, "a mixture of experts is not in model_det"),
+    }
+    for key, value in metadata.items():
+        name = key.removeprefix("llama.")
+        if key.startswith("llama.") and name not in GGUF_CONFIG:
+            if name not in harmless:
+                refuse(key, "a setting convert.py does not read, so model_det may not compute what it asks")
+            if value != harmless[name][0]:
+                refuse(key, harmless[name][1])
+    special = {f"{name}_token_id": metadata[f"tokenizer.ggml.{name}_token_id"] for name in ("bos", "eos", "pad")
+               if f"tokenizer.ggml.{name}_token_id" in metadata}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in tensor_names,  # no output matrix: llama.cpp uses token_embd
+            **hf, **special}
+
+
+def unpermute(weights, n_head):
+    """llama.cpp's convert_hf_to_gguf.py stores wq and wk with the rows of each head reordered for its rotary layout
+    (permute(): view (n_head, 2, head_dim / 2, C), swap axes 1 and 2); this is its inverse, as transformers' GGUF
+    loader applies it. model_det rotates the two halves of a head, as Hugging Face's checkpoints are laid out."""
+    return weights.reshape(n_head, weights.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(weights.shape)
+
+
+def gguf_tensors(reader, hf, path):
+    """{Hugging Face name: float32 tensor} from a GGUF, each dequantized by the gguf package itself."""
+    import numpy as np
+    from gguf.quants import dequantize
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
+    tensors = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{what}.weight
+        if tensor.name in GGUF_NAMES:
+            name = GGUF_NAMES[tensor.name]
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES and parts[3] == "weight":
+            name = f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.weight"
+        else:
+            common.die(f"{path} has the tensor {tensor.name}, which has no place in model_det: a bias, a QK-norm, "
+                       f"RoPE frequency factors or another architecture")
+        try:
+            weights = dequantize(tensor.data, tensor.tensor_type)  # float32, numpy's order: ggml's shape reversed
+        except NotImplementedError:
+            common.die(f"{path}: the gguf package cannot dequantize {tensor.name}'s type {tensor.tensor_type.name}: "
+                       f"upgrade it (pip install -U gguf) or requantize the file to Q8_0 or F16")
+        weights = np.array(weights, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        if parts[2:3] and parts[2] in heads:
+            weights = unpermute(weights, heads[parts[2]])
+        tensors[name] = torch.from_numpy(weights)
+    return tensors
+
+
+def gguf_tokenizer(metadata, path):
+    """The file's byte-level BPE as a tokenizers.Tokenizer that splits text as llama.cpp does: the vocabulary and
+    merges as stored, the pre-tokenizer of tokenizer.ggml.pre, and the control (3) and user-defined (4) tokens matched
+    whole, as llama.cpp matches them before it splits."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    def refuse(key, why):
+        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}")
+
+    if metadata.get("tokenizer.ggml.model") != "gpt2":
+        refuse("tokenizer.ggml.model", "convert.py rebuilds byte-level BPE vocabularies (gpt2) only, not a "
+                                       "sentencepiece one; convert the model from its Hugging Face folder instead")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_SPLITS:
+        refuse("tokenizer.ggml.pre", f"a pre-tokenizer convert.py does not rebuild (it knows {', '.join(GGUF_SPLITS)})")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges,
+                               ignore_merges=pre in GGUF_IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in GGUF_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+    return tok
+
+
+def import_gguf(gguf_file, out_dir, block_size=0):
+    if not os.path.isfile(gguf_file):
+        common.die(f"--src={gguf_file}: no such file; pass the path of a .gguf file")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        common.die("convert.py gguf needs the gguf package: pip install gguf")
+    try:
+        reader = GGUFReader(gguf_file)
+    except Exception as e:  # not a GGUF, or one cut short
+        common.die(f"{gguf_file} is not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    metadata = gguf_metadata(reader)
+    hf = config_from_gguf(metadata, {t.name for t in reader.tensors}, gguf_file)
+    values = config_from_hf(hf, block_size)
+    tok = gguf_tokenizer(metadata, gguf_file)
+    with torch.device("meta"):
+        model = common.build_model("det", values)
+    state = state_from_hf(gguf_tensors(reader, hf, gguf_file), model)
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    tokens = metadata["tokenizer.ggml.tokens"]
+    special = {f"{name}_token": tokens[metadata[f"tokenizer.ggml.{key}_token_id"]]
+               for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+               if f"tokenizer.ggml.{key}_token_id" in metadata}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:  # what AutoTokenizer reads after to_hf
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}, f,
+                  indent=2)
+    if "tokenizer.chat_template" in metadata:
+        with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+            f.write(metadata["tokenizer.chat_template"])
+    # A GGUF has no generation config; these are the ids transformers' GenerationConfig.from_model_config takes.
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({k: v for k, v in hf.items() if k.endswith("_token_id")}, f, indent=2)
+    kinds = sorted({t.tensor_type.name for t in reader.tensors})
+    save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "hf_config": hf,
+                                        "gguf_types": kinds})
+    print(f"dequantized {len(reader.tensors)} tensors ({', '.join(kinds)}) to float32; tokenizer.ggml.pre="
+          f"{metadata.get('tokenizer.ggml.pre', 'default')}, chat template {'kept' if 'tokenizer.chat_template' in metadata else 'absent'}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,6 +481,18 @@ def tokenizer_files(meta, dst):
               f"checkpoint; supply a tokenizer for {dst} yourself (the weights load without one)")
 
 
+def chat_files(meta, dst):
+    """The chat template and generation config kept beside the run's tokenizer.json, copied into dst."""
+    if meta["tokenizer"] != "hf":
+        return
+    folder = os.path.dirname(meta["tokenizer_file"])
+    copied = [name for name in CHAT_FILES if os.path.exists(os.path.join(folder, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(dst, name))
+    if copied:
+        print(f"copied {' and '.join(copied)}")
+
+
 def export_hf(out_dir, dst):
     from safetensors.torch import save_file
     checkpoint = common.load_checkpoint(out_dir)
@@ -312,16 +512,19 @@ def export_hf(out_dir, dst):
                   indent=2)
     print(f"wrote {dst}/config.json and model.safetensors ({len(tensors)} tensors, {dtype}) from {path}")
     tokenizer_files(checkpoint["meta"], dst)
+    chat_files(checkpoint["meta"], dst)
 
 
 def main(argv=None):
     configurator.apply(globals(), argv, positional="direction")
-    configurator.require(globals(), non_negative=("block_size",), choices={"direction": ("hf", "to_hf")})
-    needed = {"hf": ("src", "out_dir"), "to_hf": ("out_dir", "dst")}[direction]
+    configurator.require(globals(), non_negative=("block_size",), choices={"direction": ("hf", "gguf", "to_hf")})
+    needed = {"hf": ("src", "out_dir"), "gguf": ("src", "out_dir"), "to_hf": ("out_dir", "dst")}[direction]
     if not all(globals()[key] for key in needed):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
     if direction == "hf":
         import_hf(src, out_dir, block_size)
+    elif direction == "gguf":
+        import_gguf(src, out_dir, block_size)
     else:
         export_hf(out_dir, dst)
 

@@ -404,6 +404,57 @@ def hf_tokenizer(path):
     return Tokenizer.from_file(path)
 
 
+def chat_template(meta):
+    """The chat template of a run with a Hugging Face tokenizer, or None: chat_template.jinja beside its tokenizer.json
+    (transformers 5, convert.py gguf), else tokenizer_config.json's chat_template (older saves)."""
+    if meta.get("tokenizer") != "hf":
+        return None
+    folder = os.path.dirname(meta["tokenizer_file"])
+    if os.path.exists(os.path.join(folder, "chat_template.jinja")):
+        with open(os.path.join(folder, "chat_template.jinja")) as f:
+            return f.read()
+    template = tokenizer_config(meta).get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def tokenizer_config(meta, name="tokenizer_config.json"):
+    """A JSON file kept beside the run's tokenizer.json (tokenizer_config.json, generation_config.json), or {}."""
+    path = os.path.join(os.path.dirname(meta["tokenizer_file"]), name)
+    if meta.get("tokenizer") != "hf" or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def chat_prompt(meta, text):
+    """text as one user message in the run's chat template, ending where the assistant's answer starts: what an
+    Instruct model was trained on. Rendered as transformers' apply_chat_template renders it (jinja2 in a sandbox,
+    trim_blocks and lstrip_blocks, the special tokens as variables)."""
+    template = chat_template(meta)
+    if template is None:
+        die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
+            "tokenizer_config.json, beside its tokenizer.json): prompt it with plain --start, or import an Instruct "
+            "model with convert.py hf or gguf")
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    config = tokenizer_config(meta)
+    specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
+                if name.endswith("_token") and token is not None}
+    try:
+        return env.from_string(template).render(messages=[{"role": "user", "content": text}],
+                                                add_generation_prompt=True, **specials)
+    except jinja2.exceptions.TemplateError as e:
+        die(f"the run's chat template failed on --start: {e}")
+
+
 def tokenizer(meta):
     """(encode, decode) for a prepared dataset's meta.json."""
     if meta["tokenizer"] == "hf":  # no special tokens added, as lm-evaluation-harness encodes for causal LMs
@@ -435,3 +486,4 @@ def tokenizer(meta):
                 f"text uses); use words from the dataset, or prepare it with --vocab=full")
         return [index[t] for t in ids]
     return encode_used, lambda ids: encoding.decode([token_ids[i] for i in ids])
+

@@ -296,8 +296,9 @@ def config_from_gguf(metadata, tensor_names, path):
                 refuse(key, "a setting convert.py does not read, so model_det may not compute what it asks")
             if value != harmless[name][0]:
                 refuse(key, harmless[name][1])
-    special = {f"{name}_token_id": metadata[f"tokenizer.ggml.{name}_token_id"] for name in ("bos", "eos", "pad")
-               if f"tokenizer.ggml.{name}_token_id" in metadata}
+    special = {f"{name}_token_id": metadata[f"tokenizer.ggml.{key}_token_id"]
+               for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+               if f"tokenizer.ggml.{key}_token_id" in metadata}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in tensor_names,  # no output matrix: llama.cpp uses token_embd
             **hf, **special}

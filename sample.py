@@ -3,6 +3,7 @@
     python sample.py --out_dir=out --start="K>" --num_samples=8
     python sample.py --out_dir=out --latents=shared --latent_seed=3        # one Z for the whole group (Free Fig. 3)
     python sample.py --out_dir=out-det/ckpt.pt --model=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
+    python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
 import os
@@ -15,6 +16,7 @@ import configurator
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
 start = "\n"  # the prompt, or FILE:path to read it from a file
+chat = False  # wrap --start in the run's chat template as one user message (an imported Instruct model)
 num_samples = 4
 max_new_tokens = 64
 temperature = 0.8  # 0 = greedy
@@ -50,6 +52,8 @@ if start.startswith("FILE:"):
         start = f.read()
 if not start:
     common.die("--start is empty: the model needs at least one token to continue (the default is a newline)")
+if chat:
+    start = common.chat_prompt(checkpoint["meta"], start)
 
 net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
 net.eval()
@@ -81,6 +85,10 @@ try:
                        generator=token_generator)
 except ValueError as e:
     common.die(str(e))
+# A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
+stop = common.tokenizer_config(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
+stop = set(stop if isinstance(stop, list) else [stop])
 for row in out.tolist():
-    print(decode(row))
+    end = next((t + 1 for t in range(prompt.size(1), len(row)) if row[t] in stop), len(row))
+    print(decode(row[:end]))
     print("---------------")

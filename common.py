@@ -486,4 +486,3 @@ def tokenizer(meta):
                 f"text uses); use words from the dataset, or prepare it with --vocab=full")
         return [index[t] for t in ids]
     return encode_used, lambda ids: encoding.decode([token_ids[i] for i in ids])
-

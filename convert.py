@@ -15,8 +15,8 @@ gguf package, q and k un-permuted, its tokenizer rebuilt from the file's metadat
 tokenizer files when the run has a Hugging Face tokenizer. The chat template and generation_config.json travel with
 the tokenizer every way (sample.py --chat=True prompts with the template).
 
-`hf` and `to_hf` are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers' rotate_half
-does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers and huggingface_hub are
+`hf` and `to_hf` are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers'
+rotate_half does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers and huggingface_hub are
 imported only where used, and so is gguf; transformers is not needed at all (the tests use it as the reference
 implementation).
 """
@@ -244,8 +244,8 @@ GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", 
                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 # The llama.* metadata that becomes config.json's fields (as transformers' GGUF loader maps them).
-GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
-               "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
+GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size",
+               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
                "attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
                "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 # llama.cpp's pre-tokenizers (llama-vocab.cpp): regexes applied in turn, each to the pieces the one before left, then
@@ -404,8 +404,9 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "hf_config": hf,
                                         "gguf_types": kinds})
+    template = "kept" if "tokenizer.chat_template" in metadata else "absent"
     print(f"dequantized {len(reader.tensors)} tensors ({', '.join(kinds)}) to float32; tokenizer.ggml.pre="
-          f"{metadata.get('tokenizer.ggml.pre', 'default')}, chat template {'kept' if 'tokenizer.chat_template' in metadata else 'absent'}")
+          f"{metadata.get('tokenizer.ggml.pre', 'default')}, chat template {template}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

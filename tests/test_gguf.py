@@ -85,7 +85,8 @@ def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), 
         shapes["output.weight"] = (vocab, n_embd)
     for i in range(n_layer):
         shapes.update({f"blk.{i}.attn_norm.weight": (n_embd,), f"blk.{i}.ffn_norm.weight": (n_embd,),
-                       f"blk.{i}.attn_q.weight": (n_embd, n_embd), f"blk.{i}.attn_k.weight": (n_kv_head * head_dim, n_embd),
+                       f"blk.{i}.attn_q.weight": (n_embd, n_embd),
+                       f"blk.{i}.attn_k.weight": (n_kv_head * head_dim, n_embd),
                        f"blk.{i}.attn_v.weight": (n_kv_head * head_dim, n_embd),
                        f"blk.{i}.attn_output.weight": (n_embd, n_embd), f"blk.{i}.ffn_gate.weight": (ffn, n_embd),
                        f"blk.{i}.ffn_up.weight": (ffn, n_embd), f"blk.{i}.ffn_down.weight": (n_embd, ffn)})
@@ -190,6 +191,17 @@ def test_gguf_import_gives_transformers_logits_greedy_tokens_and_the_original_to
     else:
         hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
         assert encode(PROBE) == hf_tok(PROBE, add_special_tokens=False)["input_ids"]
+
+
+def test_llama3_pre_tokenizer_encodes_as_transformers_gguf_tokenizer(tmp_path):
+    """tokenizer.ggml.pre=llama-bpe (Llama 3's split: numbers in threes, contractions in any case), which transformers'
+    GGUF tokenizer rebuilds too."""
+    write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), "llama-bpe", {"emb": Q.F16, "attn": Q.F16, "mlp": Q.F16})
+    convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
+    encode, _ = common.tokenizer(common.load_checkpoint(tmp_path / "ours")["meta"])
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    for text in (PROBE, "THE MODEL'S 1234567 ANSWERS\n\n  I'LL read 12 of them", TEXT[:300]):
+        assert encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")

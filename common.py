@@ -413,16 +413,16 @@ def chat_template(meta):
     if os.path.exists(os.path.join(folder, "chat_template.jinja")):
         with open(os.path.join(folder, "chat_template.jinja")) as f:
             return f.read()
-    template = tokenizer_config(meta).get("chat_template")
+    template = hf_json(meta, "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
 
 
-def tokenizer_config(meta, name="tokenizer_config.json"):
+def hf_json(meta, name):
     """A JSON file kept beside the run's tokenizer.json (tokenizer_config.json, generation_config.json), or {}."""
-    path = os.path.join(os.path.dirname(meta["tokenizer_file"]), name)
-    if meta.get("tokenizer") != "hf" or not os.path.exists(path):
+    path = os.path.join(os.path.dirname(meta["tokenizer_file"]), name) if meta.get("tokenizer") == "hf" else ""
+    if not os.path.exists(path):
         return {}
     with open(path) as f:
         return json.load(f)
@@ -445,7 +445,7 @@ def chat_prompt(meta, text):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
-    config = tokenizer_config(meta)
+    config = hf_json(meta, "tokenizer_config.json")
     specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
                 if name.endswith("_token") and token is not None}
     try:

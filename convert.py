@@ -271,7 +271,7 @@ def config_from_gguf(metadata, tensor_names, path):
 
     def refuse(key, why):
         common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; convert.py gguf reads plain Llama files "
-                   f"(SmolLM2, TinyLlama and the like)")
+                   f"with a byte-level BPE (SmolLM2 and the like)")
 
     if metadata.get("general.architecture") != "llama":
         refuse("general.architecture", "not the Llama architecture")

@@ -86,7 +86,7 @@ try:
 except ValueError as e:
     common.die(str(e))
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
-stop = common.tokenizer_config(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
+stop = common.hf_json(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
 stop = set(stop if isinstance(stop, list) else [stop])
 for row in out.tolist():
     end = next((t + 1 for t in range(prompt.size(1), len(row)) if row[t] in stop), len(row))

@@ -72,7 +72,7 @@ def k_quant_bytes(rows, cols, qtype, rng):
 
 
 def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), extra_tensors=(), arch="llama",
-               seed=0):
+               tokenizer_model="gpt2", seed=0):
     """A random 2-layer Llama written as llama.cpp writes one: q and k permuted, each tensor in its ggml type
     (types: 'emb', 'out', 'attn', 'mlp' -> type; norms float32), the tokenizer, its special ids and a chat template
     in the metadata. Returns the float weights before quantization by GGUF name."""
@@ -102,7 +102,7 @@ def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), 
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab)
     tokens = [tok.id_to_token(i) for i in range(vocab)]
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
@@ -262,7 +262,9 @@ S = gguf.GGUFValueType
     (dict(extra_tensors=[("blk.0.attn_q.bias", (64,))]), "the tensor blk.0.attn_q.bias"),
     (dict(extra_tensors=[("rope_freqs.weight", (8,))]), "the tensor rope_freqs.weight"),
     (dict(pre="qwen2"), 'tokenizer.ggml.pre="qwen2"'),
-], ids=["arch", "rope-scaling", "experts", "head-size", "layernorm", "bias", "rope-freqs", "pre-tokenizer"])
+    (dict(tokenizer_model="llama"), 'tokenizer.ggml.model="llama"'),
+], ids=["arch", "rope-scaling", "experts", "head-size", "layernorm", "bias", "rope-freqs", "pre-tokenizer",
+        "sentencepiece"])
 def test_a_gguf_model_det_cannot_compute_is_refused_naming_the_key(tmp_path, capsys, edit, named):
     edit = {"pre": "gpt2", **edit}
     write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), types={"emb": Q.F16, "attn": Q.F16, "mlp": Q.F16}, **edit)

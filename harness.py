@@ -23,27 +23,31 @@ max_gen_toks; --device and --batch_size come from lm_eval's flags.
   tokens, as evaluate.py does (lm_eval's hf model stops the run with an AssertionError there); the count is logged.
 - loglikelihood_rolling: lm_eval's rolling windows of block_size tokens, all windows of a document in one
   score_choices call (one draw of latents per pass for the whole document), summed.
-- generate_until: one request at a time, latents fixed per request from (seed, doc_id, repeat): a B-Trans mind, EVE
-  noise, the Free Transformer's Z from its encoder on the prompt (sample_latents(prompt=...)); greedy unless the task
-  asks do_sample, stop strings cut the text afterwards.
+- generate_until: one request at a time, latents fixed per request from (seed, doc_id, idx, repeat): a B-Trans mind,
+  EVE noise, the Free Transformer's Z from its encoder on the prompt (sample_latents(prompt=...)), so the repeats of
+  a pass@k task are different minds; greedy unless the task asks do_sample (then tokens are drawn from the same
+  generator); max_gen_toks tokens (at most block_size - 1), the context left-truncated to make room, as hf does, and
+  the text cut at the first stop string.
 """
 
-import math
 from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
 
-# lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into an
-# empty registry: import it before registering ours, or `--model hf` would be unknown in this process.
-import lm_eval.models  # noqa: F401
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
 import common
 import evaluate
+
+try:
+    # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
+    # an empty registry: import it before registering ours, or `--model hf` would be unknown in this process.
+    import lm_eval.models  # noqa: F401
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:
+    common.die(f"harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
 
 
 @register_model("nanolatent")
@@ -142,7 +146,7 @@ class NanoLatentLM(LM):
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm=False):
         eos = self.decode([self.eot]) if self.eot is not None else None
-        repeat, out = Counter(), []
+        repeat, out, warned = Counter(), [], False
         for i, req in enumerate(common.progress(requests, desc="nanolatent generate_until")):
             context, gen_kwargs = req.args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
@@ -150,7 +154,15 @@ class NanoLatentLM(LM):
             max_new = min(kwargs.pop("max_gen_toks"), self.block_size - 1)
             temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
             top_k = kwargs.pop("top_k", None)
-            ids = (self.encode(context) or [self.eot])[-(self.block_size - max_new):]  # hf's left truncation
+            if kwargs and not warned:
+                print(f"nanolatent: generation ignores {', '.join(sorted(kwargs))} (it reads until, max_gen_toks, "
+                      f"do_sample, temperature, top_k)")
+                warned = True
+            ids = self.encode(context) or [self.eot]
+            if ids == [None]:
+                common.die("a generation request has an empty context and this run's tokenizer has no end-of-text "
+                           "token to start from: give every request a context")
+            ids = ids[-(self.block_size - max_new):]  # hf's left truncation: room for max_new tokens
             key = (req.doc_id if req.doc_id is not None else i, req.idx)
             generator = self.draws(*key, repeat[key])  # repeats of a request (pass@k) get their own latents
             repeat[key] += 1

@@ -10,20 +10,16 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, SHARED_DATA, run_script
+from conftest import SHARED_DATA, run_script
 
 import common
 import convert
 import evaluate
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install \"lm_eval[hf]\"")
-import harness  # noqa: E402  (registers nanolatent; needs lm_eval)
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
-needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_BPE),
+                                reason=f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
 CHARS = " abcdefghijklmnopqrstuvwxyz.:?"
 SEED = 1337
 
@@ -62,8 +58,18 @@ MC_FIELDS = dict(doc_to_text="context", doc_to_choice="choices", doc_to_target="
                  metric_list="\n  - metric: acc\n  - metric: acc_norm")
 
 
+def needs_lm_eval():
+    """harness.py (which registers nanolatent) and lm_eval, or a skip: lm_eval is optional."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install \"lm_eval[hf]\"")
+    import harness
+    return harness
+
+
 def harness_run(model, model_args, tasks, include_path, **kwargs):
     """simple_evaluate on local tasks, on the CPU, with per-item samples: {task: [sample, ...]}, results."""
+    needs_lm_eval()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, device="cpu", log_samples=True,
                                   task_manager=TaskManager(include_path=str(include_path)), **kwargs)
     return out["samples"], out["results"]
@@ -96,7 +102,8 @@ def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tm
     with open(os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")) as f:
         shakespeare = f.read()[:5000]
     corpus = ["The cat sat on the", " mat.", "Question: what is 2 + 2?\nAnswer:", " 4", "  two spaces", "end  ",
-              "a\n\n\nb\t\tc \n", "it's we'll they've I'm", "naïve café — 東京 🤖", "Ünïcödé ẞ ﬁ\u00a0nbsp", "12345 6.789",
+              "a\n\n\nb\t\tc \n", "it's we'll they've I'm", "naïve café — 東京 🤖", "Ünïcödé ẞ ﬁ\u00a0nbsp",
+              "12345 6.789",
               "<|endoftext|>after", "x" * 60, shakespeare]
     for text in corpus:
         ids = encoding.encode(text, allowed_special={"<|endoftext|>"})
@@ -114,6 +121,7 @@ def gpt2_det(tmp_path_factory):
     """A det run on GPT-2's BPE (its meta records the local BPE file, as prepare.py writes it), exported by to_hf."""
     if not os.path.exists(GPT2_BPE):
         pytest.skip(f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+    needs_lm_eval()
     pytest.importorskip("transformers", reason="lm_eval's hf model needs transformers (pip install \"lm_eval[hf]\")")
     root = tmp_path_factory.mktemp("gpt2_det")
     run = checkpoint(root / "run", "det", 50257, {"tokenizer": "gpt2", "bpe_file": GPT2_BPE, "vocab_size": 50257},
@@ -135,9 +143,9 @@ def test_nanolatent_and_hf_give_the_same_items_on_a_det_export(gpt2_det):
         {"context": "", "choices": ["Hello world", "Goodbye"], "label": 1},  # empty: conditioned on <|endoftext|>
         {"context": "Question: what is 2 + 2?\nAnswer: ", "choices": ["4", "five", "東京"], "label": 0},
         {"context": "A long context " * 12, "choices": ["yes", "no"], "label": 1}], **MC_FIELDS)  # left-truncated
-    write_task(tasks, "ll", [{"context": "Once upon a", "target": greedy}, {"context": "Once upon a", "target": " dog"}],
-               "loglikelihood", doc_to_text="context", doc_to_target="target",
-               metric_list="\n  - metric: perplexity\n  - metric: acc")
+    write_task(tasks, "ll", [{"context": "Once upon a", "target": greedy},
+                             {"context": "Once upon a", "target": " dog"}], "loglikelihood",
+               doc_to_text="context", doc_to_target="target", metric_list="\n  - metric: perplexity\n  - metric: acc")
     write_task(tasks, "ppl", [{"text": "A short text."}, {"text": "A longer text, " * 20 + "in several windows."}],
                "loglikelihood_rolling", doc_to_text="''", doc_to_target="text",
                metric_list="\n  - metric: word_perplexity")
@@ -193,8 +201,8 @@ def stochastic(tmp_path_factory):
 @pytest.mark.parametrize("model_type", ["btrans", "free"])
 def test_harness_gives_evaluate_py_items_and_acc_on_stochastic_runs(stochastic, model_type):
     root, runs, results, items = stochastic
-    samples, out = harness_run("nanolatent", {"out_dir": runs[model_type], "mc_samples": 8, "mixture": "auto", "seed": SEED},
-                       ["mc"], root)
+    args = {"out_dir": runs[model_type], "mc_samples": 8, "mixture": "auto", "seed": SEED}
+    samples, out = harness_run("nanolatent", args, ["mc"], root)
     mine = [i for i in items if i["out_dir"] == runs[model_type]]
     mixture = results[runs[model_type]]["mixture"]
     assert mixture == {"btrans": "sequence", "free": "token"}[model_type]
@@ -208,11 +216,13 @@ def test_harness_gives_evaluate_py_items_and_acc_on_stochastic_runs(stochastic, 
 
 def test_the_readme_command_on_an_eve_run_gives_evaluate_py_acc(stochastic, tmp_path):
     """`python harness.py --model nanolatent ...` from the command line, as the README gives it."""
+    needs_lm_eval()
     root, runs, results, _ = stochastic
     run_script("harness.py", "--model", "nanolatent", "--model_args",
                f"out_dir={runs['eve']},mc_samples=8,mixture=auto,seed={SEED}", "--tasks", "mc", "--include_path",
                root, "--device", "cpu", "--output_path", tmp_path / "out", data_dir=root)
-    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files if f.startswith("results")]
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files
+               if f.startswith("results")]
     with open(path) as f:
         acc = json.load(f)["results"]["mc"]
     assert acc["acc,none"] == results[runs["eve"]]["acc"] and acc["acc_norm,none"] == results[runs["eve"]]["acc_char"]
@@ -220,6 +230,8 @@ def test_the_readme_command_on_an_eve_run_gives_evaluate_py_acc(stochastic, tmp_
 
 def test_each_document_draws_its_own_latents_whatever_the_batch_or_limit(stochastic):
     root, runs, _, _ = stochastic
+    harness = needs_lm_eval()
+    from lm_eval.api.instance import Instance
     lm = harness.NanoLatentLM(out_dir=runs["eve"], mc_samples=4, device="cpu")
     reqs = [Instance("loglikelihood", {}, (ex["context"], " " + c), k, ("mc", d, 1))
             for d, ex in enumerate(EXAMPLES) for k, c in enumerate(ex["choices"])]
@@ -232,6 +244,8 @@ def test_each_document_draws_its_own_latents_whatever_the_batch_or_limit(stochas
 
 def test_generation_fixes_each_requests_latents_and_repeats_draw_new_minds(stochastic):
     root, runs, _, _ = stochastic
+    harness = needs_lm_eval()
+    from lm_eval.api.instance import Instance
     lm = harness.NanoLatentLM(out_dir=runs["btrans"], device="cpu", seed=SEED, sigma=4.0)  # a Config override:
     # minds this far apart make this random model's greedy continuations differ
     assert lm.net.config.sigma == 4.0

@@ -285,7 +285,11 @@ def gpt2_tokenizer_json(ranks, path):
     transformers 5). tiktoken merges the adjacent pair whose concatenation has the lowest rank; a merges list says
     which pair makes each token: the two parts its bytes fall into when merged with the lower ranks only (exactly
     two for a BPE's own ranks), listed in the token's rank order, so both merge in the same order."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError:
+        common.die("the weights are written; GPT-2's tokenizer files need the tokenizers package: pip install "
+                   "tokenizers, then run to_hf again")
     alphabet = byte_level_alphabet()
     text = lambda token: "".join(alphabet[b] for b in token)
     merges = []
@@ -329,6 +333,7 @@ def tokenizer_files(meta, dst):
     elif meta["tokenizer"] == "gpt2":
         bpe_file = meta.get("bpe_file")
         encoding, used = common.gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
+        # tiktoken keeps the ranks only as this attribute, whether read from a file or downloaded
         gpt2_tokenizer_json(encoding._mergeable_ranks, os.path.join(dst, "tokenizer.json"))
         # <|endoftext|> is GPT-2's BOS, EOS and padding; lm_eval conditions an empty context on it, as we do.
         with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:

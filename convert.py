@@ -461,8 +461,53 @@ def det_state(checkpoint, path):
     return module.Config(**{k: v for k, v in values.items() if k in fields}), state
 
 
+def byte_level_alphabet():
+    """GPT-2's printable stand-in for each byte (its encoder.py bytes_to_unicode): the strings a byte-level BPE's
+    vocab and merges are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(c) for b, c in zip(printable + others, printable + [256 + i for i in range(len(others))])}
+
+
+def gpt2_tokenizer_json(ranks, path):
+    """tokenizer.json of GPT-2's BPE from tiktoken's ranks {token bytes: id}, built with the tokenizers package
+    (transformers' GPT2TokenizerFast(vocab_file=, merges_file=) gives an empty tokenizer without a word in
+    transformers 5). tiktoken merges the adjacent pair whose concatenation has the lowest rank; a merges list says
+    which pair makes each token: the two parts its bytes fall into when merged with the lower ranks only (exactly
+    two for a BPE's own ranks), listed in the token's rank order, so both merge in the same order."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError:
+        common.die("the weights are written; GPT-2's tokenizer files need the tokenizers package: pip install "
+                   "tokenizers, then run to_hf again")
+    alphabet = byte_level_alphabet()
+    text = lambda token: "".join(alphabet[b] for b in token)
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:  # tiktoken's byte-pair merge on this token, with the ranks below its own
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts[:-1], parts[1:])]
+            i = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[i] >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2:
+            common.die(f"GPT-2's BPE file makes token {rank} from {len(parts)} parts, not 2: not a byte-pair ranks "
+                       f"file (gpt2.tiktoken); point --bpe_file of prepare.py to the original")
+        merges.append((text(parts[0]), text(parts[1])))
+    tok = Tokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split: words, numbers, spaces
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])  # id 50256, after the 50,256 ranks
+    tok.save(path)
+
+
 def tokenizer_files(meta, dst):
-    """Copy the run's Hugging Face tokenizer into dst; for ours, one line on what the user must supply."""
+    """Copy the run's Hugging Face tokenizer into dst, or write GPT-2's from the BPE the run was prepared with (the
+    local file its meta records, else tiktoken's); for a char run, one line on what the user must supply."""
     if meta["tokenizer"] == "hf":
         tokenizer_file = meta["tokenizer_file"]
         common.hf_tokenizer(tokenizer_file)  # one clear line if it is gone
@@ -476,8 +521,16 @@ def tokenizer_files(meta, dst):
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
         print(f"copied the tokenizer: {tokenizer_file}")
     elif meta["tokenizer"] == "gpt2":
-        print(f"the run uses GPT-2's BPE: add its tokenizer files with transformers' "
-              f"AutoTokenizer.from_pretrained('openai-community/gpt2').save_pretrained('{dst}')")
+        bpe_file = meta.get("bpe_file")
+        encoding, used = common.gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
+        # tiktoken keeps the ranks only as this attribute, whether read from a file or downloaded
+        gpt2_tokenizer_json(encoding._mergeable_ranks, os.path.join(dst, "tokenizer.json"))
+        # <|endoftext|> is GPT-2's BOS, EOS and padding; lm_eval conditions an empty context on it, as we do.
+        with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+                       "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "add_bos_token": False},
+                      f, indent=2)
+        print(f"wrote GPT-2's tokenizer (tokenizer.json, tokenizer_config.json) from {used or 'tiktoken'}")
     else:
         print(f"the run's {meta['tokenizer']} tokenizer has no Hugging Face form: its ids index meta['chars'] of the "
               f"checkpoint; supply a tokenizer for {dst} yourself (the weights load without one)")

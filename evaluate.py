@@ -48,6 +48,7 @@ out_dir = "out"  # the run to evaluate (a folder or a ckpt.pt), or several side 
 model = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
 task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task)
 out_json = ""  # also write the results to this file
+out_items = ""  # mc: also write one JSON line per (run, example): per-choice log-likelihoods, predictions, truncation
 seed = 1337  # latents (and any other draw); reset for each checkpoint so all see the same windows and draws
 # lm: Monte Carlo metrics on a prepared dataset's token stream
 dataset = ""  # '' = the dataset the checkpoints were trained on (recorded in them)
@@ -337,11 +338,12 @@ def iw_bound(net, x, y, K, generator, autocast=nullcontext()):
     return -(torch.logsumexp(torch.stack(log_w), dim=0) - math.log(K))  # (B,)
 
 
-def choice_tokens(encode, context, choice, eot=None):
-    """(context ids, continuation ids) of the continuation " " + choice, as lm-evaluation-harness's _encode_pair
-    makes them: trailing whitespace of the context moves onto the continuation, the pair is encoded whole and the
-    continuation is the tokens past the context's. An empty context conditions on the end-of-text token `eot`."""
-    continuation = " " + choice
+def choice_tokens(encode, context, choice, eot=None, delimiter=" "):
+    """(context ids, continuation ids) of the continuation delimiter + choice, as lm-evaluation-harness's
+    _encode_pair makes them: trailing whitespace of the context moves onto the continuation, the pair is encoded whole
+    and the continuation is the tokens past the context's. An empty context conditions on the end-of-text token
+    `eot`. (The harness' requests carry their delimiter in the continuation: harness.py passes delimiter="".)"""
+    continuation = delimiter + choice
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -406,22 +408,45 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     return log_mix.tolist(), n_cont, truncated
 
 
-def evaluate_mc(net, examples, encode, decode, n_passes, generator, *, autocast=nullcontext(), mixture="token",
-                eot=None):
+def mixture_for(net, mixture):
+    """--mixture=auto: 'sequence' for B-Trans minds (one mind frozen for the whole sequence), 'token' otherwise."""
+    return mixture if mixture != "auto" else "sequence" if net.latent_kind == "mind" else "token"
+
+
+def example_generator(net, seed, index):
+    """The draws of multiple-choice example `index` (its position in the file, the harness' doc_id): a generator of
+    its own, seeded from (seed, index), so an example's latents depend on neither the examples before it nor how
+    they are batched. seed None: torch's global generator."""
+    if seed is None:
+        return None
+    return torch.Generator(net.tok_emb.weight.device).manual_seed(common.seed_of(seed, index))
+
+
+def evaluate_mc(net, examples, encode, decode, n_passes, seed, *, autocast=nullcontext(), mixture="token", eot=None,
+                items=None):
     """acc: argmax of the summed log-likelihood; acc_char: of the sum / the characters scored (the whole choice, or
     the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (ours).
-    Stochastic models score with the `mixture` of n_passes passes (score_choices)."""
+    Stochastic models score with the `mixture` of n_passes passes (score_choices), example i with the latents of
+    example_generator(seed, i). items: a list that receives one dict per example: the per-choice log-likelihoods
+    (of a stochastic model under both mixtures, on the same draws), the prediction of each metric, truncation."""
     hits, truncated = Counter(), 0
-    for ex in common.progress(examples, desc="mc examples"):
+    mixtures = ("token", "sequence") if n_passes > 1 and items is not None else ()
+    for i, ex in enumerate(common.progress(examples, desc="mc examples")):
         pairs = [choice_tokens(encode, ex["context"], choice, eot) for choice in ex["choices"]]
-        ll, n_tokens, cut = score_choices(net, pairs, n_passes, generator, autocast, mixture)
+        ll, n_tokens, cut = score_choices(net, pairs, n_passes, example_generator(net, seed, i), autocast, mixture)
         truncated += cut
         chars = [len(c) if n == len(cont) else len(decode(cont[len(cont) - n:]))
                  for c, n, (_, cont) in zip(ex["choices"], n_tokens, pairs)]
         scores = {"acc": ll, "acc_char": [s / max(n, 1) for s, n in zip(ll, chars)],
                   "acc_completion": [s / max(n, 1) for s, n in zip(ll, n_tokens)]}
-        for name, values in scores.items():
-            hits[name] += max(range(len(values)), key=values.__getitem__) == ex["label"]
+        pred = {name: max(range(len(values)), key=values.__getitem__) for name, values in scores.items()}
+        for name, k in pred.items():
+            hits[name] += k == ex["label"]
+        if items is not None:
+            lls = {m: ll if m == mixture else score_choices(net, pairs, n_passes, example_generator(net, seed, i),
+                                                              autocast, m)[0] for m in mixtures} or {"none": ll}
+            items.append({"index": i, "label": ex["label"], "loglikelihoods": lls, "tokens": n_tokens,
+                          "chars": chars, "pred": pred, "truncated": cut})
     return {"latents": LATENTS[net.latent_kind],
             **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
             "mixture": mixture if n_passes > 1 else "none", "examples": len(examples), "passes": n_passes,
@@ -509,24 +534,34 @@ def run_lm(checkpoints):
 
 
 def run_mc(checkpoints):
-    """Multiple-choice accuracy of every run on the same examples."""
+    """Multiple-choice accuracy of every run on the same examples (and draws), and with --out_items each item's
+    scores, one JSON line per (run, example)."""
     if not mc_file:
         common.die(f"--task=mc needs --mc_file: a .jsonl file or one of {', '.join(HF_TASKS)}")
+    if out_items and (os.path.isdir(out_items) or not os.path.isdir(os.path.dirname(os.path.abspath(out_items)))):
+        common.die(f"--out_items={out_items} is a folder or in a folder that does not exist: name a .jsonl file to "
+                   f"write in an existing folder")
     examples = load_mc_examples(mc_file, max_examples)
     print(f"mc: {len(examples)} examples from {mc_file}; choices scored by the log-likelihood of ' ' + choice; "
           f"stochastic models by a mixture of {mc_samples} passes (latents shared by the choices)")
-    results = {}
+    results, items = {}, []
     for path, checkpoint in checkpoints.items():
-        net, generator = load_net(path, checkpoint)
+        net, _ = load_net(path, checkpoint)
         encode, decode = common.tokenizer(checkpoint["meta"])
         n_passes = 1 if net.latent_kind == "none" else mc_samples
-        how = mixture if mixture != "auto" else "sequence" if net.latent_kind == "mind" else "token"
+        how = mixture_for(net, mixture)
         eot = encode("<|endoftext|>")[0] if checkpoint["meta"]["tokenizer"] == "gpt2" else None
-        results[path] = evaluate_mc(net, examples, encode, decode, n_passes, generator, autocast=autocast,
-                                    mixture=how, eot=eot)
+        run_items = [] if out_items else None
+        results[path] = evaluate_mc(net, examples, encode, decode, n_passes, seed, autocast=autocast, mixture=how,
+                                    eot=eot, items=run_items)
+        items += [{"out_dir": path, "mixture": results[path]["mixture"], **item} for item in run_items or []]
         if results[path]["truncated"]:
             print(f"{path}: {results[path]['truncated']} examples longer than block_size={net.config.block_size} "
                   f"were left-truncated (their first tokens dropped)")
+    if out_items:
+        with open(out_items, "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+        print(f"wrote {out_items}: {len(items)} items")
     return {"mc_file": mc_file, "mc_samples": mc_samples}, results
 
 

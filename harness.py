@@ -1,0 +1,191 @@
+"""EleutherAI's lm-evaluation-harness on nanolatent runs: the `nanolatent` model scores a run of any of the four
+models, the stochastic ones with Monte Carlo latents exactly as evaluate.py does.
+
+    python harness.py --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
+    python harness.py --model nanolatent --model_args out_dir=out-det,model=btrans,sigma=0.05 --tasks ...  # minds
+
+`python harness.py ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
+plugins; every flag and every other model works as with `lm_eval`). From Python, `import harness` registers it:
+lm_eval.simple_evaluate(model="nanolatent", model_args={"out_dir": "out-eve"}, ...).
+
+model_args: out_dir (the run), model ('' or a type to load it into, with its Config overrides, e.g. sigma), mc_samples
+(M passes), mixture (auto | token | sequence, evaluate.py's --mixture), seed, dtype (float32 | bfloat16 | float16),
+max_gen_toks; --device and --batch_size come from lm_eval's flags.
+
+- loglikelihood: the requests of one document (its choices) are scored together by evaluate.score_choices, tokenized
+  by evaluate.choice_tokens, with M passes whose latents the choices share, drawn from
+  evaluate.example_generator(seed, doc_id): the draws evaluate.py --task=mc gives its example doc_id, so the two agree
+  item by item. A document's draws depend on nothing else, so the results do not depend on the batch size, on
+  --limit or on the other tasks. det (no latents) scores batch_size documents per forward. is_greedy (the acc of
+  loglikelihood tasks such as LAMBADA, one request per document) is computed for documents of one request, under the
+  token mixture p̄; multiple-choice documents, whose metrics never read it, report False. A sequence longer than
+  block_size + 1 tokens is left-truncated and a continuation longer than block_size scored on its last block_size
+  tokens, as evaluate.py does (lm_eval's hf model stops the run with an AssertionError there); the count is logged.
+- loglikelihood_rolling: lm_eval's rolling windows of block_size tokens, all windows of a document in one
+  score_choices call (one draw of latents per pass for the whole document), summed.
+- generate_until: one request at a time, latents fixed per request from (seed, doc_id, idx, repeat): a B-Trans mind,
+  EVE noise, the Free Transformer's Z from its encoder on the prompt (sample_latents(prompt=...)), so the repeats of
+  a pass@k task are different minds; greedy unless the task asks do_sample (then tokens are drawn from the same
+  generator); max_gen_toks tokens (at most block_size - 1), the context left-truncated to make room, as hf does, and
+  the text cut at the first stop string.
+"""
+
+from collections import Counter, defaultdict
+
+import torch
+import torch.nn.functional as F
+
+import common
+import evaluate
+
+try:
+    # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
+    # an empty registry: import it before registering ours, or `--model hf` would be unknown in this process.
+    import lm_eval.models  # noqa: F401
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:
+    common.die(f"harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
+
+
+@register_model("nanolatent")
+class NanoLatentLM(LM):
+    def __init__(self, out_dir, model="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
+                 batch_size=1, max_batch_size=None, max_gen_toks=256, **overrides):
+        super().__init__()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        common.check_device(device)
+        checkpoint = common.load_checkpoint(out_dir)
+        fields = common.config_fields(model or checkpoint["model_type"])
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            common.die(f"model_args {', '.join(unknown)}: not an argument of nanolatent nor a Config field of the "
+                       f"{model or checkpoint['model_type']} model")
+        if mixture not in ("auto", "token", "sequence"):
+            common.die(f"mixture must be auto, token or sequence, got {mixture!r}")
+        self.net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+        self.net.eval()
+        self._device = torch.device(device)
+        _, self.autocast = common.autocast(device, dtype)
+        self.encode, self.decode = common.tokenizer(checkpoint["meta"])
+        self.passes = 1 if self.net.latent_kind == "none" else int(mc_samples)
+        self.mixture = evaluate.mixture_for(self.net, mixture)
+        self.seed, self.max_gen_toks = int(seed), int(max_gen_toks)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # 'auto' is hf's: one document here
+        self.eot = eot_token(checkpoint)
+        self.block_size = self.net.config.block_size
+
+    @property
+    def eot_token_id(self):
+        return self.eot
+
+    def draws(self, *key):
+        return torch.Generator(self._device).manual_seed(common.seed_of(self.seed, *key))
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        docs = defaultdict(list)  # (task, doc_id) -> positions of its requests, in order
+        for i, req in enumerate(requests):
+            docs[(req.task_name, req.doc_id if req.doc_id is not None else i)].append(i)
+        out, truncated = [None] * len(requests), 0
+        groups = list(docs.items())
+        step = self.batch_size if self.net.latent_kind == "none" else 1  # no latents to share: any documents batch
+        for start in common.progress(range(0, len(groups), step), desc="nanolatent loglikelihood"):
+            batch = groups[start:start + step]
+            positions = [i for _, members in batch for i in members]
+            pairs = [evaluate.choice_tokens(self.encode, *requests[i].args, eot=self.eot, delimiter="")
+                     for i in positions]
+            doc_id = batch[0][0][1]
+            ll, _, _ = evaluate.score_choices(self.net, pairs, self.passes, evaluate.example_generator(
+                self.net, self.seed, doc_id), self.autocast, self.mixture)
+            truncated += sum(len(ctx) + len(cont) > self.block_size + 1 for ctx, cont in pairs)
+            k = 0
+            for (_, doc), members in batch:
+                greedy = len(members) == 1 and self.is_greedy(pairs[k], doc)
+                for i in members:
+                    out[i] = (ll[k], greedy)
+                    k += 1
+        if truncated:
+            print(f"nanolatent: {truncated} requests longer than block_size + 1 = {self.block_size + 1} tokens were "
+                  f"left-truncated (continuations longer than {self.block_size} tokens scored on their last "
+                  f"{self.block_size}, as evaluate.py does; lm_eval's hf model stops with an AssertionError there)")
+        return out
+
+    @torch.no_grad()
+    def is_greedy(self, pair, doc_id):
+        """Whether every continuation token is the argmax of p̄ (the mean of the passes' softmaxes), on the draws the
+        document was scored with (evaluate.example_latents from the same generator)."""
+        ctx, cont = pair
+        seq = (ctx + cont)[-(self.block_size + 1):]
+        n = min(len(cont), len(seq) - 1)
+        x, y = torch.tensor([seq[:-1]], device=self._device), torch.tensor([seq[1:]], device=self._device)  # (1, L)
+        generator, p_bar = evaluate.example_generator(self.net, self.seed, doc_id), 0
+        for _ in range(self.passes):
+            latents = evaluate.example_latents(self.net, [seq[:len(seq) - n]], generator)
+            with self.autocast:
+                logits = self.net(x, y, latents=latents)[0]  # (1, L, V), as score_choices calls it
+            p_bar = p_bar + F.softmax(logits[0, -n:].float(), dim=-1) / self.passes  # (n, V)
+        return p_bar.argmax(-1).tolist() == seq[-n:]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        out = []
+        for i, req in enumerate(common.progress(requests, desc="nanolatent loglikelihood_rolling")):
+            (text,) = req.args
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.encode(text), prefix_token=self.eot, max_seq_len=self.block_size, context_len=1)]
+            doc_id = req.doc_id if req.doc_id is not None else i
+            ll, _, _ = evaluate.score_choices(self.net, [(list(c), list(t)) for c, t in windows], self.passes,
+                                              evaluate.example_generator(self.net, self.seed, doc_id), self.autocast,
+                                              self.mixture)
+            out.append(sum(ll))
+        return out
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm=False):
+        eos = self.decode([self.eot]) if self.eot is not None else None
+        repeat, out, warned = Counter(), [], False
+        for i, req in enumerate(common.progress(requests, desc="nanolatent generate_until")):
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = min(kwargs.pop("max_gen_toks"), self.block_size - 1)
+            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            top_k = kwargs.pop("top_k", None)
+            if kwargs and not warned:
+                print(f"nanolatent: generation ignores {', '.join(sorted(kwargs))} (it reads until, max_gen_toks, "
+                      f"do_sample, temperature, top_k)")
+                warned = True
+            ids = self.encode(context) or [self.eot]
+            if ids == [None]:
+                common.die("a generation request has an empty context and this run's tokenizer has no end-of-text "
+                           "token to start from: give every request a context")
+            ids = ids[-(self.block_size - max_new):]  # hf's left truncation: room for max_new tokens
+            key = (req.doc_id if req.doc_id is not None else i, req.idx)
+            generator = self.draws(*key, repeat[key])  # repeats of a request (pass@k) get their own latents
+            repeat[key] += 1
+            idx = torch.tensor([ids], device=self._device)
+            with self.autocast:
+                latents = self.net.sample_latents(1, generator, prompt=idx)
+                new = self.net.generate(idx, max_new, temperature=temperature, top_k=top_k or None, latents=latents,
+                                        generator=generator)[0, len(ids):]
+            out.append(postprocess_generated_text(self.decode(new.tolist()), until, None))
+        return out
+
+
+def eot_token(checkpoint):
+    """The token an empty context conditions on (and generation stops at): GPT-2's <|endoftext|>, or an imported
+    model's BOS (else EOS) as lm_eval's hf model takes it; None for a char run."""
+    meta = checkpoint["meta"]
+    if meta["tokenizer"] == "gpt2" and "token_ids" not in meta:
+        return 50256
+    hf = (checkpoint.get("config") or {}).get("hf_config") or {}
+    eot = hf.get("bos_token_id", hf.get("eos_token_id"))
+    return eot[0] if isinstance(eot, list) else eot
+
+
+if __name__ == "__main__":
+    from lm_eval.__main__ import cli_evaluate
+    cli_evaluate()

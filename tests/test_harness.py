@@ -1,0 +1,293 @@
+"""harness.py against lm-evaluation-harness itself: on a det run exported by convert.py to_hf, `--model nanolatent`
+and lm_eval's own `--model hf` give the same per-item results on local tasks (multiple choice, loglikelihood,
+rolling perplexity, generation); on EVE, B-Trans and Free runs the harness gives evaluate.py --task=mc's per-choice
+log-likelihoods and accuracy item by item (same seed, same draws), whatever the batch size or --limit. Also the
+GPT-2 tokenizer that to_hf writes (tiktoken's ids, GPT-2's own merges) and evaluate.py's --out_items."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import SHARED_DATA, run_script
+
+import common
+import convert
+import evaluate
+
+GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
+GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_BPE),
+                                reason=f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+CHARS = " abcdefghijklmnopqrstuvwxyz.:?"
+SEED = 1337
+
+
+def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
+    """A random tiny run, its weights drawn wide (norm gains around 1, embeddings of std 1) so that its choices get
+    clearly different scores and a misplaced token shows."""
+    torch.manual_seed(0)
+    net = common.build_model(model_type, dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=block_size,
+                                              vocab_size=vocab, **kwargs))
+    with torch.no_grad():
+        net.tok_emb.weight.normal_(0.0, 1.0)
+        for name, p in net.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    os.makedirs(path, exist_ok=True)
+    common.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
+                            "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
+                            "meta": meta}, os.path.join(path, "ckpt.pt"))
+    return str(path)
+
+
+def write_task(folder, name, data, output_type="multiple_choice", **fields):
+    """A local lm_eval task: a YAML over a jsonl, as a user writes one for --include_path."""
+    path = os.path.join(folder, f"{name}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in data)
+    lines = [f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {path}",
+             "test_split: test", f"output_type: {output_type}", *(f"{k}: {v}" for k, v in fields.items())]
+    with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+MC_FIELDS = dict(doc_to_text="context", doc_to_choice="choices", doc_to_target="label",
+                 metric_list="\n  - metric: acc\n  - metric: acc_norm")
+
+
+def needs_lm_eval():
+    """harness.py (which registers nanolatent) and lm_eval, or a skip: lm_eval is optional."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install \"lm_eval[hf]\"")
+    import harness
+    return harness
+
+
+def harness_run(model, model_args, tasks, include_path, **kwargs):
+    """simple_evaluate on local tasks, on the CPU, with per-item samples: {task: [sample, ...]}, results."""
+    needs_lm_eval()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, device="cpu", log_samples=True,
+                                  task_manager=TaskManager(include_path=str(include_path)), **kwargs)
+    return out["samples"], out["results"]
+
+
+def lls(sample):
+    """A logged sample's log-likelihoods: per choice (multiple choice: [(ll, is_greedy), ...]), of its continuation
+    (loglikelihood: (ll, is_greedy)) or of its text (rolling: ll)."""
+    resps = sample["filtered_resps"]
+    if isinstance(resps, (list, tuple)) and isinstance(resps[0], (list, tuple)):
+        return [float(r[0]) for r in resps]
+    return [float(resps[0] if isinstance(resps, (list, tuple)) else resps)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-2's tokenizer for an export
+
+
+@needs_gpt2
+def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tmp_path):
+    pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    from tokenizers import Tokenizer
+    encoding, _ = common.gpt2_encoding(GPT2_BPE)
+    convert.gpt2_tokenizer_json(encoding._mergeable_ranks, str(tmp_path / "tokenizer.json"))
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in saved["model"]["merges"]]
+    with open(GPT2_MERGES, encoding="utf-8") as f:  # GPT-2's release, never read by the export
+        assert merges == [tuple(line.split()) for line in f.read().splitlines()[1:] if line]  # all 50,000, in order
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    with open(os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")) as f:
+        shakespeare = f.read()[:5000]
+    corpus = ["The cat sat on the", " mat.", "Question: what is 2 + 2?\nAnswer:", " 4", "  two spaces", "end  ",
+              "a\n\n\nb\t\tc \n", "it's we'll they've I'm", "naïve café — 東京 🤖", "Ünïcödé ẞ ﬁ\u00a0nbsp",
+              "12345 6.789",
+              "<|endoftext|>after", "x" * 60, shakespeare]
+    for text in corpus:
+        ids = encoding.encode(text, allowed_special={"<|endoftext|>"})
+        assert tok.encode(text, add_special_tokens=False).ids == ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.get_vocab_size() == 50257 and tok.token_to_id("<|endoftext|>") == 50256
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# det: nanolatent against lm_eval's hf model on the export
+
+
+@pytest.fixture(scope="module")
+def gpt2_det(tmp_path_factory):
+    """A det run on GPT-2's BPE (its meta records the local BPE file, as prepare.py writes it), exported by to_hf."""
+    if not os.path.exists(GPT2_BPE):
+        pytest.skip(f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+    needs_lm_eval()
+    pytest.importorskip("transformers", reason="lm_eval's hf model needs transformers (pip install \"lm_eval[hf]\")")
+    root = tmp_path_factory.mktemp("gpt2_det")
+    run = checkpoint(root / "run", "det", 50257, {"tokenizer": "gpt2", "bpe_file": GPT2_BPE, "vocab_size": 50257},
+                     block_size=32)
+    convert.main(["to_hf", f"--out_dir={run}", f"--dst={root / 'hf'}"])
+    return root, run
+
+
+@needs_gpt2
+def test_nanolatent_and_hf_give_the_same_items_on_a_det_export(gpt2_det):
+    root, run = gpt2_det
+    tasks = root / "tasks"
+    os.makedirs(tasks, exist_ok=True)
+    net, _ = common.load_model(run)
+    encode, decode = common.tokenizer(common.load_checkpoint(run)["meta"])
+    greedy = decode(net.generate(torch.tensor([encode("Once upon a")]), 3, temperature=0)[0, 3:].tolist())
+    write_task(tasks, "mc", [
+        {"context": "The cat sat on the", "choices": ["mat.", "moon", "naïve café"], "label": 0},
+        {"context": "", "choices": ["Hello world", "Goodbye"], "label": 1},  # empty: conditioned on <|endoftext|>
+        {"context": "Question: what is 2 + 2?\nAnswer: ", "choices": ["4", "five", "東京"], "label": 0},
+        {"context": "A long context " * 12, "choices": ["yes", "no"], "label": 1}], **MC_FIELDS)  # left-truncated
+    write_task(tasks, "ll", [{"context": "Once upon a", "target": greedy},
+                             {"context": "Once upon a", "target": " dog"}], "loglikelihood",
+               doc_to_text="context", doc_to_target="target", metric_list="\n  - metric: perplexity\n  - metric: acc")
+    write_task(tasks, "ppl", [{"text": "A short text."}, {"text": "A longer text, " * 20 + "in several windows."}],
+               "loglikelihood_rolling", doc_to_text="''", doc_to_target="text",
+               metric_list="\n  - metric: word_perplexity")
+    write_task(tasks, "gen", [{"q": "Once upon a"}, {"q": "The"}], "generate_until", doc_to_text="q",
+               doc_to_target="q", generation_kwargs='\n  until: ["\\n"]\n  max_gen_toks: 6\n  do_sample: false',
+               metric_list="\n  - metric: exact_match")
+    names = ["mc", "ll", "ppl", "gen"]
+    ours, ours_results = harness_run("nanolatent", {"out_dir": run}, names, tasks, batch_size=2)
+    theirs, theirs_results = harness_run("hf", {"pretrained": str(root / "hf"), "dtype": "float32"}, names, tasks)
+    for name in names:
+        assert len(ours[name]) == len(theirs[name]) > 0
+        for a, b in zip(ours[name], theirs[name]):
+            if name == "gen":
+                assert a["filtered_resps"] == b["filtered_resps"]
+                continue
+            assert lls(a) == pytest.approx(lls(b), abs=1e-4)
+            for metric in ("acc", "acc_norm"):
+                assert a.get(metric) == b.get(metric)
+    assert ours_results["mc"]["acc,none"] == theirs_results["mc"]["acc,none"]
+    assert ours_results["ll"]["acc,none"] == theirs_results["ll"]["acc,none"] == 0.5  # is_greedy: the first only
+    assert ours_results["ppl"]["word_perplexity,none"] == pytest.approx(theirs_results["ppl"]["word_perplexity,none"],
+                                                                       rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EVE, B-Trans, Free: the harness against evaluate.py --task=mc
+
+
+EXAMPLES = [{"context": "the cat sat on the", "choices": ["mat.", "moon", "hat"], "label": 0},
+            {"context": "one two", "choices": ["three", "four.", "a"], "label": 1},
+            {"context": "is it: ", "choices": ["yes", "no"], "label": 1},
+            {"context": "a long context " * 3, "choices": ["that ends here", "and there"], "label": 0},
+            {"context": "x", "choices": ["a" * 30, "b"], "label": 0}]  # a continuation longer than the window
+
+
+@pytest.fixture(scope="module")
+def stochastic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stochastic")
+    meta = {"tokenizer": "char", "chars": list(CHARS), "vocab_size": len(CHARS)}
+    runs = {t: checkpoint(root / t, t, len(CHARS), meta, **({"sigma": 0.5} if t == "btrans" else {}))
+            for t in ("eve", "btrans", "free")}
+    write_task(root, "mc", EXAMPLES, **MC_FIELDS)
+    run_script("evaluate.py", "--task=mc", f"--mc_file={root / 'mc.jsonl'}", f"--out_dir={','.join(runs.values())}",
+               "--mc_samples=8", f"--seed={SEED}", "--device=cpu", f"--out_json={root / 'mc.json'}",
+               f"--out_items={root / 'items.jsonl'}", data_dir=root)
+    with open(root / "mc.json") as f:
+        results = json.load(f)["results"]
+    with open(root / "items.jsonl") as f:
+        items = [json.loads(line) for line in f]
+    return root, runs, results, items
+
+
+@pytest.mark.parametrize("model_type", ["btrans", "free"])
+def test_harness_gives_evaluate_py_items_and_acc_on_stochastic_runs(stochastic, model_type):
+    root, runs, results, items = stochastic
+    args = {"out_dir": runs[model_type], "mc_samples": 8, "mixture": "auto", "seed": SEED}
+    samples, out = harness_run("nanolatent", args, ["mc"], root)
+    mine = [i for i in items if i["out_dir"] == runs[model_type]]
+    mixture = results[runs[model_type]]["mixture"]
+    assert mixture == {"btrans": "sequence", "free": "token"}[model_type]
+    for sample, item in zip(samples["mc"], mine):
+        assert lls(sample) == pytest.approx(item["loglikelihoods"][mixture], abs=1e-6)
+        assert sample["acc"] == float(item["pred"]["acc"] == item["label"])
+        assert sample["acc_norm"] == float(item["pred"]["acc_char"] == item["label"])
+    assert out["mc"]["acc,none"] == results[runs[model_type]]["acc"]
+    assert out["mc"]["acc_norm,none"] == results[runs[model_type]]["acc_char"]
+
+
+def test_the_readme_command_on_an_eve_run_gives_evaluate_py_acc(stochastic, tmp_path):
+    """`python harness.py --model nanolatent ...` from the command line, as the README gives it."""
+    needs_lm_eval()
+    root, runs, results, _ = stochastic
+    run_script("harness.py", "--model", "nanolatent", "--model_args",
+               f"out_dir={runs['eve']},mc_samples=8,mixture=auto,seed={SEED}", "--tasks", "mc", "--include_path",
+               root, "--device", "cpu", "--output_path", tmp_path / "out", data_dir=root)
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files
+               if f.startswith("results")]
+    with open(path) as f:
+        acc = json.load(f)["results"]["mc"]
+    assert acc["acc,none"] == results[runs["eve"]]["acc"] and acc["acc_norm,none"] == results[runs["eve"]]["acc_char"]
+
+
+def test_each_document_draws_its_own_latents_whatever_the_batch_or_limit(stochastic):
+    root, runs, _, _ = stochastic
+    harness = needs_lm_eval()
+    from lm_eval.api.instance import Instance
+    lm = harness.NanoLatentLM(out_dir=runs["eve"], mc_samples=4, device="cpu")
+    reqs = [Instance("loglikelihood", {}, (ex["context"], " " + c), k, ("mc", d, 1))
+            for d, ex in enumerate(EXAMPLES) for k, c in enumerate(ex["choices"])]
+    full = lm.loglikelihood(reqs)
+    assert lm.loglikelihood(reqs[::-1]) == full[::-1]  # order, hence batching, changes nothing
+    assert lm.loglikelihood(reqs[3:6]) == full[3:6]  # document 1 alone (--limit, other tasks)
+    lm.seed += 1
+    assert [ll for ll, _ in lm.loglikelihood(reqs)] != [ll for ll, _ in full]  # the seed sets the draws
+
+
+def test_generation_fixes_each_requests_latents_and_repeats_draw_new_minds(stochastic):
+    root, runs, _, _ = stochastic
+    harness = needs_lm_eval()
+    from lm_eval.api.instance import Instance
+    lm = harness.NanoLatentLM(out_dir=runs["btrans"], device="cpu", seed=SEED, sigma=4.0)  # a Config override:
+    # minds this far apart make this random model's greedy continuations differ
+    assert lm.net.config.sigma == 4.0
+    req = Instance("generate_until", {}, ("the cat", {"until": ["."], "max_gen_toks": 12, "do_sample": False}), 0,
+                   ("gen", 3, 4))
+    texts = lm.generate_until([req] * 4)  # repeats: 4, as a pass@k task asks
+    for k, text in enumerate(texts):  # mind k of document 3: greedy decoding, the mind drawn from (seed, 3, 0, k)
+        generator = torch.Generator().manual_seed(common.seed_of(SEED, 3, 0, k))
+        idx = torch.tensor([[CHARS.index(ch) for ch in "the cat"]])
+        new = lm.net.generate(idx, 12, temperature=0, latents=lm.net.sample_latents(1, generator, prompt=idx))
+        assert text == "".join(CHARS[i] for i in new[0, 7:].tolist()).split(".")[0]
+    assert len(set(texts)) > 1  # different minds, different greedy continuations
+    assert lm.generate_until([req] * 4) == texts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# evaluate.py --out_items
+
+
+def test_out_items_holds_each_choices_loglikelihoods_predictions_and_truncation(stochastic):
+    root, runs, results, items = stochastic
+    assert len(items) == 3 * len(EXAMPLES)
+    encode = lambda text: [CHARS.index(ch) for ch in text]
+    net, _ = common.load_model(runs["free"])
+    for item, ex in zip([i for i in items if i["out_dir"] == runs["free"]], EXAMPLES):
+        pairs = [evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
+        for mixture in ("token", "sequence"):  # both mixtures, on the draws of example_generator(seed, index)
+            ll, n_tokens, cut = evaluate.score_choices(net, pairs, 8, evaluate.example_generator(net, SEED,
+                                                                                              item["index"]),
+                                                       mixture=mixture)
+            assert item["loglikelihoods"][mixture] == pytest.approx(ll, abs=1e-6)
+        assert item["tokens"] == n_tokens and item["truncated"] == cut and item["label"] == ex["label"]
+        ll = item["loglikelihoods"]["token"]
+        assert item["pred"]["acc"] == max(range(len(ll)), key=ll.__getitem__)
+        assert item["pred"]["acc_completion"] == max(range(len(ll)), key=lambda k: ll[k] / n_tokens[k])
+    assert [i["truncated"] for i in items[:len(EXAMPLES)]] == [False, False, False, True, True]
+    assert sum(i["truncated"] for i in items[:len(EXAMPLES)]) == results[runs["eve"]]["truncated"]
+
+
+def test_out_items_in_a_missing_folder_is_refused_before_evaluating(stochastic, tmp_path):
+    root, runs, _, _ = stochastic
+    proc = run_script("evaluate.py", "--task=mc", f"--mc_file={root / 'mc.jsonl'}", f"--out_dir={runs['eve']}",
+                      "--device=cpu", f"--out_items={tmp_path / 'no' / 'items.jsonl'}", data_dir=root, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --out_items=") and proc.stderr.count("\n") == 1
+    assert "mc examples" not in proc.stdout + proc.stderr

@@ -149,6 +149,13 @@ def check_device(device):
         die(f"device={device!r} but this machine has no CUDA GPU (or this torch build has no CUDA): use --device=cpu")
     if not str(device).startswith(("cuda", "cpu", "mps")):
         die(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+    if str(device).startswith("mps") and not torch.backends.mps.is_available():
+        die(f"device={device!r} but this machine has no Apple GPU (or this torch build has no MPS): use --device=cpu")
+    if str(device).startswith("cuda:") and torch.cuda.is_available():
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}")
 
 
 _locks = []  # open lock files: the locks live as long as the process
@@ -491,6 +498,9 @@ def load_tokens(dataset, split, meta):
     path = os.path.join(data_dir(dataset), f"{split}.bin")
     if not os.path.exists(path):
         die(f"{path} is missing: run `python prepare.py {dataset}` again")
+    if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
+        die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that holds "
+            f"tokens")
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
 
 

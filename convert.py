@@ -30,6 +30,7 @@ direction = ""  # the first argument: hf (a Hugging Face Llama checkpoint -> out
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id
 out_dir = ""  # hf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
 dst = ""  # to_hf: the folder to write
+overwrite = False  # hf: replace the run in out_dir; to_hf: write into a dst that is not empty
 block_size = 0  # hf: the context length (RoPE tables, KV cache); 0 = the checkpoint's max_position_embeddings
 
 # One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
@@ -135,7 +136,10 @@ def config_from_hf(hf, block_size=0):
 
 def read_safetensors(src):
     """{name: tensor} from model.safetensors or from every shard of model.safetensors.index.json."""
-    from safetensors.torch import load_file
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        common.die("convert.py hf reads *.safetensors, which needs the safetensors package: pip install safetensors")
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -189,9 +193,12 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
     config_path = os.path.join(src, "config.json")
     if not os.path.exists(config_path):
         common.die(f"{src} has no config.json: pass a Hugging Face model folder (save_pretrained's output)")
-    with open(config_path) as f:
-        hf = json.load(f)
-    values = config_from_hf(hf, block_size)
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+        values = config_from_hf(hf, block_size)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # not JSON, or a field of the wrong type
+        common.die(f"{config_path} is malformed ({type(e).__name__}: {e}): download it again, or fix the file")
     if not os.path.exists(os.path.join(src, "tokenizer.json")):
         common.die(f"{src} has no tokenizer.json, which sample.py and evaluate.py need (a sentencepiece "
                    f"tokenizer.model is not read: save the tokenizer with transformers' AutoTokenizer first)")
@@ -294,7 +301,11 @@ def tokenizer_files(meta, dst):
 
 
 def export_hf(out_dir, dst):
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        common.die("convert.py to_hf writes model.safetensors, which needs the safetensors package: "
+                   "pip install safetensors")
     checkpoint = common.load_checkpoint(out_dir)
     path = common.checkpoint_path(out_dir)
     if "token_ids" in checkpoint["meta"]:
@@ -320,9 +331,12 @@ def main(argv=None):
     needed = {"hf": ("src", "out_dir"), "to_hf": ("out_dir", "dst")}[direction]
     if not all(globals()[key] for key in needed):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
-    if direction == "hf":
+    if direction == "hf":  # a run is written like train.py's: one writer, and a trained run is never replaced unasked
+        common.lock_out_dir(out_dir, "convert.py")
+        common.refuse_existing_run(out_dir, overwrite)
         import_hf(src, out_dir, block_size)
     else:
+        common.refuse_nonempty_dir(dst, overwrite)
         export_hf(out_dir, dst)
 
 

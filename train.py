@@ -83,7 +83,7 @@ config, model_config = configurator.apply(globals(), model_fields=lambda values:
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
-                                   "weight_decay", "grad_clip", "dry_run_world_size"),
+                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed"),
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})

@@ -144,7 +144,7 @@ def autocast(device, dtype):
 
 
 def check_device(device):
-    """One line for a device this machine does not have, before any work starts."""
+    """One line for a device this machine does not have, before any work starts; on the CPU, the thread count."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         die(f"device={device!r} but this machine has no CUDA GPU (or this torch build has no CUDA): use --device=cpu")
     if not str(device).startswith(("cuda", "cpu", "mps")):
@@ -156,15 +156,20 @@ def check_device(device):
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
             die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
                 f"cuda:{torch.cuda.device_count() - 1}")
+    if str(device) == "cpu":
+        cpu_threads()
 
 
-_locks = []  # open lock files: the locks live as long as the process
+_locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
 
 
 def lock_out_dir(out_dir, who):
     """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
-    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first."""
+    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
+    that holds the lock already (convert.main called twice in one process) keeps it."""
     import fcntl
+    if os.path.realpath(out_dir) in _locks:
+        return
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, ".lock"), "a+")
@@ -180,7 +185,7 @@ def lock_out_dir(out_dir, who):
     f.truncate()
     f.write(f"{who} (pid {os.getpid()})")
     f.flush()
-    _locks.append(f)
+    _locks[os.path.realpath(out_dir)] = f
     # Only the lock holder writes temporary files here, so any left now are from a writer killed mid-write
     # (kill -9 during a checkpoint save): nobody will rename them, and a checkpoint's is as large as the model.
     stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]

@@ -3,6 +3,7 @@ changed. Then the cases that must be accepted and do the right thing (eval_only,
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -220,7 +221,8 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
     proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
     assert "lr_decay_iters = max_iters = 6 (was 1500)" in proc.stdout
-    assert [r["lr"] for r in records(tmp_path) if "lr" in r][-1] == pytest.approx(1e-4)  # min_lr at the last step
+    cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 2) / (6 - 2))) * (1e-3 - 1e-4)  # warmup_iters=2
+    assert [r["lr"] for r in records(tmp_path) if "lr" in r][2:] == pytest.approx([cosine(it) for it in range(2, 6)])
     lines = proc.stdout.splitlines()  # the first lines come before the first evaluation's
     assert lines.index(next(l for l in lines if l.startswith("evaluating at iter 0"))) < \
         lines.index(next(l for l in lines if l.startswith("iter 0/6 eval")))
@@ -272,8 +274,11 @@ SIGINT_DURING_SAVE = """
 import os, signal, torch
 _save = torch.save
 def save(obj, f, *args, **kwargs):  # Ctrl-C while the first checkpoint is being written
-    os.kill(os.getpid(), signal.SIGINT)
+    if not save.calls:
+        os.kill(os.getpid(), signal.SIGINT)
+    save.calls += 1
     return _save(obj, f, *args, **kwargs)
+save.calls = 0
 torch.save = save
 """
 
@@ -442,7 +447,7 @@ def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
 @pytest.mark.parametrize("args, phrase", [
     (["--cvar_alpha=2"], "--cvar_alpha must lie in (0, 1], got 2.0"),
     (["--cvar_alpha=0"], "--cvar_alpha must lie in (0, 1], got 0.0"),
-    (["--seq_len=1000"], "--seq_len=1000 exceeds synthetic's sequences of 67 tokens (at most 66)"),
+    (["--seq_len=1000"], "--seq_len=1000 exceeds the smallest block_size of the checkpoints (66)"),
     (["--out_json=/no/such/folder/x.json"], "--out_json=/no/such/folder/x.json cannot be written: no folder"),
 ])
 def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, trained, data_root):

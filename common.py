@@ -196,6 +196,14 @@ def lock_out_dir(out_dir, who):
               f"{', '.join(sorted(stale))}")
 
 
+def release_out_dir(out_dir):
+    """Give back lock_out_dir's lock before the process ends: for a writer called as a function (convert.main in
+    a notebook or a test), so the process can go on while another writes there."""
+    lock = _locks.pop(os.path.realpath(out_dir), None)
+    if lock is not None:
+        lock.close()  # closing the file releases the flock
+
+
 RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
 
 

@@ -333,8 +333,11 @@ def main(argv=None):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
     if direction == "hf":  # a run is written like train.py's: one writer, and a trained run is never replaced unasked
         common.lock_out_dir(out_dir, "convert.py")
-        common.refuse_existing_run(out_dir, overwrite)
-        import_hf(src, out_dir, block_size)
+        try:
+            common.refuse_existing_run(out_dir, overwrite)
+            import_hf(src, out_dir, block_size)
+        finally:  # main() may be called as a function: the lock goes with the call, not with the process
+            common.release_out_dir(out_dir)
     else:
         common.refuse_nonempty_dir(dst, overwrite)
         export_hf(out_dir, dst)

@@ -338,14 +338,14 @@ def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2):
     return states, activations, n_blocks
 
 
-def check_memory(model_type, model_values, batch_size, device, dtype):
+def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False, world_size=1):
     """Before allocating anything: one line when the run's weights, gradients, AdamW state and activations (the dry
     run's arithmetic, a lower bound) exceed the memory of this machine (RAM available now) or of the GPU, instead
     of minutes in the allocator and a crash."""
     with torch.device("meta"):
         planned = build_model(model_type, model_values)
     per_value = 4 if dtype == "float32" else 2
-    states, activations, _ = memory_plan(planned, batch_size, False, 1, per_value)
+    states, activations, _ = memory_plan(planned, batch_size, fsdp, world_size, per_value)
     if str(device).startswith("cuda"):
         available, where = torch.cuda.mem_get_info(device)[1], f"the GPU ({device})"
     else:

@@ -194,7 +194,8 @@ if min(len(train_data), len(val_data)) <= model_config["block_size"]:
     common.die(f"dataset {dataset!r} has {len(train_data):,} train and {len(val_data):,} val tokens: too few for one "
                f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
 threads = torch.get_num_threads() if device == "cpu" else None  # common.check_device chose it
-common.check_memory(model, model_config, batch_size, device, dtype)  # before a batch_size=1000000 meets the allocator
+# before a batch_size=1000000 meets the allocator
+common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 model_config = common.config_dict(raw_model.config)

@@ -249,10 +249,9 @@ def main():
     # the net is always B-Trans: sigma etc. are its Config fields
     config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
-                                           "prompts_per_step", "max_steps", "updates_per_batch"),
+                                           "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
                          non_negative=("max_new_tokens", "temperature", "eval_temperature", "learning_rate",
-                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay", "adv_eps",
-                                       "seed"),
+                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
                                   "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
                          within={"beta1": "[0, 1)", "beta2": "[0, 1)"})

@@ -1,5 +1,7 @@
 """Everyday mistakes, each run as a user runs it: one line on stderr, exit code 2, no traceback, and nothing on disk
-changed. Then the cases that must be accepted and do the right thing (eval_only, a partial log line, a lock)."""
+changed. Then the cases that must be accepted and do the right thing (eval_only, a partial log line, a lock), and
+stopping: Ctrl-C, SIGTERM and a full disk (simulated by a sitecustomize.py the subprocess imports) leave a loadable
+checkpoint at the expected step and no temporary file."""
 
 import fcntl
 import json

@@ -6,6 +6,9 @@ import dataclasses
 import importlib
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,9 +63,14 @@ def pyplot(who):
 
 
 def append_record(path, record):
-    """One JSON object per line (out_dir/metrics.jsonl): what plot.py reads."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One JSON object per line (out_dir/metrics.jsonl): what plot.py reads. A full disk is one line; a partial line
+    it may leave is dropped with a warning by the next reader."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        die(f"could not append to {path}: {e.strerror or e}{free_space(path)}; free some space or choose another "
+            f"out_dir (the checkpoint there, if any, is unchanged)")
 
 
 def read_records(path):
@@ -85,9 +93,23 @@ def keep_records(path, before_iter):
     """Rewrite metrics.jsonl with only the records of iterations before `before_iter` (0: none), atomically."""
     kept = [r for r in read_records(path) if r.get("iter", 0) < before_iter] if os.path.exists(path) else []
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk or a read-only folder: the log stays as it was
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        die(f"could not write {path}: {e.strerror or e}{free_space(path)}; free some space or choose another out_dir "
+            f"(the run there is unchanged)")
+
+
+def free_space(path):
+    """', N MiB free on that disk' for a message about a failed write ('' when the folder is gone)."""
+    try:
+        return f", {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2**20:,.0f} MiB free on that disk"
+    except OSError:
+        return ""
 
 
 def die(message):
@@ -122,20 +144,32 @@ def autocast(device, dtype):
 
 
 def check_device(device):
-    """One line for a device this machine does not have, before any work starts."""
+    """One line for a device this machine does not have, before any work starts; on the CPU, the thread count."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         die(f"device={device!r} but this machine has no CUDA GPU (or this torch build has no CUDA): use --device=cpu")
     if not str(device).startswith(("cuda", "cpu", "mps")):
         die(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+    if str(device).startswith("mps") and not torch.backends.mps.is_available():
+        die(f"device={device!r} but this machine has no Apple GPU (or this torch build has no MPS): use --device=cpu")
+    if str(device).startswith("cuda:") and torch.cuda.is_available():
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}")
+    if str(device) == "cpu":
+        cpu_threads()
 
 
-_locks = []  # open lock files: the locks live as long as the process
+_locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
 
 
 def lock_out_dir(out_dir, who):
     """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
-    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first."""
+    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
+    that holds the lock already (convert.main called twice in one process) keeps it."""
     import fcntl
+    if os.path.realpath(out_dir) in _locks:
+        return
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, ".lock"), "a+")
@@ -151,7 +185,84 @@ def lock_out_dir(out_dir, who):
     f.truncate()
     f.write(f"{who} (pid {os.getpid()})")
     f.flush()
-    _locks.append(f)
+    _locks[os.path.realpath(out_dir)] = f
+    # Only the lock holder writes temporary files here, so any left now are from a writer killed mid-write
+    # (kill -9 during a checkpoint save): nobody will rename them, and a checkpoint's is as large as the model.
+    stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]
+    for name in stale:
+        os.remove(os.path.join(out_dir, name))
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
+              f"{', '.join(sorted(stale))}")
+
+
+def release_out_dir(out_dir):
+    """Give back lock_out_dir's lock before the process ends: for a writer called as a function (convert.main in
+    a notebook or a test), so the process can go on while another writes there."""
+    lock = _locks.pop(os.path.realpath(out_dir), None)
+    if lock is not None:
+        lock.close()  # closing the file releases the flock
+
+
+RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
+
+
+def refuse_existing_run(out_dir, overwrite, resumable=False):
+    """The guard of every script that writes a run into out_dir (train.py from scratch, rlvr.py, convert.py hf and
+    gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
+    before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
+    held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    if held and not overwrite:
+        die(f"{out_dir} already holds a run ({held[0]}): "
+            f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
+            f"with --overwrite=True")
+
+
+def refuse_nonempty_dir(dst, overwrite, what="--dst"):
+    """The guard of a writer whose output is a whole folder of someone else's format (convert.py to_hf): a file, or
+    a folder that holds anything, is written into only with --overwrite=True."""
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        die(f"{what}={dst} is a file: give a folder to write into")
+    held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []
+    if held and not overwrite:
+        die(f"{what}={dst} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): choose an empty or "
+            f"new folder, or write into it anyway with --overwrite=True")
+
+
+def cpu_threads():
+    """Threads for torch's CPU kernels. torch takes one per core, which on a machine shared with other work makes
+    each thread wait for a core and the run several times slower (measured on a loaded 2-core CPU: README, Shared
+    CPUs). Unless OMP_NUM_THREADS says otherwise: the cores not busy when the script starts, at least one."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    idle = cores - round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else cores
+    threads = max(1, min(cores, idle))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class Stop:
+    """SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's preemption) during a training loop: the handler only notes
+    the signal, and the loop, between two whole steps, saves and exits (stopping inside an optimizer step would
+    save half an update). A second signal stops at once, without saving: the last checkpoint stays as it is."""
+
+    def __init__(self):
+        self.signum = 0
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum:
+            print(f"\nstopped by a second {signal.Signals(signum).name} without saving: the last checkpoint is "
+                  f"unchanged", file=sys.stderr)
+            sys.exit(128 + signum)  # SystemExit: a checkpoint being written removes its temporary file
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: saving at the end of this step, then stopping (again to stop "
+              f"without saving)", flush=True)
+
+    def __bool__(self):
+        return bool(self.signum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,6 +324,46 @@ def resume_config(model_type, saved, overrides, out_dir):
     return merged
 
 
+def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2):
+    """(bytes of weights, gradients and AdamW state, bytes of activations, blocks) per process for a model built on
+    the meta device. fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter,
+    on every process under DDP, a 1/gpus shard under FSDP. Activations saved for the backward pass, in bf16 without
+    recomputation: Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, §4.1) count
+    B*T*d*(34 + 5*a*T/d) bytes per layer; flash attention keeps no T x T scores, which leaves 34*B*T*d. Plus the
+    logits: B*T*V in bf16 (2) and in float for the loss (4). bytes_per_value=4 (float32) doubles it all."""
+    cfg, n_blocks = planned.config, len(transformer_blocks(planned))
+    states = 16 * planned.num_params() / (gpus if fsdp else 1)
+    B, T, d, V = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size
+    activations = (34 * B * T * d * n_blocks + 6 * B * T * V) * bytes_per_value / 2
+    return states, activations, n_blocks
+
+
+def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False, world_size=1):
+    """Before allocating anything: one line when the run's weights, gradients, AdamW state and activations (the dry
+    run's arithmetic, a lower bound) exceed the memory of this machine (RAM available now) or of the GPU, instead
+    of minutes in the allocator and a crash."""
+    with torch.device("meta"):
+        planned = build_model(model_type, model_values)
+    per_value = 4 if dtype == "float32" else 2
+    states, activations, _ = memory_plan(planned, batch_size, fsdp, world_size, per_value)
+    if str(device).startswith("cuda"):
+        available, where = torch.cuda.mem_get_info(device)[1], f"the GPU ({device})"
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                available = 1024 * next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return  # not Linux: no figure to compare with
+        available /= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes of this node share its RAM
+        where = "this machine's available RAM"
+    GiB = 2 ** 30
+    if states + activations > available:
+        die(f"this run needs at least {(states + activations) / GiB:,.1f} GiB ({states / GiB:,.2f} GiB weights, "
+            f"gradients and AdamW + {activations / GiB:,.1f} GiB activations at batch_size={batch_size}, "
+            f"block_size={planned.config.block_size}) but {where} is {available / GiB:,.1f} GiB: lower batch_size "
+            f"(raise gradient_accumulation_steps to keep the tokens per step) or the model; --dry_run=True plans it")
+
+
 def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu):
     """train.py --dry_run: parameters, FLOPs, expected speed and memory per GPU of a config, from a model built on
     the meta device (shapes, no memory)."""
@@ -225,15 +376,8 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
     tokens_per_s = mfu * peak / flops  # per GPU
     tokens_per_step = grad_accum * batch_size * cfg.block_size  # all GPUs together
     step_s = tokens_per_step / (tokens_per_s * gpus)
-    # fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter, on every GPU
-    # under DDP, a 1/gpus shard under FSDP.
-    states = 16 * n_params / (gpus if fsdp else 1)
-    # Activations saved for the backward pass, in bf16 without recomputation: Korthikanti et al. 2022 (Reducing
-    # Activation Recomputation in Large Transformer Models, §4.1) count B*T*d*(34 + 5*a*T/d) bytes per layer; flash
-    # attention keeps no T x T scores, which leaves 34*B*T*d. Plus the logits: B*T*V in bf16 (2) and in float for
-    # the loss (4).
-    B, T, d, V, n_blocks = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size, len(transformer_blocks(planned))
-    activations = 34 * B * T * d * n_blocks + 6 * B * T * V
+    states, activations, n_blocks = memory_plan(planned, batch_size, fsdp, gpus)
+    B, T, d, V = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size
     GiB = 2 ** 30
     print(f"dry run: {model_type} model, {n_params:,} parameters, {flops / 1e9:.3g} GFLOPs per token (forward + backward)")
     print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; "
@@ -253,16 +397,22 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
 
 def save_checkpoint(checkpoint, path):
     """Write to a temporary file of this process, then rename: a crash mid-write never leaves a truncated checkpoint
-    behind, and two writers never share a temporary file."""
+    behind, and two writers never share a temporary file. A write that fails removes its temporary file and stops
+    with one line; the previous checkpoint is untouched."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
-    except OSError as e:  # a full disk, a read-only or vanished folder: the previous checkpoint is untouched
-        if os.path.exists(tmp):
+    except (OSError, RuntimeError) as e:  # a full disk (torch's writer raises RuntimeError), a read-only folder
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        die(f"could not write {path}: {e.strerror or e}; free some space or choose another out_dir "
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:200]
+        die(f"could not write {path}: {reason}{free_space(path)}; free some space or choose another out_dir "
             f"(the previous checkpoint there, if any, is unchanged)")
+    except BaseException:  # interrupted (a second Ctrl-C): no half-written file is left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def checkpoint_path(path):
@@ -362,6 +512,9 @@ def load_tokens(dataset, split, meta):
     path = os.path.join(data_dir(dataset), f"{split}.bin")
     if not os.path.exists(path):
         die(f"{path} is missing: run `python prepare.py {dataset}` again")
+    if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
+        die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that holds "
+            f"tokens")
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
 
 

@@ -16,6 +16,7 @@ the chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accept
 
 import ast
 import difflib
+import math
 import os
 import sys
 
@@ -76,11 +77,11 @@ def check(key, value, default):
     return value
 
 
-def configure(defaults, argv, model_fields=None, positional=None):
+def configure(defaults, argv, model_fields=None, positional=None, given=None):
     """Returns (script values, model values). model_fields(values) -> {field: default} of the chosen model's Config,
     called with the script's values after overrides (so it can look at the model key). positional names the default
     that takes the arguments which are neither config files nor --key=value: a str takes one (prepare.py's source), a
-    tuple all of them (plot.py's runs)."""
+    tuple all of them (plot.py's runs). given, a set, receives the keys that a file or the command line set."""
     file_values, cli_texts, free = {}, {}, []
     for arg in argv:
         if arg.startswith("--"):
@@ -92,6 +93,8 @@ def configure(defaults, argv, model_fields=None, positional=None):
             file_values.update(read_config_file(arg))
         else:
             free.append(arg)
+    if given is not None:
+        given.update(file_values, cli_texts)
     values = dict(defaults)
     if positional is not None and free:
         if isinstance(defaults[positional], str) and len(free) > 1:
@@ -126,19 +129,38 @@ def apply(namespace, argv=None, model_fields=None, positional=None):
         namespace["_config_defaults"] = {k: v for k, v in namespace.items() if not k.startswith("_")
                                          and isinstance(v, TYPES)}
     defaults = namespace["_config_defaults"]
-    config, model_values = configure(defaults, sys.argv[1:] if argv is None else argv, model_fields, positional)
+    namespace["_config_given"] = set()
+    config, model_values = configure(defaults, sys.argv[1:] if argv is None else argv, model_fields, positional,
+                                     namespace["_config_given"])
     namespace.update(config)
     return config, model_values
 
 
-def require(config, positive=(), non_negative=(), choices=None):
-    """Refuse values that parse but make no sense (--max_iters=-5, --eval_interval=0, --dtype=float64), one line each."""
+def given(namespace):
+    """The keys a config file or the command line set (to any value, the default's included), after apply()."""
+    return namespace["_config_given"]
+
+
+def require(config, positive=(), non_negative=(), choices=None, within=None):
+    """Refuse values that parse but make no sense (--max_iters=-5, --eval_interval=0, --dtype=float64, --beta1=1.5,
+    learning_rate=float('nan') in a config file), one line each. within: {key: interval} written as in mathematics,
+    "[0, 1)" or "(0, 1]"."""
+    for key, value in config.items():
+        if isinstance(value, float) and math.isnan(value):
+            common.die(f"--{key} is nan: give a number")
     for key in positive:
-        if config[key] <= 0:
+        if not config[key] > 0 or config[key] == math.inf:
             common.die(f"--{key} must be > 0, got {config[key]!r}")
     for key in non_negative:
-        if config[key] < 0:
+        if not config[key] >= 0 or config[key] == math.inf:
             common.die(f"--{key} must be >= 0, got {config[key]!r}")
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
             common.die(f"--{key} must be one of {', '.join(map(str, allowed))}, got {config[key]!r}")
+    for key, interval in (within or {}).items():
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        value = config[key]
+        above = value > lo if interval[0] == "(" else value >= lo
+        below = value < hi if interval[-1] == ")" else value <= hi
+        if not (above and below):
+            common.die(f"--{key} must lie in {interval}, got {value!r}")

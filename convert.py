@@ -12,13 +12,14 @@ RoPE scaling, QK-norm, another activation or architecture) is refused with one l
 `gguf` reads a Llama-architecture GGUF (llama.cpp's format) the same way: its weights dequantized to float32 by the
 gguf package, q and k un-permuted, its tokenizer rebuilt from the file's metadata as a tokenizer.json.
 `to_hf` writes a det checkpoint, or a B-Trans one whose noise is off, as config.json + model.safetensors, plus the
-tokenizer files when the run has a Hugging Face tokenizer. The chat template and generation_config.json travel with
+tokenizer files: the run's own for a Hugging Face tokenizer, a tokenizer.json built from the recorded BPE file for a
+GPT-2 run (a --vocab=used run, on renumbered ids, is refused). The chat template and generation_config.json travel with
 the tokenizer every way (sample.py --chat=True prompts with the template).
 
 `hf` and `to_hf` are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers'
-rotate_half does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers and huggingface_hub are
-imported only where used, and so is gguf; transformers is not needed at all (the tests use it as the reference
-implementation).
+rotate_half does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers, huggingface_hub and
+gguf are imported only where used; transformers is not needed at all (the tests use it as the reference
+implementation). Neither way replaces a run or a folder that holds something unless --overwrite=True.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ direction = ""  # the first argument: hf or gguf (a Llama checkpoint -> out_dir)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
 out_dir = ""  # hf, gguf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
 dst = ""  # to_hf: the folder to write
+overwrite = False  # hf, gguf: replace the run in out_dir; to_hf: write into a dst that is not empty
 block_size = 0  # hf, gguf: the context length (RoPE tables, KV cache); 0 = the checkpoint's own
 
 # One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
@@ -144,7 +146,10 @@ def config_from_hf(hf, block_size=0):
 
 def read_safetensors(src):
     """{name: tensor} from model.safetensors or from every shard of model.safetensors.index.json."""
-    from safetensors.torch import load_file
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        common.die("convert.py hf reads *.safetensors, which needs the safetensors package: pip install safetensors")
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -198,9 +203,12 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
     config_path = os.path.join(src, "config.json")
     if not os.path.exists(config_path):
         common.die(f"{src} has no config.json: pass a Hugging Face model folder (save_pretrained's output)")
-    with open(config_path) as f:
-        hf = json.load(f)
-    values = config_from_hf(hf, block_size)
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+        values = config_from_hf(hf, block_size)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # not JSON, or a field of the wrong type
+        common.die(f"{config_path} is malformed ({type(e).__name__}: {e}): download it again, or fix the file")
     if not os.path.exists(os.path.join(src, "tokenizer.json")):
         common.die(f"{src} has no tokenizer.json, which sample.py and evaluate.py need (a sentencepiece "
                    f"tokenizer.model is not read: save the tokenizer with transformers' AutoTokenizer first)")
@@ -549,7 +557,11 @@ def chat_files(meta, dst):
 
 
 def export_hf(out_dir, dst):
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        common.die("convert.py to_hf writes model.safetensors, which needs the safetensors package: "
+                   "pip install safetensors")
     checkpoint = common.load_checkpoint(out_dir)
     path = common.checkpoint_path(out_dir)
     if "token_ids" in checkpoint["meta"]:
@@ -576,11 +588,15 @@ def main(argv=None):
     needed = {"hf": ("src", "out_dir"), "gguf": ("src", "out_dir"), "to_hf": ("out_dir", "dst")}[direction]
     if not all(globals()[key] for key in needed):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
-    if direction == "hf":
-        import_hf(src, out_dir, block_size)
-    elif direction == "gguf":
-        import_gguf(src, out_dir, block_size)
+    if direction in ("hf", "gguf"):  # a run is written like train.py's: one writer, a trained run never replaced unasked
+        common.lock_out_dir(out_dir, "convert.py")
+        try:
+            common.refuse_existing_run(out_dir, overwrite)
+            (import_hf if direction == "hf" else import_gguf)(src, out_dir, block_size)
+        finally:  # main() may be called as a function: the lock goes with the call, not with the process
+            common.release_out_dir(out_dir)
     else:
+        common.refuse_nonempty_dir(dst, overwrite)
         export_hf(out_dir, dst)
 
 

@@ -512,9 +512,12 @@ def run_lm(checkpoints):
     name, meta = dataset_for(checkpoints)
     data = common.load_tokens(name, split, meta)
     block = min(overrides.get("block_size", c["model_config"]["block_size"]) for c in checkpoints.values())
-    T = min(seq_len or block, meta["doc_len"] - 1) if "doc_len" in meta else (seq_len or block)
-    if T > block:
-        common.die(f"seq_len={T} exceeds the smallest block_size of the checkpoints ({block})")
+    limit = min(block, meta["doc_len"] - 1) if "doc_len" in meta else block
+    if seq_len > limit:
+        common.die(f"--seq_len={seq_len} exceeds " + (f"{name}'s sequences of {meta['doc_len']} tokens (at most "
+                   f"{limit})" if limit < block else f"the smallest block_size of the checkpoints ({block})")
+                   + ": lower it, or 0 for the longest that fits")
+    T = seq_len or limit
     starts = lm_windows(len(data), T, meta.get("doc_len"), max_tokens)
     if not starts:
         common.die(f"{name}/{split}.bin holds {len(data)} tokens: too few for one window of {T + 1}")
@@ -614,10 +617,18 @@ if __name__ == "__main__":
     config, overrides = configurator.apply(globals(), model_fields=model_fields)
     configurator.require(config, positive=("batch_size", "mc_samples", "ece_bins", "minds", "num_prompts",
                                            "max_new_tokens", "ngram"),
-                         non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k"),
+                         non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k",
+                                       "seed"),
                          choices={"task": ("lm", "mc", "population"), "dtype": tuple(common.DTYPES),
-                                  "mixture": ("auto", "token", "sequence")})
+                                  "mixture": ("auto", "token", "sequence")},
+                         within={"cvar_alpha": "(0, 1]"})
     common.check_device(device)
+    if out_json:  # checked before the evaluation, which can take an hour, not after it
+        folder = os.path.dirname(os.path.abspath(out_json))
+        if os.path.isdir(out_json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            common.die(f"--out_json={out_json} cannot be written: " + ("it is a folder" if os.path.isdir(out_json)
+                       else f"no folder {folder}" if not os.path.isdir(folder) else f"{folder} is not writable")
+                       + "; give a file in an existing, writable folder")
     if not checkpoints:
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
     _, autocast = common.autocast(device, dtype)

@@ -364,6 +364,29 @@ class Config:
     n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
 
     def __post_init__(self):
+        # Every field is checked here, where a model built from Python meets it too: a ValueError names the field,
+        # its value and what is allowed (the scripts print it as one line). First the types: --ffn_hidden=abc or a
+        # float('nan') from a config file would otherwise fail deep in the model, or train on NaN.
+        for f in self.__dataclass_fields__.values():
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
+            if f.type is float and is_number(value) or f.type is tuple and type(value) is list:
+                value = f.type(value)  # an int (or numpy float) may stand for a float; a JSON config holds lists
+                setattr(self, f.name, value)
+            numbers = value if f.type is tuple else (value,) if f.type is float else ()
+            if type(value) is not f.type or not all(is_number(v) and math.isfinite(v) for v in numbers):
+                kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
+                    f.type, f"a {f.type.__name__}")
+                raise ValueError(f"{f.name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
+                     "ffn_hidden"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        for name in ("rope_theta", "norm_eps"):  # 0 or less: NaN from the first step (1/theta^0, sqrt(-eps))
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
                              f"and n_head by n_kv_head={self.n_kv_head}")
@@ -373,19 +396,33 @@ class Config:
         if self.ffn_hidden is None:
             hidden = int(8 * self.n_embd / 3)
             self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        for name in ("n_neurons", "latent_dim", "n_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        if self.sigma_init <= 0:
+            raise ValueError(f"sigma_init={self.sigma_init}: must be > 0")
         if self.n_neurons is None:
-            self.n_neurons = self.ffn_hidden // self.latent_dim
+            self.n_neurons = max(1, self.ffn_hidden // self.latent_dim)
         self.n_latent = self.n_neurons * self.latent_dim  # D, latent coordinates per block
-        if min(self.n_neurons, self.latent_dim, self.n_samples) < 1 or self.sigma_init <= 0:
-            raise ValueError("n_neurons, latent_dim, n_samples must be >= 1 and sigma_init > 0")
         if not self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max:
             raise ValueError(f"2 log sigma_init = {2 * math.log(self.sigma_init):.2f} lies outside "
                              f"[logvar_min, logvar_max] = [{self.logvar_min}, {self.logvar_max}]")
         if not (-1 < self.ar_a_init < 1 and -1 < self.mem_gain_init < 1):
             raise ValueError(f"ar_a_init={self.ar_a_init} and mem_gain_init={self.mem_gain_init} must lie in (-1, 1): "
                              "both are tanh(.), which keeps the AR prior and the posterior's memory loop stable")
+        if any(len(getattr(self, name)) != 2 for name in ("mu2_band", "kl_band", "beta_range")):
+            raise ValueError(f"mu2_band={self.mu2_band}, kl_band={self.kl_band}, beta_range={self.beta_range}: each "
+                             "must be a pair (low, high)")
         if not (self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1] and self.kl_band[0] <= self.kl_band[1]):
             raise ValueError("need mu2_band[0] <= mu2_target <= mu2_band[1] and kl_band[0] <= kl_band[1]")
+        if not 0 < self.beta_range[0] <= self.beta_range[1]:
+            raise ValueError(f"beta_range={self.beta_range}: must be (low, high) with 0 < low <= high")
+        for name in ("kl_beta", "alpha_ar", "control_weight", "homeostat_warmup", "homeostat_max_step", "beta_rate"):
+            if getattr(self, name) < 0:  # a negative weight rewards what it should penalise
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.homeostat_every < 1 or not 0 <= self.homeostat_ema < 1:
+            raise ValueError(f"homeostat_every={self.homeostat_every} must be >= 1 and homeostat_ema="
+                             f"{self.homeostat_ema} in [0, 1)")
 
 
 class Model(nn.Module):

@@ -304,6 +304,29 @@ class Config:
     # in float32, which stays in a CPU's last-level cache for the two passes over it; larger on a GPU
 
     def __post_init__(self):
+        # Every field is checked here, where a model built from Python meets it too: a ValueError names the field,
+        # its value and what is allowed (the scripts print it as one line). First the types: --ffn_hidden=abc or a
+        # float('nan') from a config file would otherwise fail deep in the model, or train on NaN.
+        for f in self.__dataclass_fields__.values():
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
+            if f.type is float and is_number(value) or f.type is tuple and type(value) is list:
+                value = f.type(value)  # an int (or numpy float) may stand for a float; a JSON config holds lists
+                setattr(self, f.name, value)
+            numbers = value if f.type is tuple else (value,) if f.type is float else ()
+            if type(value) is not f.type or not all(is_number(v) and math.isfinite(v) for v in numbers):
+                kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
+                    f.type, f"a {f.type.__name__}")
+                raise ValueError(f"{f.name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
+                     "ffn_hidden"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        for name in ("rope_theta", "norm_eps"):  # 0 or less: NaN from the first step (1/theta^0, sqrt(-eps))
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
                              f"and n_head by n_kv_head={self.n_kv_head}")
@@ -317,6 +340,12 @@ class Config:
             raise ValueError(f"n_layer={self.n_layer} must be even: Z enters after block n_layer/2 (§3.2)")
         if self.mapper not in ("dense", "factored"):
             raise ValueError(f"mapper={self.mapper!r} must be 'dense' or 'factored'")
+        if not 1 <= self.latent_bits <= 20:  # the post-sampler holds 2^H x n_embd weights: 2^30 would be 128 GiB
+            raise ValueError(f"latent_bits={self.latent_bits}: must be in 1..20 (H; §4.3 uses 16)")
+        if self.kappa_bits < 0:  # a negative threshold adds |κ| to every token's loss and changes nothing else
+            raise ValueError(f"kappa_bits={self.kappa_bits}: must be >= 0 (0 turns the free bits off)")
+        if self.mapper_chunk < 1:
+            raise ValueError(f"mapper_chunk={self.mapper_chunk}: must be >= 1")
         self.kappa_nats = self.kappa_bits * math.log(2)  # Eq. 5 compares κ with KL in nats
 
 

@@ -34,6 +34,7 @@ import tasks
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
 # I/O
 out_dir = "out-rlvr"
+overwrite = False  # an out_dir that holds a run (a trained model, an earlier rlvr.py run) is replaced only when True
 init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; det is wrapped into B-Trans
 log_interval = 1
 eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval steps and after the last
@@ -248,11 +249,12 @@ def main():
     # the net is always B-Trans: sigma etc. are its Config fields
     config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
-                                           "prompts_per_step", "max_steps", "updates_per_batch"),
+                                           "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
                          non_negative=("max_new_tokens", "temperature", "eval_temperature", "learning_rate",
-                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay"),
+                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
-                                  "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")})
+                                  "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
+                         within={"beta1": "[0, 1)", "beta2": "[0, 1)"})
     common.check_device(device)
     if "noise_mode" in overrides:
         common.die("the rollout mode sets the B-Trans noise_mode: use --rollout=temperature|minds|token")
@@ -265,6 +267,7 @@ def main():
     config["dataset"] = data  # recorded in the checkpoint, where evaluate.py looks for it
     max_new = max_new_tokens or spec.max_new_tokens
     common.lock_out_dir(out_dir, "rlvr.py")
+    common.refuse_existing_run(out_dir, overwrite)
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
     net, checkpoint = common.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])

@@ -41,10 +41,13 @@ def model_fields(values):
 
 
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
-configurator.require(config, positive=("num_samples", "max_new_tokens"), non_negative=("temperature", "top_k", "minds"),
+configurator.require(config, positive=("num_samples", "max_new_tokens"),
+                     non_negative=("temperature", "top_k", "minds", "seed"),
                      choices={"latents": ("independent", "shared", "posterior"),
                               "prompt_latents": ("encoder", "prior")})
 common.check_device(device)
+if latent_seed < -1:
+    common.die(f"--latent_seed must be >= 0, or -1 to use --seed; got {latent_seed}")
 if start.startswith("FILE:"):
     if not os.path.isfile(start[5:]):
         common.die(f"--start=FILE:{start[5:]}: no such file; give the path of a text file holding the prompt")
@@ -78,6 +81,9 @@ else:
         common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
                    f"{net.latent_kind!r}")
     ref = torch.tensor([encode(reference or start)], dtype=torch.long, device=device)
+    if ref.size(1) > net.config.block_size:
+        common.die(f"the {'--reference' if reference else 'prompt'} has {ref.size(1)} tokens, more than the context "
+                   f"(block_size={net.config.block_size}): the encoder reads it whole; shorten it")
     pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
 
 try:

@@ -18,6 +18,8 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
 import math
 import os
 import shutil
+import signal
+import sys
 import time
 from contextlib import nullcontext
 
@@ -38,7 +40,7 @@ import configurator
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for a 2-core CPU
 # I/O
 out_dir = "out"
-eval_interval = 250
+eval_interval = 100  # also when checkpoints are saved: a stopped or killed run loses at most this many steps
 log_interval = 10
 eval_iters = 20  # batches per split per evaluation
 eval_only = False  # evaluate out_dir's checkpoint once and exit
@@ -63,7 +65,7 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping
 warmup_iters = 100
-lr_decay_iters = 1500  # usually max_iters
+lr_decay_iters = 1500  # usually max_iters; a --max_iters below it, with lr_decay_iters not set, lowers it to max_iters
 min_lr = 1e-4  # usually learning_rate / 10 (Chinchilla)
 max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the run stops
 # system
@@ -81,10 +83,18 @@ config, model_config = configurator.apply(globals(), model_fields=lambda values:
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
-                                   "weight_decay", "grad_clip", "dry_run_world_size"),
+                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed"),
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
-                              "select_by": ("loss", "ce")})
+                              "select_by": ("loss", "ce")},
+                     within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 common.check_device(device)
+sys.stdout.reconfigure(line_buffering=True)  # every line as it is printed, also into a log file (nohup ... > log)
+stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the loop saves the current step and exits
+if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(globals()):
+    # a quick look (--max_iters=300) should decay its learning rate as the full run does, not stop at its peak
+    print(f"lr_decay_iters = max_iters = {max_iters} (was {lr_decay_iters}): the cosine decay ends with the run; "
+          f"set --lr_decay_iters to keep another value")
+    lr_decay_iters = config["lr_decay_iters"] = max_iters
 # ----------------------------------------------------------------------------------------------------------------
 
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
@@ -124,17 +134,18 @@ if wandb_log and master:
     except ImportError:
         common.die("wandb_log=True needs the wandb package: pip install wandb (or run with --wandb_log=False)")
 
-# out_dir: one writer at a time, and a trained run is never replaced without being asked to
+# out_dir: one writer at a time, and a trained run is never replaced without being asked to. --eval_only writes
+# nothing, so it takes no lock: it reads a run that is training, or one on a read-only disk.
 ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
 resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
 if master:
-    common.lock_out_dir(out_dir, "train.py")
+    if not eval_only:
+        common.lock_out_dir(out_dir, "train.py")
     if resume and not os.path.exists(ckpt_file):
         common.die(f"{'eval_only' if eval_only else 'init_from=resume'} reads {ckpt_file}, which does not exist: "
                    f"train first, or point --out_dir at a run")
-    if not resume and os.path.exists(ckpt_file) and not overwrite:
-        common.die(f"{out_dir} already holds a run ({ckpt_file}): continue it with --init_from=resume, choose "
-                   f"another --out_dir, or replace it with --overwrite=True")
+    if not resume:
+        common.refuse_existing_run(out_dir, overwrite, resumable=True)
 
 # data: a flat token stream per split, read through a memmap
 meta = common.load_meta(dataset)
@@ -166,8 +177,14 @@ if checkpoint is not None:
     if checkpoint["meta"]["vocab_size"] != meta["vocab_size"]:
         common.die(f"{out_dir} was trained on a vocabulary of {checkpoint['meta']['vocab_size']}, dataset {dataset!r} "
                    f"has {meta['vocab_size']}: resume with the run's --dataset={checkpoint['config']['dataset']}")
+    if checkpoint["iter_num"] > max_iters and not eval_only:
+        common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
+                   f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = common.resume_config(model, checkpoint["model_config"], model_config, out_dir)
 model_config.setdefault("vocab_size", meta["vocab_size"])
+if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
+    common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "
+               f"drop --vocab_size (the data's is the default) or set it >= {meta['vocab_size']}")
 # fixed-length sequences (the synthetic task) default to one whole sequence per window
 default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else common.config_fields(model)["block_size"]
 model_config.setdefault("block_size", default_block_size)
@@ -176,6 +193,9 @@ if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
 if min(len(train_data), len(val_data)) <= model_config["block_size"]:
     common.die(f"dataset {dataset!r} has {len(train_data):,} train and {len(val_data):,} val tokens: too few for one "
                f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
+threads = torch.get_num_threads() if device == "cpu" else None  # common.check_device chose it
+# before a batch_size=1000000 meets the allocator
+common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 model_config = common.config_dict(raw_model.config)
@@ -252,7 +272,8 @@ tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
     print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
-          f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}")
+          f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
+          + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
     if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
         common.keep_records(metrics_path, before_iter=iter_num if resume else 0)
     if wandb_log:
@@ -287,6 +308,9 @@ def estimate_loss():
     for split in ("train", "val"):
         sums = {}
         for k in range(eval_iters):
+            if stop_requested():  # Ctrl-C during an evaluation: the weights are a whole step's, save them now
+                train_model.train()
+                return None
             X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
             with autocast:
                 _, loss, stats = raw_model(X, Y)
@@ -321,16 +345,52 @@ def fit(parts, width=120):
     return " ".join([head, *optional, tail])
 
 
+def stop_requested():
+    """Whether a process got SIGINT or SIGTERM; under torchrun all of them agree, so they save the same step."""
+    if not ddp:
+        return bool(stop)
+    flag = torch.tensor(float(bool(stop)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def save_and_stop():
+    """Save the weights of the iter_num whole steps done (unless that checkpoint is written already), say how to go
+    on, and exit with 128 + the signal's number, as a shell reports a process a signal ended. The checkpoint then
+    holds the latest weights, which need not be the best so far (best_val_loss keeps that figure)."""
+    signum = stop.signum or signal.SIGTERM  # under torchrun, a process the signal missed stops with the rest
+    if not eval_only and iter_num > start_iter and saved_iter != iter_num:
+        save_checkpoint()
+    if master:
+        if eval_only:
+            what = "the evaluation stopped; nothing was written"
+        elif iter_num > start_iter or resume:
+            what = f"{ckpt_file} holds iter {iter_num}; continue with the same command and --init_from=resume"
+        else:
+            what = "no step was done and nothing was written; run the same command to start again"
+        print(f"stopped by {signal.Signals(signum).name}: {what}", file=sys.stderr)
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
 nonfinite_total, nonfinite_streak = 0, 0
 start_iter, t_start = iter_num, time.time()
+saved_iter = iter_num if resume else None  # the step of the checkpoint in out_dir written by this run or resumed
 t_paced = None  # the end of the first step: the pace for the ETA leaves out its compilation and first evaluation
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if stop_requested():
+        save_and_stop()
 
     if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
+        if master and iter_num == start_iter:
+            print(f"evaluating at iter {iter_num}: {eval_iters} batches per split")
         evals = estimate_loss()
+        if evals is None:
+            save_and_stop()
         if master and eval_only:  # printed in full, logged nowhere: the run's records stay as they are
             print(f"{ckpt_file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
         elif master:
@@ -342,6 +402,7 @@ while True:
         if not eval_only and (selected < best_val_loss or always_save_checkpoint) and iter_num > 0:
             best_val_loss = min(best_val_loss, selected)
             save_checkpoint()
+            saved_iter = iter_num
             if master:
                 print(f"saved checkpoint to {ckpt_file}")
     if eval_only or iter_num >= max_iters:
@@ -370,9 +431,11 @@ while True:
     if finite.item() == 0:
         optimizer.zero_grad(set_to_none=True)
         nonfinite_total, nonfinite_streak = nonfinite_total + 1, nonfinite_streak + 1
-        if nonfinite_streak >= max_nonfinite:
-            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged; lower "
-                       f"learning_rate, keep grad_clip on, or resume from the last checkpoint in {out_dir}")
+        if nonfinite_streak >= max_nonfinite:  # hyper-parameters are checked finite and in range at the start
+            bad = next((name for name, p in raw_model.named_parameters() if not torch.isfinite(p).all()), None)
+            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged"
+                       + (f" (weight {bad} holds NaN or inf)" if bad else "") + "; lower learning_rate, keep "
+                       f"grad_clip on, or resume from the last checkpoint in {out_dir}")
     else:
         nonfinite_streak = 0
         if grad_clip:

@@ -56,7 +56,7 @@ def run(mode, seed):
             f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
             f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
             f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
-            f"--device={device}", *extra.split()]
+            f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
     with open(os.path.join(out, "log.txt"), "w") as log:
         proc = subprocess.run([sys.executable, os.path.join(root, "rlvr.py"), *args], check=False, stdout=log,
                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

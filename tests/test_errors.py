@@ -1,15 +1,22 @@
 """Everyday mistakes, each run as a user runs it: one line on stderr, exit code 2, no traceback, and nothing on disk
-changed. Then the cases that must be accepted and do the right thing (eval_only, a partial log line, a lock)."""
+changed. Then the cases that must be accepted and do the right thing (eval_only, a partial log line, a lock), and
+stopping: Ctrl-C, SIGTERM and a full disk (simulated by a sitecustomize.py the subprocess imports) leave a loadable
+checkpoint at the expected step and no temporary file."""
 
 import fcntl
 import json
+import math
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import TINY, records, run_script, train_det
+from conftest import ROOT, TINY, records, run_script, train_det
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
 
@@ -43,6 +50,7 @@ def assert_one_line_error(proc, *phrases):
 
 
 def write(path, text, mode="w"):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, mode) as f:
         f.write(text)
     return path
@@ -52,6 +60,7 @@ def write(path, text, mode="w"):
 # train.py
 
 
+FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model=free"]  # a new out_dir
 TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scratch folder, {run} the trained run
     "scratch over a trained run": ([], "already holds a run"),
     "max_iters negative": (["--init_from=resume", "--max_iters=-5"], "--max_iters must be >= 0"),
@@ -67,19 +76,87 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "config file with a NameError": (["{tmp}/bad_name.py"], "bad_name.py failed: NameError"),
     "config file that is a directory": (["{tmp}"], "is a directory"),
     "out_dir under a file": (["--out_dir={tmp}/a_file/run"], "cannot write to out_dir"),
-    "dataset too small": (["--out_dir={tmp}/fresh", "--dataset=tiny_vocab"], "too few for one window"),
-    "dataset not prepared": (["--out_dir={tmp}/fresh", "--dataset=mystuff"], "python prepare.py text --input=FILE"),
+    "dataset too small": ([FRESH, "--dataset=tiny_vocab"], "too few for one window"),
+    "dataset not prepared": ([FRESH, "--dataset=mystuff"], "python prepare.py text --input=FILE"),
+    # model values, checked by each Config's __post_init__ and printed as one line
+    "n_head zero": ([FRESH, "--n_head=0"], "n_head=0: must be >= 1"),
+    "block_size zero": ([FRESH, "--block_size=0"], "block_size=0: must be >= 1"),
+    "block_size negative": ([FRESH, "--block_size=-5"], "block_size=-5: must be >= 1"),
+    "n_embd zero": ([FRESH, "--n_embd=0"], "n_embd=0: must be >= 1"),
+    "n_layer zero": ([FRESH, "--n_layer=0"], "n_layer=0: must be >= 1"),
+    "ffn_hidden not a number": ([FRESH, "--ffn_hidden=abc"], "ffn_hidden='abc': must be None or an int"),
+    "rope_theta zero": ([FRESH, "--rope_theta=0"], "rope_theta=0.0: must be > 0"),
+    "norm_eps negative": ([FRESH, "--norm_eps=-1"], "norm_eps=-1.0: must be > 0"),
+    "rope_theta nan in a config file": ([FRESH, "{tmp}/nan_theta.py"], "rope_theta=nan"),
+    "latent_bits zero": ([*FREE, "--latent_bits=0"], "latent_bits=0: must be in 1..20"),
+    "latent_bits negative": ([*FREE, "--latent_bits=-3"], "latent_bits=-3"),
+    "latent_bits 30": ([*FREE, "--latent_bits=30"], "latent_bits=30"),
+    "kappa_bits negative": ([*FREE, "--kappa_bits=-1"], "kappa_bits=-1.0: must be >= 0"),
+    "kappa_bits nan in a config file": ([*FREE, "{tmp}/nan_kappa.py"], "kappa_bits=nan"),
+    "shape-keeping override out of range on resume": (["--init_from=resume", "--rope_theta=-1"], "rope_theta=-1.0"),
+    # values the data fixes, and the machine
+    "vocab_size below the data's": ([FRESH, "--vocab_size=10"], "vocab_size=10 is below"),
+    "block_size above a sequence": ([FRESH, "--block_size=80"], "set block_size <= 66"),
+    "batch_size beyond memory": ([FRESH, "--batch_size=1000000"], "GiB activations at batch_size=1000000"),
+    # script values
+    "beta1 above 1": ([FRESH, "--beta1=1.5"], "--beta1 must lie in [0, 1), got 1.5"),
+    "learning_rate nan in a config file": ([FRESH, "{tmp}/nan_lr.py"], "--learning_rate is nan"),
+    "seed negative": ([FRESH, "--seed=-1"], "--seed must be >= 0"),
+    "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], "past --max_iters=3"),
+    "val split empty": ([FRESH, "--dataset=no_val"], "val.bin is empty"),
 }
 if not torch.cuda.is_available():
     TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], "has no CUDA GPU")
 
 
+@pytest.mark.parametrize("model_type", ["det", "eve", "free", "btrans"])
+@pytest.mark.parametrize("values, message", [
+    ({"n_head": 0}, "n_head=0: must be >= 1"),
+    ({"vocab_size": -1}, "vocab_size=-1: must be >= 1"),
+    ({"ffn_hidden": "abc"}, "ffn_hidden='abc': must be None or an int"),
+    ({"n_layer": 2.5}, "n_layer=2.5: must be an int"),
+    ({"tie_embeddings": "yes"}, "tie_embeddings='yes': must be a bool"),
+    ({"rope_theta": float("inf")}, "rope_theta=inf: must be a finite float"),
+    ({"norm_eps": 0}, "norm_eps=0.0: must be > 0"),
+])
+def test_every_config_refuses_a_bad_shared_value_with_the_same_message(model_type, values, message):
+    """A model built from Python meets the check the scripts print: one ValueError naming field, value and range."""
+    module = __import__(f"model_{model_type}")
+    with pytest.raises(ValueError) as error:
+        module.Config(**values)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("model_type, values, message", [
+    ("free", {"latent_bits": 30}, "latent_bits=30: must be in 1..20"),
+    ("free", {"kappa_bits": -1}, "kappa_bits=-1.0: must be >= 0"),
+    ("eve", {"latent_dim": 0}, "latent_dim=0: must be >= 1"),
+    ("eve", {"kl_beta": -0.5}, "kl_beta=-0.5: must be >= 0"),
+    ("eve", {"mu2_band": (0.1,)}, "each must be a pair (low, high)"),
+    ("eve", {"homeostat_ema": 1.0}, "homeostat_ema=1.0 in [0, 1)"),
+    ("btrans", {"prior_sigma": 0}, "prior_sigma=0.0 must be > 0"),
+    ("btrans", {"sigma": float("nan")}, "sigma=nan: must be a finite float"),
+])
+def test_a_model_value_out_of_its_range_is_named(model_type, values, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        __import__(f"model_{model_type}").Config(**values)
+
+
+def test_a_config_from_json_takes_lists_for_tuples_and_ints_for_floats():
+    import model_eve
+    config = model_eve.Config(mu2_band=[0.08, 0.145], kl_beta=1)
+    assert config.mu2_band == (0.08, 0.145) and type(config.kl_beta) is float
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab(data_root):
-    """A second dataset beside the synthetic one: 3 characters, 40 tokens."""
+    """A second dataset beside the synthetic one: 3 characters, 40 tokens; and a copy of the synthetic one whose
+    val split is empty, as prepare.py --val_fraction=0 used to write it."""
     write(data_root / "tiny.txt", "ab\n" * 20)
     run_script("prepare.py", "text", f"--input={data_root / 'tiny.txt'}", "--tokenizer=char", "--name=tiny_vocab",
                data_dir=data_root)
+    shutil.copytree(data_root / "synthetic", data_root / "no_val", dirs_exist_ok=True)
+    (data_root / "no_val" / "val.bin").write_bytes(b"")
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES)
@@ -88,10 +165,14 @@ def test_train_mistake_is_one_line_and_changes_nothing(case, run, tmp_path, data
     write(tmp_path / "bad_syntax.py", "n_layer = = 3\n")
     write(tmp_path / "bad_name.py", "n_layer = undefined_name\n")
     write(tmp_path / "a_file", "")
+    write(tmp_path / "nan_theta.py", "rope_theta = float('nan')\n")
+    write(tmp_path / "nan_kappa.py", "kappa_bits = float('nan')\n")
+    write(tmp_path / "nan_lr.py", "learning_rate = float('nan')\n")
     before = snapshot(run)
     proc = train_det(data_root, run, *[a.format(tmp=tmp_path) for a in args], check=False)
     assert_one_line_error(proc, phrase)
     assert snapshot(run) == before
+    assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("content, phrase", [
@@ -160,6 +241,179 @@ def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
     assert any("iter 1/3: loss" in line and "elapsed, ETA" in line for line in lines)
 
 
+def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_root):
+    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
+        lock.write("train.py (pid 4242)")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(run)
+        proc = train_det(data_root, run, "--eval_only=True")
+        assert "val_loss" in proc.stdout and snapshot(run) == before
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_root):
+    for name in ("ckpt.pt.tmp4242", "metrics.jsonl.tmp4243"):  # what kill -9 during a save leaves
+        write(run / name, "partial")
+    proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6")
+    assert "removed 2 temporary file(s)" in proc.stdout
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"]
+
+
+def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp_path):
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+                      "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
+    assert "lr_decay_iters = max_iters = 6 (was 1500)" in proc.stdout
+    cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 2) / (6 - 2))) * (1e-3 - 1e-4)  # warmup_iters=2
+    assert [r["lr"] for r in records(tmp_path) if "lr" in r][2:] == pytest.approx([cosine(it) for it in range(2, 6)])
+    lines = proc.stdout.splitlines()  # the first lines come before the first evaluation's
+    assert lines.index(next(l for l in lines if l.startswith("evaluating at iter 0"))) < \
+        lines.index(next(l for l in lines if l.startswith("iter 0/6 eval")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stopping: Ctrl-C, SIGTERM, a full disk
+
+
+def run_with(sitecustomize, tmp_path, *args, data_root):
+    """train.py on the tiny det model, with a sitecustomize.py (a fault to inject) imported at interpreter start."""
+    write(tmp_path / "hook" / "sitecustomize.py", sitecustomize)
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(tmp_path / "hook")}
+    return subprocess.run([sys.executable, "train.py", "--model=det", *TINY, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def assert_checkpoint_at(folder, iter_num):
+    """A checkpoint that loads into its model at the expected step, and no temporary file beside it."""
+    checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
+    assert checkpoint["iter_num"] == iter_num
+    import common
+    common.load_model(folder / "ckpt.pt", checkpoint=checkpoint)
+    assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "train.py", "--model=det", *TINY, f"--out_dir={tmp_path}",
+                             "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("iter 5/"):
+            proc.send_signal(signum)
+            break
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, (stdout[-500:], stderr)
+    logged = max(r["iter"] for r in records(tmp_path) if "loss" in r)  # a record per step (log_interval=1)
+    assert stderr.strip().splitlines() == [f"stopped by {signum.name}: {tmp_path / 'ckpt.pt'} holds iter "
+                                           f"{logged + 1}; continue with the same command and --init_from=resume"]
+    assert_checkpoint_at(tmp_path, logged + 1)  # every step done is saved: the last logged one included
+    proc = train_det(data_root, tmp_path, "--init_from=resume", f"--max_iters={logged + 2}")
+    assert max(r["iter"] for r in records(tmp_path) if "loss" in r) == logged + 1  # it goes on from there
+
+
+SIGINT_DURING_SAVE = """
+import os, signal, torch
+_save = torch.save
+def save(obj, f, *args, **kwargs):  # Ctrl-C while the first checkpoint is being written
+    if not save.calls:
+        os.kill(os.getpid(), signal.SIGINT)
+    save.calls += 1
+    return _save(obj, f, *args, **kwargs)
+save.calls = 0
+torch.save = save
+"""
+
+FULL_DISK = """
+import torch
+_save, calls = torch.save, []
+def save(obj, f, *args, **kwargs):  # the second save meets a full disk: a partial file, then torch's own error
+    calls.append(f)
+    if len(calls) == 2:
+        open(f, "wb").write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\\n"
+                           "PytorchStreamWriter failed writing file data/0: file write failed")
+    return _save(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+FULL_DISK_LOG = """
+import errno, os
+_replace = os.replace
+def replace(src, dst):  # the log rewrite at a resume meets a full disk
+    if str(dst).endswith("metrics.jsonl"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+    return _replace(src, dst)
+os.replace = replace
+"""
+
+
+def test_ctrl_c_during_a_checkpoint_write_finishes_it_then_stops(data_root, tmp_path):
+    proc = run_with(SIGINT_DURING_SAVE, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8",
+                    "--eval_interval=2", data_root=data_root)
+    assert proc.returncode == 130 and "holds iter 3;" in proc.stderr, proc.stderr  # saved at 2, stopped after 3
+    assert_checkpoint_at(tmp_path / "run", 3)
+
+
+def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(data_root, tmp_path):
+    proc = run_with(FULL_DISK, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--eval_interval=2",
+                    "--always_save_checkpoint=True", data_root=data_root)
+    assert_one_line_error(proc, f"could not write {tmp_path / 'run' / 'ckpt.pt'}: PytorchStreamWriter failed "
+                          "writing file data/0: file write failed", "MiB free on that disk", "is unchanged")
+    assert_checkpoint_at(tmp_path / "run", 2)
+
+
+def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
+    before = snapshot(run)
+    proc = run_with(FULL_DISK_LOG, tmp_path, f"--out_dir={run}", "--init_from=resume", "--max_iters=6",
+                    data_root=data_root)
+    assert_one_line_error(proc, f"could not write {run / 'metrics.jsonl'}: No space left on device")
+    assert snapshot(run) == before and not [p.name for p in run.iterdir() if ".tmp" in p.name]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rlvr.py and convert.py write runs too
+
+
+@pytest.mark.parametrize("script, args", [
+    ("rlvr.py", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
+    ("convert.py", ["hf", "--src={tmp}", "--out_dir={run}"]),
+])
+def test_no_script_replaces_a_run_unasked(script, args, run, data_root, tmp_path):
+    before = snapshot(run)
+    proc = run_script(script, *[a.format(run=run, tmp=tmp_path) for a in args], data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"{run} already holds a run ({run / 'ckpt.pt'})", "--overwrite=True")
+    assert snapshot(run) == before
+
+
+def test_to_hf_refuses_a_folder_that_is_not_empty(run, data_root, tmp_path):
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    write(dst / "config.json", '{"model_type": "llama"}')
+    write(dst / "model.safetensors", "weights")
+    before = snapshot(dst)
+    proc = run_script("convert.py", "to_hf", f"--out_dir={run}", f"--dst={dst}", data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--dst={dst} is not empty (config.json, model.safetensors)", "--overwrite=True")
+    assert snapshot(dst) == before
+
+
+def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
+    write(tmp_path / "src" / "config.json", '{"model_type": "llama", "hidden_size": ')
+    proc = run_script("convert.py", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"{tmp_path / 'src' / 'config.json'} is malformed (JSONDecodeError")
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
+    write(tmp_path / "hook" / "safetensors" / "__init__.py", "raise ImportError('not installed')\n")
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook")}
+    proc = subprocess.run([sys.executable, "convert.py", "to_hf", f"--out_dir={run}", f"--dst={tmp_path / 'hf'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert_one_line_error(proc, "pip install safetensors")
+    assert not (tmp_path / "hf").exists() or not os.listdir(tmp_path / "hf")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # sample.py, prepare.py, evaluate.py
 
@@ -172,6 +426,10 @@ def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
     (["--start="], "--start is empty"),
     (["--start=FILE:no_such_prompt.txt"], "no such file"),
     (["--latents=everywhere"], "--latents must be one of independent, shared, posterior"),
+    (["--seed=-1"], "--seed must be >= 0, got -1"),
+    (["--latent_seed=-2"], "--latent_seed must be >= 0, or -1"),
+    (["--device=mps"], "has no Apple GPU"),
+    (["--model=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
 ])
 def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
     assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False),
@@ -217,6 +475,27 @@ def test_prepare_vocab_used_on_a_char_task_is_one_line(tmp_path):
     proc = run_script("prepare.py", "synthetic", "--vocab=used", data_dir=tmp_path / "data", check=False)
     assert_one_line_error(proc, "--vocab=used renumbers GPT-2 BPE ids", "not to synthetic")
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("fraction", ["1.5", "0", "1"])
+def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
+    (tmp_path / "in.txt").write_text("some text\n" * 10)
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x",
+                      f"--val_fraction={fraction}", data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, f"--val_fraction must lie in (0, 1), got {float(fraction)}")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--cvar_alpha=2"], "--cvar_alpha must lie in (0, 1], got 2.0"),
+    (["--cvar_alpha=0"], "--cvar_alpha must lie in (0, 1], got 0.0"),
+    (["--seq_len=1000"], "--seq_len=1000 exceeds the smallest block_size of the checkpoints (66)"),
+    (["--out_json=/no/such/folder/x.json"], "--out_json=/no/such/folder/x.json cannot be written: no folder"),
+])
+def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, trained, data_root):
+    proc = run_script("evaluate.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False)
+    assert_one_line_error(proc, phrase)
+    assert "lm:" not in proc.stdout  # refused before the evaluation started
 
 
 def test_prepare_without_a_source_says_which_there_are(tmp_path):

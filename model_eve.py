@@ -22,7 +22,8 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
-# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`), the head (layer weights) and the loss.
+# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`) and the loss. The head's layer weights
+# (§4.2) are det's too, off there by default: §4.1 keeps the head the same in both arms of the comparison.
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -334,6 +335,8 @@ class Config:
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
+    freeze_embeddings: bool = False  # tok_emb (and a head tied to it) gets no gradient: EVE §1's frozen embeddings
+    layer_weights: bool = True  # §4.2 the head reads a softmax mix of the blocks' outputs (EVE's runs report w_l)
     # EVE variational neurons (§3.2, §3.4). The paper gives no sizes or coefficients; these defaults are ours.
     n_neurons: int = None  # neurons per block; None = ffn_hidden // latent_dim: latent width D = det's SwiGLU width
     latent_dim: int = 1  # d_z, latent dimensions per neuron
@@ -360,7 +363,6 @@ class Config:
     kl_band: tuple = (0.05, 0.30)  # nats per unit
     beta_rate: float = 0.01  # per step, a unit's beta is multiplied or divided by 1 + beta_rate
     beta_range: tuple = (0.01, 2.0)  # bounds of a unit's beta
-    layer_weights: bool = True  # §4.2 head layer weights: the head reads a softmax mix of the blocks' outputs
     n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
 
     def __post_init__(self):
@@ -400,6 +402,7 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        self.tok_emb.weight.requires_grad_(not config.freeze_embeddings)  # out of configure_optimizers' groups too
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -477,7 +480,7 @@ class Model(nn.Module):
     def head_input(self, outs):
         """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for the paper's head layer
         weights (§4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
-        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), as in det."""
+        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), the last block."""
         if self.layer_logits is None:
             return outs[-1]
         w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)

@@ -185,8 +185,9 @@ class VariationalMLP(nn.Module):
         self.config = config
         N, dz = config.n_neurons, config.latent_dim
         D = N * dz  # latent coordinates of the layer, neuron-major: coordinate n * dz + j is dim j of neuron n
-        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): per-neuron linear heads on u, and with
-        # posterior_memory mu_q,i = w_mu,i . u + c_i h_i (below). Choice: sigma_q reads u only, so z stays affine in h.
+        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): the paper gives only these arguments
+        # (and sigma_q(x, h)). Choice, ours: per-neuron linear heads on u, with posterior_memory
+        # mu_q,i = w_mu,i . u + c_i h_i (below); sigma_q reads u only, so z stays affine in h.
         self.w_mu = nn.Linear(config.n_embd, D, bias=False)
         self.w_logvar = nn.Linear(config.n_embd, D, bias=True)  # bias: sigma_q starts at config.sigma_init
         # §3.2 decoder y = g_theta(z). Choice: per neuron y_i = silu(d_i . z_i + c_i), a gain vector d_i (dz,) and a
@@ -206,7 +207,7 @@ class VariationalMLP(nn.Module):
             self.ar_b = nn.Parameter(torch.full((D,), config.ar_b_init))
             self.prior_m0 = nn.Parameter(torch.zeros(D))
             self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
-        # §3.2 q(z | x, h): mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate. Choice: |c| < 1, so the L_AR and
+        # §3.2 q(z | x, h). Choice: mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate; |c| < 1, so the L_AR and
         # KL fixed point of the prior, h = mu_q, is finite (h = w_mu u / (1 - c)); b sets h's scale, so c loses
         # nothing by being bounded. h = 0 at init (b = m0 = 0), so the model starts as the x-only posterior either
         # way; c != 0 lets the task gradient reach b and m0 through c h from the first step.

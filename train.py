@@ -181,6 +181,8 @@ if min(len(train_data), len(val_data)) <= model_config["block_size"]:
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
+    if not os.path.exists(init_embeddings):
+        common.die(f"init_embeddings={init_embeddings} does not exist: give a .npy of shape (vocab_size, n_embd)")
     embedding = torch.from_numpy(np.load(init_embeddings))
     if embedding.shape != raw_model.tok_emb.weight.shape:
         common.die(f"init_embeddings={init_embeddings} holds a {tuple(embedding.shape)} matrix, the model's embedding "

@@ -90,6 +90,9 @@ def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root,
     proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
                       f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+                      f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @needs_gpt2

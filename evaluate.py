@@ -23,7 +23,9 @@ Definitions (N predicted tokens, M passes, p_m the softmax of pass m, p̄ = (1/M
     seq_nll          -1/T log mean_m prod_t p_m(y_t) per window: the likelihood when a latent is frozen for the whole
                      window (B-Trans minds, Eq. 3), where nll mixes the passes token by token; equal for det
 Each pass draws fresh latents with model.sample_latents(B, generator): EVE fresh eps, B-Trans one mind per sequence,
-the Free Transformer Z from its uniform prior (the honest, generation-time predictive). det has none: M = 1.
+the Free Transformer every Z_t from its uniform prior: the prior predictive, an honest likelihood (the encoder's
+posterior reads the tokens it scores), but not quite what generation sees, which draws the prompt's Z from the
+encoder run on the prompt (§3.2) and only the new tokens' Z from the prior. det has none: M = 1.
 For the Free Transformer also: neg_elbo (posterior CE + full KL, nats/token, from forward(x, y)) and iw_bound
 (-1/T log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x) per sequence, encoder as proposal); both are upper bounds on the NLL.
 """
@@ -76,7 +78,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 # ----------------------------------------------------------------------------------------------------------------
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
-           "code": "Z from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
+           "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -425,10 +427,11 @@ def example_generator(net, seed, index):
 def evaluate_mc(net, examples, encode, decode, n_passes, seed, *, autocast=nullcontext(), mixture="token", eot=None,
                 items=None):
     """acc: argmax of the summed log-likelihood; acc_char: of the sum / the characters scored (the whole choice, or
-    the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (ours).
-    Stochastic models score with the `mixture` of n_passes passes (score_choices), example i with the latents of
-    example_generator(seed, i). items: a list that receives one dict per example: the per-choice log-likelihoods
-    (of a stochastic model under both mixtures, on the same draws), the prediction of each metric, truncation."""
+    the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (the Free
+    Transformer paper's Appendix D definition). Stochastic models score with the `mixture` of n_passes passes
+    (score_choices), example i with the latents of example_generator(seed, i). items: a list that receives one dict
+    per example: the per-choice log-likelihoods (of a stochastic model under both mixtures, on the same draws), the
+    prediction of each metric, truncation."""
     hits, truncated = Counter(), 0
     mixtures = ("token", "sequence") if n_passes > 1 and items is not None else ()
     for i, ex in enumerate(common.progress(examples, desc="mc examples")):
@@ -530,7 +533,8 @@ def run_lm(checkpoints):
         results[path] = evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=batch_size,
                                     iw_samples=iw_samples, n_bins=ece_bins, cvar_alpha=cvar_alpha, autocast=autocast)
     if any("neg_elbo" in r for r in results.values()):
-        print("free: nll ... cvar_nll use Z from the uniform prior (what generation sees); neg_elbo and iw_bound are "
+        print("free: nll ... cvar_nll use every Z_t from the uniform prior (the prior predictive; generation draws the "
+              "prompt's Z from the encoder); neg_elbo and iw_bound are "
               "upper bounds on the NLL through the encoder; stats/ce_posterior reads the future, not a likelihood")
     return {"dataset": name, "split": split, "seq_len": T, "windows": len(starts), "mc_samples": mc_samples,
             "iw_samples": iw_samples}, results

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
-# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`), the head (layer weights) and the loss.
+# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`) and the loss. The head's layer weights
+# (§4.2) are det's too, off there by default: §4.1 keeps the head the same in both arms of the comparison.
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -184,8 +185,9 @@ class VariationalMLP(nn.Module):
         self.config = config
         N, dz = config.n_neurons, config.latent_dim
         D = N * dz  # latent coordinates of the layer, neuron-major: coordinate n * dz + j is dim j of neuron n
-        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): per-neuron linear heads on u, and with
-        # posterior_memory mu_q,i = w_mu,i . u + c_i h_i (below). Choice: sigma_q reads u only, so z stays affine in h.
+        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): the paper gives only these arguments
+        # (and sigma_q(x, h)). Choice, ours: per-neuron linear heads on u, with posterior_memory
+        # mu_q,i = w_mu,i . u + c_i h_i (below); sigma_q reads u only, so z stays affine in h.
         self.w_mu = nn.Linear(config.n_embd, D, bias=False)
         self.w_logvar = nn.Linear(config.n_embd, D, bias=True)  # bias: sigma_q starts at config.sigma_init
         # §3.2 decoder y = g_theta(z). Choice: per neuron y_i = silu(d_i . z_i + c_i), a gain vector d_i (dz,) and a
@@ -205,7 +207,7 @@ class VariationalMLP(nn.Module):
             self.ar_b = nn.Parameter(torch.full((D,), config.ar_b_init))
             self.prior_m0 = nn.Parameter(torch.zeros(D))
             self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
-        # §3.2 q(z | x, h): mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate. Choice: |c| < 1, so the L_AR and
+        # §3.2 q(z | x, h). Choice: mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate; |c| < 1, so the L_AR and
         # KL fixed point of the prior, h = mu_q, is finite (h = w_mu u / (1 - c)); b sets h's scale, so c loses
         # nothing by being bounded. h = 0 at init (b = m0 = 0), so the model starts as the x-only posterior either
         # way; c != 0 lets the task gradient reach b and m0 through c h from the first step.
@@ -334,6 +336,8 @@ class Config:
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
+    freeze_embeddings: bool = False  # tok_emb (and a head tied to it) gets no gradient: EVE §1's frozen embeddings
+    layer_weights: bool = True  # §4.2 the head reads a softmax mix of the blocks' outputs (EVE's runs report w_l)
     # EVE variational neurons (§3.2, §3.4). The paper gives no sizes or coefficients; these defaults are ours.
     n_neurons: int = None  # neurons per block; None = ffn_hidden // latent_dim: latent width D = det's SwiGLU width
     latent_dim: int = 1  # d_z, latent dimensions per neuron
@@ -360,7 +364,6 @@ class Config:
     kl_band: tuple = (0.05, 0.30)  # nats per unit
     beta_rate: float = 0.01  # per step, a unit's beta is multiplied or divided by 1 + beta_rate
     beta_range: tuple = (0.01, 2.0)  # bounds of a unit's beta
-    layer_weights: bool = True  # §4.2 head layer weights: the head reads a softmax mix of the blocks' outputs
     n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
 
     def __post_init__(self):
@@ -437,11 +440,12 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
+        self.tok_emb.weight.requires_grad_(not config.freeze_embeddings)  # out of configure_optimizers' groups too
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
-        # §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives no init).
+        # EVE §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives none).
         self.layer_logits = nn.Parameter(torch.zeros(config.n_layer)) if config.layer_weights else None
         self.register_buffer("ctrl_step", torch.zeros((), dtype=torch.long))  # update_controllers calls so far
         self.apply(self._init_weights)
@@ -512,9 +516,9 @@ class Model(nn.Module):
         return logits, loss, stats
 
     def head_input(self, outs):
-        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for the paper's head layer
-        weights (§4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
-        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), as in det."""
+        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for EVE's head layer weights
+        (its §4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
+        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), the last block."""
         if self.layer_logits is None:
             return outs[-1]
         w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)

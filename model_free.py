@@ -441,7 +441,10 @@ class Model(nn.Module):
         # at positions >= t. It counts while some target at or after t is scored: positions after a row's last scored
         # target (padding) drop out; a masked prompt before scored targets still pays, else the encoder, which reads
         # the whole sequence, could pass the answer through the prompt's Z for free. Like the cross-entropy, both
-        # sums are per predicted token: with no target masked, Eq. 5's mean over tokens of max(0, KL_t - κ).
+        # sums are divided by the number of scored targets: with no target masked that is T and free_bits is exactly
+        # Eq. 5's (1/T) sum_t max(0, KL_t - κ), and `kl` the mean KL per Z_t (in bits, comparable to κ). Our choice
+        # for masked targets (Eq. 5 has none): with n of T scored, each counted Z_t weighs T/n times its Eq. 5 weight
+        # (3x for 10 of 30), so the term stays in proportion to the CE it is added to, and `kl` is per scored token.
         scored = targets != -1  # (B, T)
         reach = scored.flip(1).cummax(1).values.flip(1)  # (B, T): a target at some position >= t is scored
         n_pred = scored.sum()

@@ -57,6 +57,9 @@ def plot_runs(run_dirs, keys, x_key, out):
         ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the points drawn, beside the figure
+        json.dump({"x": x_key, **{key: {name: [(r[x_key], r[key]) for r in records if r.get(key) is not None]
+                                        for name, records in runs.items()} for key in keys}}, f, indent=1)
 
 
 def read_eval(path):

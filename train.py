@@ -57,6 +57,8 @@ batch_size = 64  # sequences per micro-batch per process
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
 # model: model_<model>.py; any field of its Config (n_layer, kappa_bits, sigma, ...) may be set like the keys here
 model = "free"
+init_embeddings = ""  # a .npy (vocab_size, n_embd) matrix copied into a fresh model's token embedding (and a head
+# tied to it): pretrained embeddings, held frozen with freeze_embeddings=True (EVE §1; experiments/eve_paper_protocol)
 # AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 1e-3
 max_iters = 1500
@@ -198,6 +200,15 @@ threads = torch.get_num_threads() if device == "cpu" else None  # common.check_d
 common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
+if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
+    if not os.path.exists(init_embeddings):
+        common.die(f"init_embeddings={init_embeddings} does not exist: give a .npy of shape (vocab_size, n_embd)")
+    embedding = torch.from_numpy(np.load(init_embeddings))
+    if embedding.shape != raw_model.tok_emb.weight.shape:
+        common.die(f"init_embeddings={init_embeddings} holds a {tuple(embedding.shape)} matrix, the model's embedding "
+                   f"is {tuple(raw_model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
+    with torch.no_grad():
+        raw_model.tok_emb.weight.copy_(embedding)
 model_config = common.config_dict(raw_model.config)
 
 # One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,

@@ -1,6 +1,6 @@
 # EVE (variational neurons) in the paper's matched regime, the pair of config/det_wp_sample.py: the same backbone,
-# data, batch, epochs and selection by validation CE (read from that file), so the two differ only in what the
-# paper changes.
+# head (with its layer weights), data, batch, epochs and selection by validation CE (read from that file), so the two
+# differ only in what the paper changes: the feed-forward neurons and the objective's terms for them (§3.6, §3.7).
 #   python train.py config/eve_wp_sample.py --device=cpu --compile=False
 exec(open("config/det_wp_sample.py").read())
 model = "eve"
@@ -16,4 +16,3 @@ mu2_target = 0.10
 mu2_band = (0.08, 0.145)
 homeostat = True
 homeostat_warmup = 50  # = warmup_iters
-layer_weights = True

@@ -13,6 +13,7 @@ NLL of the generated characters under the det model (a coherence proxy: lower re
 det sweep traces diversity against NLL; each B-Trans row is compared with the det curve interpolated at its own NLL.
 """
 
+import json
 import os
 
 import numpy as np
@@ -83,6 +84,13 @@ for r in rows:
 print("\none sample per source (last prompt):")
 for r in rows:
     print(f"--- {r['source']} {r['setting']}:\n{r['sample']}")
+
+data = os.path.splitext(figure)[0] + ".json"  # the table's rows, beside the figure
+os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
+with open(data, "w") as f:
+    json.dump({"out_dir": out_dir, "K": K, "max_new_tokens": max_new_tokens, "prompts": list(prompts), "seed": seed,
+               "rows": rows}, f, indent=1, default=float)
+print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")
 fig, ax = plt.subplots(figsize=(5.5, 4))

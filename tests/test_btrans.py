@@ -43,7 +43,8 @@ def test_sigma_zero_logits_equal_det_model_exactly():
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL)).eval()
     for overrides in (dict(sigma=0.0), dict(sigma=0.0, final_norm_noise=False), dict(sigma=0.0, noise_mode="token"),
-                      dict(sigma=0.02, noise_mode="mean"), dict(sigma=0.02, noise_mode="mean", final_norm_noise=False)):
+                      dict(sigma=0.02, noise_mode="mean"), dict(sigma=0.02, noise_mode="mean", final_norm_noise=False),
+                      dict(sigma=0.0, sigma_scale="gain"), dict(sigma=0.0, sigma_scale="mean_gain")):
         btrans = make(**overrides)
         btrans.load_state_dict(det.state_dict(), strict=False)
         idx = tokens()
@@ -114,6 +115,27 @@ def test_sequence_mode_offset_is_the_same_at_every_position_and_differs_across_r
         assert torch.allclose(offset[:, 0], 0.1 * latents[:, k], atol=1e-6)  # = mu + sigma * eps with mu = 0
         assert (offset[0, 0] - offset[1, 0]).abs().max() > 0.05  # each row is its own mind
         assert (offset[1, 0] - offset[2, 0]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("scale", ["absolute", "gain", "mean_gain"])
+def test_sigma_scale_multiplies_each_norms_eps_by_one_its_gains_or_their_mean(scale):
+    model = make(sigma=0.1, sigma_scale=scale)
+    with torch.no_grad():  # gains far from 1, some negative, as in a pretrained model
+        for norm in model.norms():
+            norm.weight.uniform_(-0.5, 2.0, generator=gen(len(norm.weight)))
+    latents = model.sample_latents(3, gen(0))
+    offsets, handles = record_offsets(model)
+    model(tokens(), latents=latents)
+    for h in handles:
+        h.remove()
+    for k, (norm, offset) in enumerate(zip(model.norms(), offsets)):
+        w = norm.weight.detach()
+        scale_of = {"absolute": torch.ones_like(w), "gain": w.abs(), "mean_gain": w.abs().mean().expand_as(w)}[scale]
+        assert torch.allclose(offset[:, 0], 0.1 * scale_of * latents[:, k], atol=1e-5)
+    with pytest.raises(ValueError, match="use it with sigma_scale='absolute'"):
+        model_btrans.Config(**SMALL, learn_sigma=True, sigma_scale="gain")
+    with pytest.raises(ValueError, match="sigma_scale='rms' must be"):
+        model_btrans.Config(**SMALL, sigma_scale="rms")
 
 
 def test_sequence_mode_pinned_latents_give_identical_logits_and_fresh_latents_differ():

@@ -216,10 +216,12 @@ class Config:
     sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm
     # Or one sigma per wrapped norm, in forward order (attn_norm, mlp_norm of each block, then norm_f): 2L+1 of them.
     sigma_per_layer: tuple = None
-    # What sigma is relative to. 'absolute': Eq. 4 as written, sigma * eps. Ours: 'gain', sigma * |w| * eps per channel
-    # (w the norm's gain), the same in distribution as w * (RMSNorm's unit-RMS output + sigma * eps), so sigma is a
-    # fraction of the normalised signal whatever the gains; 'mean_gain', sigma * mean |w| * eps, one scale per norm.
-    sigma_scale: str = "absolute"
+    # What sigma is relative to. 'absolute': Eq. 4 as written, sigma * eps. Ours, the default: 'gain', sigma * |w| * eps
+    # per channel (w the norm's gain), the same in distribution as w * (RMSNorm's unit-RMS output + sigma * eps): sigma
+    # is a fraction of the normalised signal whatever the gains (SmolLM2-135M's mean |w| per norm spans 0.027-1.81, so
+    # an absolute 0.02 is 74% of one norm's signal and 1% of another's; experiments/btrans_sigma.py). 'mean_gain':
+    # sigma * mean |w| * eps, one scale per norm. A model trained from scratch has gains near 1: all three agree there.
+    sigma_scale: str = "gain"
     # 'sequence': one eps per row, frozen for the whole sequence (§3.2 Eq. 3, §4.3); 'token': a fresh eps at every
     # position and every call (§6.1 ablation, Eq. 2); 'mean': mu only, deterministic (§5: the RL update phase).
     # noise_mode is what forward computes in eval() mode: sampling, evaluation, RL rollouts.
@@ -256,7 +258,7 @@ class Config:
         if self.sigma_scale not in ("absolute", "gain", "mean_gain"):
             raise ValueError(f"sigma_scale={self.sigma_scale!r} must be 'absolute', 'gain' or 'mean_gain'")
         if self.learn_sigma and self.sigma_scale != "absolute":
-            raise ValueError("learn_sigma's KL is that of sigma * eps: use it with sigma_scale='absolute'")
+            raise ValueError("learn_sigma's KL is that of the offset sigma * eps: set sigma_scale='absolute' with it")
         for name in ("noise_mode", "train_noise_mode"):
             if getattr(self, name) not in ("sequence", "token", "mean"):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 'sequence', 'token' or 'mean'")

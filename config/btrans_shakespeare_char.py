@@ -13,4 +13,5 @@ train_noise_mode = 'mean'  # §5; 'sequence' trains under the minds (ours, an ab
 noise_mode = 'sequence'  # eval(): one mind per sequence
 final_norm_noise = True  # the paper does not say whether the final norm is wrapped; ours: it is (False: an ablation)
 learn_mu = False  # §4.1: mu is a hyperparameter, 0 for RMSNorm
-learn_sigma = False  # True: beyond the paper (§7), learn one sigma per norm with a KL to N(0, prior_sigma^2)
+sigma_scale = 'gain'  # ours: sigma * |gain| * eps per channel; gains start at 1, where it is Eq. 4's absolute
+learn_sigma = False  # True (sigma_scale='absolute'): beyond the paper (§7), one sigma per norm, KL to a prior

@@ -39,8 +39,35 @@ mean_gain_sigmas = (0.01, 0.03, 0.1, 0.3)
 seed = 1
 json_out = "assets/btrans_sigma.json"
 figure = "assets/btrans_sigma.png"
+replot = False  # redraw the figure from json_out, measuring nothing
 device = "cpu"
 configurator.apply(globals())
+
+
+def plot(result):
+    plt = common.pyplot("the table is above; the figure")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for scale in dict.fromkeys(r["scale"] for r in result["rows"]):
+        rs = [r for r in result["rows"] if r["scale"] == scale]
+        axes[0].plot([r["sigma"] for r in rs], [r["d_nll"] for r in rs], "o-", label=scale)
+        axes[1].plot([r["sigma"] for r in rs], [r["flip"] for r in rs], "o-", label=scale)
+    for ax, what in zip(axes, ("NLL of a mind - det's NLL (nats)", "argmax flip rate against det")):
+        ax.set_xscale("log")
+        ax.set_xlabel("sigma")
+        ax.set_ylabel(what)
+    axes[0].set_yscale("log")
+    axes[0].legend(title="sigma_scale")
+    fig.suptitle(f"{os.path.basename(os.path.normpath(result['out_dir']))}: {result['num_seqs']} x "
+                 f"{result['seq_len']} held-out tokens, {result['minds']} minds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(figure, dpi=100)
+    print(f"wrote {figure}")
+
+
+if replot:
+    with open(json_out) as f:
+        plot(json.load(f))
+    raise SystemExit
 
 if not os.path.exists(text_file):
     common.die(f"{text_file} not found: point --text_file at a plain-text file the model did not see in the prompt")
@@ -104,26 +131,10 @@ for r in rows:
     print(f"| {r['scale']} | {r['sigma']:g} | {r['d_nll']:+.3f} ± {r['d_nll_std']:.3f} | {r['flip']:.3f} | "
           f"{r['disagree']:.3f} | {r['kl']:.3f} |")
 os.makedirs(os.path.dirname(json_out), exist_ok=True)
+result = {"out_dir": out_dir, "text_file": os.path.basename(text_file), "text_offset": text_offset,
+          "num_seqs": num_seqs, "seq_len": seq_len, "minds": minds, "seed": seed, "det_nll": det_nll,
+          "mean_gain_per_norm": dict(zip(names, mean_gains.tolist())), "rows": rows}
 with open(json_out, "w") as f:
-    json.dump({"out_dir": out_dir, "text_file": os.path.basename(text_file), "text_offset": text_offset,
-               "num_seqs": num_seqs, "seq_len": seq_len, "minds": minds, "seed": seed, "det_nll": det_nll,
-               "mean_gain_per_norm": dict(zip(names, mean_gains.tolist())), "rows": rows}, f, indent=1)
+    json.dump(result, f, indent=1)
 print(f"wrote {json_out}")
-
-plt = common.pyplot("the table is above; the figure")
-fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-for scale in scales:
-    rs = [r for r in rows if r["scale"] == scale]
-    axes[0].plot([r["sigma"] for r in rs], [r["d_nll"] for r in rs], "o-", label=scale)
-    axes[1].plot([r["sigma"] for r in rs], [r["flip"] for r in rs], "o-", label=scale)
-for ax, what in zip(axes, ("NLL of a mind - det's NLL (nats)", "argmax flip rate against det")):
-    ax.set_xscale("log")
-    ax.set_xlabel("sigma")
-    ax.set_ylabel(what)
-axes[0].set_yscale("symlog", linthresh=0.01)
-axes[0].legend(title="sigma_scale")
-fig.suptitle(f"{os.path.basename(os.path.normpath(out_dir))}: {num_seqs} x {seq_len} held-out tokens, {minds} minds",
-             fontsize=9)
-fig.tight_layout()
-fig.savefig(figure, dpi=100)
-print(f"wrote {figure}")
+plot(result)

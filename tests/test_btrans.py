@@ -44,7 +44,7 @@ def test_sigma_zero_logits_equal_det_model_exactly():
     det = model_det.Model(model_det.Config(**SMALL)).eval()
     for overrides in (dict(sigma=0.0), dict(sigma=0.0, final_norm_noise=False), dict(sigma=0.0, noise_mode="token"),
                       dict(sigma=0.02, noise_mode="mean"), dict(sigma=0.02, noise_mode="mean", final_norm_noise=False),
-                      dict(sigma=0.0, sigma_scale="gain"), dict(sigma=0.0, sigma_scale="mean_gain")):
+                      dict(sigma=0.0, sigma_scale="absolute"), dict(sigma=0.0, sigma_scale="mean_gain")):
         btrans = make(**overrides)
         btrans.load_state_dict(det.state_dict(), strict=False)
         idx = tokens()
@@ -132,7 +132,7 @@ def test_sigma_scale_multiplies_each_norms_eps_by_one_its_gains_or_their_mean(sc
         w = norm.weight.detach()
         scale_of = {"absolute": torch.ones_like(w), "gain": w.abs(), "mean_gain": w.abs().mean().expand_as(w)}[scale]
         assert torch.allclose(offset[:, 0], 0.1 * scale_of * latents[:, k], atol=1e-5)
-    with pytest.raises(ValueError, match="use it with sigma_scale='absolute'"):
+    with pytest.raises(ValueError, match="set sigma_scale='absolute' with it"):
         model_btrans.Config(**SMALL, learn_sigma=True, sigma_scale="gain")
     with pytest.raises(ValueError, match="sigma_scale='rms' must be"):
         model_btrans.Config(**SMALL, sigma_scale="rms")
@@ -237,7 +237,7 @@ def test_det_state_dict_loads_with_no_unexpected_keys_and_only_offset_params_mis
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL))
     for learn_sigma in (False, True):
-        model = make(seed=1, learn_sigma=learn_sigma)
+        model = make(seed=1, learn_sigma=learn_sigma, sigma_scale="absolute")
         result = model.load_state_dict(det.state_dict(), strict=False)
         assert result.unexpected_keys == []
         new = {"mu", "log_sigma"} if learn_sigma else {"mu"}
@@ -275,7 +275,7 @@ def test_sigma_per_layer_sets_each_wrapped_norm_in_forward_order():
 
 
 def test_learned_sigma_kl_equals_torch_distributions_kl_and_is_added_to_the_loss():
-    model = make(sigma=0.05, learn_sigma=True, learn_mu=True, prior_sigma=0.1, kl_weight=1e-3)
+    model = make(sigma=0.05, learn_sigma=True, sigma_scale="absolute", learn_mu=True, prior_sigma=0.1, kl_weight=1e-3)
     with torch.no_grad():
         for k, norm in enumerate(model.norms()):
             norm.mu.normal_(0.0, 0.03)
@@ -290,14 +290,14 @@ def test_learned_sigma_kl_equals_torch_distributions_kl_and_is_added_to_the_loss
     loss.backward()
     assert all(n.log_sigma.grad is not None and n.log_sigma.grad.abs().item() > 0 for n in model.norms())
     # At initialisation with prior_sigma = sigma and mu = 0 the posterior is the prior: KL = 0.
-    fresh = make(learn_sigma=True)
+    fresh = make(learn_sigma=True, sigma_scale="absolute")
     assert fresh(idx, targets=idx)[2]["kl"].item() == 0.0
 
 
 def test_flops_per_token_adds_only_the_offset_elementwise_cost_to_det():
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL))
-    for overrides in (dict(), dict(learn_sigma=True)):
+    for overrides in (dict(), dict(learn_sigma=True, sigma_scale="absolute")):
         model = make(**overrides)
         n_norms, C = model.config.n_norms, model.config.n_embd
         assert model.flops_per_token() - det.flops_per_token() == 3 * n_norms * C

@@ -2,6 +2,8 @@
 
 Each wrapped norm computes h' = RMSNorm(h) + mu + sigma * eps (§4.1 Eq. 4). One eps per sequence, frozen for the
 prompt and every generated token (§3.2 Eq. 3, §4.3), makes each batch row a different "mind" of the same weights.
+Training (train() mode) uses the mean offset mu alone by default, as the paper's §5 does; the minds are drawn in eval()
+mode: sampling, evaluation and RL rollouts.
 """
 
 import math
@@ -66,6 +68,7 @@ class BayesianBiasNorm(RMSNorm):
         # Beyond the paper (§7 future work): a learned spread, one scalar per wrapped norm, positive as exp(.).
         self.log_sigma = nn.Parameter(torch.full((1,), math.log(sigma))) if config.learn_sigma else None
         self.fixed_sigma = sigma  # the spread when it is not learned (a float: no state_dict key)
+        self.sigma_scale = config.sigma_scale
 
     @property
     def sigma(self):
@@ -73,6 +76,10 @@ class BayesianBiasNorm(RMSNorm):
 
     def forward(self, x, eps=None):
         # eps is (B, 1, C) per sequence, (B, T, C) per token, or None for the mean offset alone (§5 update phase).
+        if eps is not None and self.sigma_scale == "gain":  # ours: w * (x_hat + sigma eps) in distribution
+            eps = eps * self.weight.abs()  # (B, 1 or T, C)
+        elif eps is not None and self.sigma_scale == "mean_gain":
+            eps = eps * self.weight.abs().mean()
         offset = self.mu if eps is None else self.mu + self.sigma * eps  # (C,) or like eps
         return super().forward(x) + offset  # (B, T, C)
 
@@ -209,9 +216,23 @@ class Config:
     sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm
     # Or one sigma per wrapped norm, in forward order (attn_norm, mlp_norm of each block, then norm_f): 2L+1 of them.
     sigma_per_layer: tuple = None
+    # What sigma is relative to. 'absolute': Eq. 4 as written, sigma * eps. Ours, the default: 'gain', sigma * |w| * eps
+    # per channel (w the norm's gain), the same in distribution as w * (RMSNorm's unit-RMS output + sigma * eps): sigma
+    # is a fraction of the normalised signal whatever the gains (SmolLM2-135M's mean |w| per norm spans 0.027-1.81, so
+    # an absolute 0.02 is 74% of one norm's signal and 1% of another's; experiments/btrans_sigma.py). 'mean_gain':
+    # sigma * mean |w| * eps, one scale per norm. A model trained from scratch has gains near 1: all three agree there.
+    sigma_scale: str = "gain"
     # 'sequence': one eps per row, frozen for the whole sequence (§3.2 Eq. 3, §4.3); 'token': a fresh eps at every
     # position and every call (§6.1 ablation, Eq. 2); 'mean': mu only, deterministic (§5: the RL update phase).
+    # noise_mode is what forward computes in eval() mode: sampling, evaluation, RL rollouts.
     noise_mode: str = "sequence"
+    # ...and train_noise_mode in train() mode. §5: "in all training settings, we inject stochasticity only during
+    # rollout ..., keeping the update phase deterministic by using the mean shift only"; 'sequence' or 'token' train
+    # with the noise instead (an ablation, ours).
+    train_noise_mode: str = "mean"
+    # Whether norm_f, the last norm before the head, carries the noise too. The paper wraps "RMSNorm layers" and
+    # does not say; on the final norm an eps is a per-sequence bias of the logits (W_head eps). Ours; False: mu only.
+    final_norm_noise: bool = True
     learn_mu: bool = False  # §4.1 treats mu as a hyperparameter ("can be 0 in RMSNorm"): frozen at 0 by default
     # Beyond the paper (§7 future work): learn one sigma per wrapped norm, with a KL to a N(0, prior_sigma^2) prior
     learn_sigma: bool = False
@@ -257,8 +278,13 @@ class Config:
             raise ValueError(f"sigma_per_layer needs 2 * n_layer + 1 = {self.n_norms} sigmas >= 0: {self.sigmas}")
         if self.learn_sigma and min(self.sigmas) <= 0:
             raise ValueError("learn_sigma parametrises log(sigma): every initial sigma must be > 0")
-        if self.noise_mode not in ("sequence", "token", "mean"):
-            raise ValueError(f"noise_mode={self.noise_mode!r} must be 'sequence', 'token' or 'mean'")
+        if self.sigma_scale not in ("absolute", "gain", "mean_gain"):
+            raise ValueError(f"sigma_scale={self.sigma_scale!r} must be 'absolute', 'gain' or 'mean_gain'")
+        if self.learn_sigma and self.sigma_scale != "absolute":
+            raise ValueError("learn_sigma's KL is that of the offset sigma * eps: set sigma_scale='absolute' with it")
+        for name in ("noise_mode", "train_noise_mode"):
+            if getattr(self, name) not in ("sequence", "token", "mean"):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be 'sequence', 'token' or 'mean'")
         if self.prior_sigma <= 0 or self.kl_weight < 0:
             raise ValueError(f"prior_sigma={self.prior_sigma} must be > 0 and kl_weight={self.kl_weight} >= 0")
 
@@ -266,10 +292,15 @@ class Config:
 class Model(nn.Module):
 
     @property
+    def noise_mode(self):
+        """The noise this forward applies: config.train_noise_mode in train() mode (§5: 'mean'), else noise_mode."""
+        return self.config.train_noise_mode if self.training else self.config.noise_mode
+
+    @property
     def latent_kind(self):
         """What each stochastic pass draws, for the scripts: one mind per sequence (§4.3), fresh noise at every token
         (§6.1), or nothing in 'mean' mode (§5), whose one pass is all there is."""
-        return {"sequence": "mind", "token": "noise", "mean": "none"}[self.config.noise_mode]
+        return {"sequence": "mind", "token": "noise", "mean": "none"}[self.noise_mode]
 
     def __init__(self, config):
         super().__init__()
@@ -309,9 +340,10 @@ class Model(nn.Module):
 
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus
         kl_weight * KL when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0 only
-        in KV-cache decoding (a (1,) tensor from generate()). latents=None in 'sequence' mode draws a fresh mind per
-        row, and 'token' mode its eps at every position, from `generator` (the global RNG when None); 'token' and
-        'mean' modes ignore latents (config.noise_mode may be switched between calls, e.g. §5).
+        in KV-cache decoding (a (1,) tensor from generate()). The mode is self.noise_mode: config.train_noise_mode in
+        train() mode, config.noise_mode in eval() mode (either may be switched between calls). latents=None in
+        'sequence' mode draws a fresh mind per row, and 'token' mode its eps at every position, from `generator`
+        (the global RNG when None); 'token' and 'mean' modes ignore latents.
         """
         B, T = idx.shape
         if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
@@ -325,7 +357,7 @@ class Model(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, start_pos, eps[2 * i], eps[2 * i + 1])
-        x = self.norm_f(x, eps[-1])
+        x = self.norm_f(x, eps[-1] if self.config.final_norm_noise else None)  # off: mu only, the other minds' eps kept
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None, {}  # (B, 1, V)
         logits = self.lm_head(x)  # (B, T, V)
@@ -338,11 +370,11 @@ class Model(nn.Module):
         return logits, loss, stats
 
     def offset_noise(self, B, T, latents, start_pos, generator=None):
-        """The eps of each wrapped norm for this call, per config.noise_mode; fresh draws come from `generator`."""
-        cfg, p = self.config, self.tok_emb.weight
-        if cfg.noise_mode == "mean":  # §5: "keeping the update phase deterministic by using the mean shift only"
+        """The eps of each wrapped norm for this call, per self.noise_mode; fresh draws come from `generator`."""
+        cfg, p, mode = self.config, self.tok_emb.weight, self.noise_mode
+        if mode == "mean":  # §5: "keeping the update phase deterministic by using the mean shift only"
             return [None] * cfg.n_norms
-        if cfg.noise_mode == "token":  # §6.1 ablation (Eq. 2): resampled at every position and every forward pass
+        if mode == "token":  # §6.1 ablation (Eq. 2): resampled at every position and every forward pass
             device = p.device if generator is None else generator.device  # as in sample_latents
             eps = torch.randn(B, cfg.n_norms, T, cfg.n_embd, generator=generator, device=device)
             return eps.to(p.device, p.dtype).unbind(1)
@@ -359,9 +391,9 @@ class Model(nn.Module):
     def sample_latents(self, batch_size, generator=None, prompt=None):
         """batch_size minds: eps ~ N(0, I) of every wrapped norm, (B, n_norms, C) (§3.2: "draw a noise vector once
         and freeze it"). Drawn on the generator's device, so a CPU generator gives the same minds on any device.
-        None in 'token' and 'mean' modes, which have nothing to pin. `prompt` is ignored: a mind is drawn
-        independently of any text (§4.3: sampled once at initialization, before the prompt is read)."""
-        if self.config.noise_mode != "sequence":
+        None in 'token' and 'mean' modes (self.noise_mode), which have nothing to pin. `prompt` is ignored: a mind is
+        drawn independently of any text (§4.3: sampled once at initialization, before the prompt is read)."""
+        if self.noise_mode != "sequence":
             return None
         p, cfg = self.tok_emb.weight, self.config
         device = p.device if generator is None else generator.device

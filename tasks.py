@@ -132,17 +132,22 @@ def pass_at_k_curve(correct, n, ks):
     return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
 
 
-def matching_setting(settings, values, target):
-    """The setting (a temperature, a sigma) at which a measured value (pass@1) reaches `target`: linear interpolation
-    between the two neighbouring measured settings whose values bracket it, the pair closest to the target when
-    several do (measurements are noisy, so a curve may cross more than once). None when no pair brackets it: the
-    target lies outside what the sweep reached."""
-    points = sorted(zip(settings, values))
-    pairs = [(a, b) for a, b in zip(points, points[1:]) if min(a[1], b[1]) <= target <= max(a[1], b[1])]
-    if not pairs:
-        return None
-    (x0, y0), (x1, y1) = min(pairs, key=lambda p: abs(p[0][1] - target) + abs(p[1][1] - target))
-    return x0 if y0 == y1 else x0 + (target - y0) * (x1 - x0) / (y1 - y0)
+GSM8K_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def gsm8k_answer(text):
+    """A GSM8K answer as a float: the first number after the last '####' (the dataset's convention), else the text's
+    last number; None when there is none. Thousands separators are dropped ('1,000' is 1000)."""
+    after = GSM8K_NUMBER.findall(text.rsplit("####", 1)[1]) if "####" in text else []
+    numbers = after[:1] or GSM8K_NUMBER.findall(text)[-1:]
+    return float(numbers[0].replace(",", "")) if numbers else None
+
+
+def intervals_apart(a, b):
+    """+1 when the mean ± std interval of the values a (one per seed) lies wholly above b's, -1 wholly below, 0 when
+    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it)."""
+    (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v))) for v in (a, b))
+    return int(ma - sa > mb + sb) - int(ma + sa < mb - sb)
 
 
 def majority_answer(answers):

@@ -9,7 +9,12 @@ exec(open("config/det_fineweb_124m.py").read())
 model = "btrans"
 out_dir = "out-btrans-124m"
 dry_run_world_size = 8
-# §4.1 Eq. 4: every RMSNorm output gets mu + sigma * eps, one eps per training sequence (§3.2, §4.3)
+# §4.1 Eq. 4: every RMSNorm output gets mu + sigma * eps. §5: the update phase is deterministic ("the mean shift
+# only"), so training here is det training with frozen mu = 0; the minds (one eps per sequence, §3.2, §4.3) are drawn
+# when sampling, evaluating (train.py's val loss included) and in RL rollouts.
 sigma = 0.02  # the paper gives no value; 0.02 is the only public re-implementation's default
-noise_mode = "sequence"
+sigma_scale = "gain"  # ours: sigma * |gain| * eps per channel, a fraction of the normalised signal (Eq. 4: 'absolute')
+train_noise_mode = "mean"  # §5; 'sequence' trains under the minds (ours, an ablation)
+noise_mode = "sequence"  # eval(): one mind per sequence
+final_norm_noise = True  # the paper does not say whether the final norm is wrapped; ours: it is (False: an ablation)
 learn_mu = False  # §4.1: mu is a hyperparameter, 0 for RMSNorm

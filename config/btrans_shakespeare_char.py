@@ -5,8 +5,13 @@ exec(open("config/det_shakespeare_char.py").read())
 model = "btrans"
 out_dir = "out-btrans-shakespeare-char"
 
-# B-Trans (§4.1 Eq. 4): every RMSNorm output gets mu + sigma * eps, one eps per training sequence (§3.2, §4.3).
+# B-Trans (§4.1 Eq. 4): every RMSNorm output gets mu + sigma * eps. §5: the update phase is deterministic ("the mean
+# shift only"): training is det training with frozen mu = 0, and the minds (one eps per sequence, §3.2, §4.3) are
+# drawn when sampling, evaluating (train.py's val loss included) and in RL rollouts.
 sigma = 0.02  # the paper gives no value; 0.02 is the only public re-implementation's default
-noise_mode = 'sequence'
+train_noise_mode = 'mean'  # §5; 'sequence' trains under the minds (ours, an ablation)
+noise_mode = 'sequence'  # eval(): one mind per sequence
+final_norm_noise = True  # the paper does not say whether the final norm is wrapped; ours: it is (False: an ablation)
 learn_mu = False  # §4.1: mu is a hyperparameter, 0 for RMSNorm
-learn_sigma = False  # True: beyond the paper (§7), learn one sigma per norm with a KL to N(0, prior_sigma^2)
+sigma_scale = 'gain'  # ours: sigma * |gain| * eps per channel; gains start at 1, where it is Eq. 4's absolute
+learn_sigma = False  # True (sigma_scale='absolute'): beyond the paper (§7), one sigma per norm, KL to a prior

@@ -15,6 +15,7 @@ temperature = 1.0  # the same token sampling in every rollout mode: minds add pa
 # 0.2 is the largest sigma whose group still solves what temperature sampling solves (pass@8), with 1.5x as many
 # groups that carry a GRPO signal. Token-wise noise at the same sigma measures the same here: answers are <= 7 tokens.
 sigma = 0.2
+sigma_scale = "absolute"  # Eq. 4 as written, as measured above (the default, 'gain', multiplies by gains ~1-1.24)
 group_size = 8
 prompts_per_step = 8
 max_steps = 100

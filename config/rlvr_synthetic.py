@@ -11,6 +11,7 @@ eval_samples = 8
 rollout = "minds"
 temperature = 1.0
 sigma = 0.3
+sigma_scale = "absolute"  # Eq. 4 as written, as this config was measured (model_btrans's default is 'gain')
 group_size = 8
 prompts_per_step = 4
 max_steps = 50

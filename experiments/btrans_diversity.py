@@ -29,6 +29,7 @@ K = 8  # generations (minds) per prompt
 max_new_tokens = 100
 temperatures = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
 sigmas = (0.1, 0.2, 0.4)
+sigma_scale = "absolute"  # Eq. 4 as written, as the README's table was measured (model_btrans's default is 'gain')
 seed = 1337
 figure = "assets/btrans_diversity.png"
 device = "cpu"
@@ -68,7 +69,8 @@ def run(net, temperature):
 rows = [dict(source="det", setting=f"T={t}", **run(det, t)) for t in temperatures]
 for mode in ("sequence", "token"):
     for sigma in sigmas:
-        minds, _ = common.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode)
+        minds, _ = common.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode,
+                                     sigma_scale=sigma_scale)
         rows.append(dict(source="minds" if mode == "sequence" else "token", setting=f"sigma={sigma}, greedy",
                          **run(minds.eval(), 0.0)))
 

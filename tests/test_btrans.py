@@ -1,4 +1,5 @@
-"""B-Trans (model_btrans.py): the det model at sigma = 0, per-sequence minds, KV-cache consistency, learned sigma."""
+"""B-Trans (model_btrans.py): the det model at sigma = 0, per-sequence minds, KV-cache consistency, learned sigma,
+training on the mean offset (§5), the final-norm ablation."""
 
 import os
 
@@ -41,7 +42,9 @@ def record_offsets(model):
 def test_sigma_zero_logits_equal_det_model_exactly():
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL)).eval()
-    for overrides in (dict(sigma=0.0), dict(sigma=0.02, noise_mode="mean")):  # mean mode with mu = 0 as well
+    for overrides in (dict(sigma=0.0), dict(sigma=0.0, final_norm_noise=False), dict(sigma=0.0, noise_mode="token"),
+                      dict(sigma=0.02, noise_mode="mean"), dict(sigma=0.02, noise_mode="mean", final_norm_noise=False),
+                      dict(sigma=0.0, sigma_scale="absolute"), dict(sigma=0.0, sigma_scale="mean_gain")):
         btrans = make(**overrides)
         btrans.load_state_dict(det.state_dict(), strict=False)
         idx = tokens()
@@ -52,6 +55,51 @@ def test_sigma_zero_logits_equal_det_model_exactly():
         assert list(stats) == ["ce"]
         assert torch.equal(btrans(idx)[0], det(idx)[0])  # last-position logits, no targets
         assert torch.equal(btrans.generate(idx[:, :4], 8, temperature=0), det.generate(idx[:, :4], 8, temperature=0))
+
+
+def test_training_uses_the_mean_offset_alone_so_the_loss_of_a_fixed_batch_is_deterministic():
+    # §5: "keeping the update phase deterministic by using the mean shift only" (train_noise_mode = 'mean' default)
+    torch.manual_seed(0)
+    det = model_det.Model(model_det.Config(**SMALL))
+    model = make(sigma=0.5)
+    model.load_state_dict(det.state_dict(), strict=False)
+    idx = tokens()
+    model.train()
+    assert model.noise_mode == "mean" and model.sample_latents(3, gen(0)) is None
+    losses = [model(idx, targets=idx)[1] for _ in range(3)]  # a fresh global-RNG state each call changes nothing
+    assert all(torch.equal(loss, losses[0]) for loss in losses)
+    assert torch.equal(losses[0], det(idx, targets=idx)[1])  # mu = 0: the det model, to the bit
+    losses[0].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(idx, targets=idx)[1].backward()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
+    # eval() mode draws the minds (noise_mode = 'sequence'): other losses, one per draw
+    model.eval()
+    assert model.noise_mode == "sequence"
+    evals = [model(idx, targets=idx)[1] for _ in range(2)]
+    assert (evals[0] - losses[0]).abs() > 1e-3 and (evals[0] - evals[1]).abs() > 1e-4
+    # the ablation: train_noise_mode = 'sequence' trains under a fresh mind per row at every call
+    ablation = make(sigma=0.5, train_noise_mode="sequence").train()
+    assert (ablation(idx, targets=idx)[1] - ablation(idx, targets=idx)[1]).abs() > 1e-4
+    with pytest.raises(ValueError, match="train_noise_mode='dropout' must be"):
+        model_btrans.Config(**SMALL, train_noise_mode="dropout")
+
+
+@pytest.mark.parametrize("noise_mode", ["sequence", "token"])
+def test_final_norm_noise_off_leaves_norm_f_with_mu_and_the_other_norms_with_the_same_draws(noise_mode):
+    idx, offsets = tokens(), {}
+    for flag in (True, False):
+        model = make(sigma=0.3, noise_mode=noise_mode, final_norm_noise=flag)
+        recorded, handles = record_offsets(model)
+        model(idx, latents=model.sample_latents(3, gen(0)), generator=gen(1))
+        for h in handles:
+            h.remove()
+        offsets[flag] = recorded
+    for on, off in zip(offsets[True][:-1], offsets[False][:-1]):  # attn and mlp norms: the same eps either way
+        assert torch.allclose(on, off, atol=1e-6) and on.abs().max() > 0.1
+    assert offsets[True][-1].abs().max() > 0.1  # norm_f: sigma * eps (a per-sequence logit bias) ...
+    assert offsets[False][-1].abs().max() < 1e-6  # ... or nothing (mu = 0)
 
 
 def test_sequence_mode_offset_is_the_same_at_every_position_and_differs_across_rows():
@@ -67,6 +115,27 @@ def test_sequence_mode_offset_is_the_same_at_every_position_and_differs_across_r
         assert torch.allclose(offset[:, 0], 0.1 * latents[:, k], atol=1e-6)  # = mu + sigma * eps with mu = 0
         assert (offset[0, 0] - offset[1, 0]).abs().max() > 0.05  # each row is its own mind
         assert (offset[1, 0] - offset[2, 0]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("scale", ["absolute", "gain", "mean_gain"])
+def test_sigma_scale_multiplies_each_norms_eps_by_one_its_gains_or_their_mean(scale):
+    model = make(sigma=0.1, sigma_scale=scale)
+    with torch.no_grad():  # gains far from 1, some negative, as in a pretrained model
+        for norm in model.norms():
+            norm.weight.uniform_(-0.5, 2.0, generator=gen(len(norm.weight)))
+    latents = model.sample_latents(3, gen(0))
+    offsets, handles = record_offsets(model)
+    model(tokens(), latents=latents)
+    for h in handles:
+        h.remove()
+    for k, (norm, offset) in enumerate(zip(model.norms(), offsets)):
+        w = norm.weight.detach()
+        scale_of = {"absolute": torch.ones_like(w), "gain": w.abs(), "mean_gain": w.abs().mean().expand_as(w)}[scale]
+        assert torch.allclose(offset[:, 0], 0.1 * scale_of * latents[:, k], atol=1e-5)
+    with pytest.raises(ValueError, match="set sigma_scale='absolute' with it"):
+        model_btrans.Config(**SMALL, learn_sigma=True, sigma_scale="gain")
+    with pytest.raises(ValueError, match="sigma_scale='rms' must be"):
+        model_btrans.Config(**SMALL, sigma_scale="rms")
 
 
 def test_sequence_mode_pinned_latents_give_identical_logits_and_fresh_latents_differ():
@@ -168,7 +237,7 @@ def test_det_state_dict_loads_with_no_unexpected_keys_and_only_offset_params_mis
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL))
     for learn_sigma in (False, True):
-        model = make(seed=1, learn_sigma=learn_sigma)
+        model = make(seed=1, learn_sigma=learn_sigma, sigma_scale="absolute")
         result = model.load_state_dict(det.state_dict(), strict=False)
         assert result.unexpected_keys == []
         new = {"mu", "log_sigma"} if learn_sigma else {"mu"}
@@ -206,7 +275,7 @@ def test_sigma_per_layer_sets_each_wrapped_norm_in_forward_order():
 
 
 def test_learned_sigma_kl_equals_torch_distributions_kl_and_is_added_to_the_loss():
-    model = make(sigma=0.05, learn_sigma=True, learn_mu=True, prior_sigma=0.1, kl_weight=1e-3)
+    model = make(sigma=0.05, learn_sigma=True, sigma_scale="absolute", learn_mu=True, prior_sigma=0.1, kl_weight=1e-3)
     with torch.no_grad():
         for k, norm in enumerate(model.norms()):
             norm.mu.normal_(0.0, 0.03)
@@ -221,14 +290,14 @@ def test_learned_sigma_kl_equals_torch_distributions_kl_and_is_added_to_the_loss
     loss.backward()
     assert all(n.log_sigma.grad is not None and n.log_sigma.grad.abs().item() > 0 for n in model.norms())
     # At initialisation with prior_sigma = sigma and mu = 0 the posterior is the prior: KL = 0.
-    fresh = make(learn_sigma=True)
+    fresh = make(learn_sigma=True, sigma_scale="absolute")
     assert fresh(idx, targets=idx)[2]["kl"].item() == 0.0
 
 
 def test_flops_per_token_adds_only_the_offset_elementwise_cost_to_det():
     torch.manual_seed(0)
     det = model_det.Model(model_det.Config(**SMALL))
-    for overrides in (dict(), dict(learn_sigma=True)):
+    for overrides in (dict(), dict(learn_sigma=True, sigma_scale="absolute")):
         model = make(**overrides)
         n_norms, C = model.config.n_norms, model.config.n_embd
         assert model.flops_per_token() - det.flops_per_token() == 3 * n_norms * C
@@ -244,3 +313,4 @@ def test_shakespeare_config_builds_a_small_sequence_mode_btrans_model():
     config = model_btrans.Config(**{k: v for k, v in settings.items() if k in fields})
     assert (config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.block_size) == (4, 128, 4, 2, 128)
     assert config.sigmas == (0.02,) * 9 and config.noise_mode == "sequence"
+    assert config.train_noise_mode == "mean" and config.final_norm_noise  # §5: trained on the mean offset

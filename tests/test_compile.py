@@ -12,7 +12,7 @@ TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, n_head=2, n_kv_h
 
 
 @pytest.mark.parametrize("model_type, extra", [
-    ("det", {}), ("btrans", {}), ("btrans", {"noise_mode": "token"}), ("eve", {}),
+    ("det", {}), ("btrans", {"train_noise_mode": "sequence"}), ("btrans", {"train_noise_mode": "token"}), ("eve", {}),
     ("free", {"latent_bits": 4, "mapper": "factored"}), ("free", {"latent_bits": 4, "mapper": "dense"}),
 ])
 def test_training_forward_has_no_graph_breaks(model_type, extra):

@@ -31,21 +31,22 @@ def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
     assert curve[4] == pytest.approx(2 / 3)
 
 
-def test_matching_setting_interpolates_between_the_bracketing_points():
-    # pass@1 falling with sigma: 0.5 at 0.1, 0.4 at 0.2, 0.2 at 0.4 -> 0.3 is reached half-way from 0.2 to 0.4
-    assert tasks.matching_setting([0.4, 0.1, 0.2], [0.2, 0.5, 0.4], 0.3) == pytest.approx(0.3)
-    assert tasks.matching_setting([0.1, 0.2], [0.5, 0.4], 0.45) == pytest.approx(0.15)
-    assert tasks.matching_setting([0.1, 0.2], [0.5, 0.4], 0.4) == pytest.approx(0.2)  # a measured point itself
-    # rising values work the same way (a temperature matched to a rising metric)
-    assert tasks.matching_setting([1.0, 2.0], [0.0, 1.0], 0.25) == pytest.approx(1.25)
+def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
+    # [0.30, 0.32] (mean 0.31, std 0.01) against [0.27, 0.29] (0.28 ± 0.01): 0.30 > 0.29, apart
+    assert tasks.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
+    assert tasks.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
+    # 0.31 ± 0.01 against 0.30 ± 0.01: the intervals share [0.30, 0.31], no call, either way round
+    assert tasks.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
+    assert tasks.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
+    assert tasks.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
 
 
-def test_matching_setting_prefers_the_crossing_nearest_the_target_and_says_when_there_is_none():
-    # a noisy, non-monotone sweep crosses 0.3 twice: between 0.1 and 0.2 (values 0.31, 0.29: close to the target)
-    # and between 0.3 and 0.4 (0.6, 0.0: far); the close pair gives the answer
-    assert tasks.matching_setting([0.1, 0.2, 0.3, 0.4], [0.31, 0.29, 0.6, 0.0], 0.3) == pytest.approx(0.15)
-    assert tasks.matching_setting([0.1, 0.2], [0.5, 0.4], 0.6) is None  # above everything the sweep reached
-    assert tasks.matching_setting([0.1, 0.2], [0.4, 0.4], 0.4) == pytest.approx(0.1)  # a flat pair: its first point
+def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
+    assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
+    assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out
+    assert tasks.gsm8k_answer("She has 5 apples, then 12 - 5 = 7.") == 7.0  # no marker: the last number
+    assert tasks.gsm8k_answer("#### none\nthe answer is -2.5") == -2.5  # a marker with no number after it
+    assert tasks.gsm8k_answer("no digits here") is None
 
 
 @pytest.mark.parametrize("select_by", ["ce", "loss"])

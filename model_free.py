@@ -105,14 +105,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos, x_kv=None):
         B, T, _ = x.shape
-        if x_kv is None:  # q, k and v in one matmul (nanoGPT's c_attn) from the weights checkpoints keep apart
-            qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))  # (B, T, (nh + 2 n_kv) hd)
-        else:  # queries from x, keys and values from x_kv, of the same length T
-            qkv = torch.cat([self.wq(x), self.wk(x_kv), self.wv(x_kv)], dim=-1)
-        qkv = qkv.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh + 2 n_kv, T, hd)
-        n_qk = self.n_head + self.n_kv_head
-        qk = apply_rope(qkv[:, :n_qk], cos, sin)  # one pass over q and k together
-        q, k, v = qk[:, :self.n_head], qk[:, self.n_head:], qkv[:, n_qk:]  # (B, nh or n_kv, T, hd)
+        x_kv = x if x_kv is None else x_kv  # queries from x, keys and values from x_kv, of the same length T
+        # One matmul per weight: a weight read once per call. Joining wq|wk|wv per call (nanoGPT's c_attn from the
+        # weights checkpoints keep apart) copied two thirds of the layer's weights at every decode step; one joined
+        # parameter measured no faster on the CPU than separate matmuls (BENCHMARKS.md), and these keep checkpoints.
+        q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(self.wk(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.wv(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd) each
         if self.kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.n_kv_head != self.n_head)
         else:
@@ -131,8 +130,7 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
     def forward(self, x):
-        a, b = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)  # w1 x, w3 x in one matmul
-        return self.w2(F.silu(a) * b)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # one matmul per weight, as in Attention
 
 
 class Block(nn.Module):

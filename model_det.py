@@ -100,6 +100,11 @@ class KVCache(nn.Module):
         mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
         return self.k, self.v, mask  # (B, n_kv, max_len, hd) each, (T, max_len)
 
+    def repeat(self, n):
+        """Every cached sequence n times over, rows b n, ..., b n + n - 1 continuing sequence b: a prefix computed
+        once, then continued n ways (evaluate.py's multiple choice: a context, then each choice against it)."""
+        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
+
 
 class Attention(nn.Module):
     """Causal grouped-query attention (Ainslie et al. 2023): n_head query heads share n_kv_head key/value heads."""

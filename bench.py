@@ -5,6 +5,7 @@
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --n_layer=12 --n_embd=768 --block_size=1024 ...
     python bench.py --models=det --peer=nanogpt --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
     python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
+    python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -16,6 +17,12 @@ compiled (model.compile_decode()), and the seconds its compilation took.
 and a column of each model's tokens/s over the peer's. Its model.py is read from ../shared/peers/nanogpt/model.py
 (MIT), never copied into this repository; --peer=<path> reads another copy. The peer trains with its own
 configure_optimizers; it has no KV cache, so its decode columns stay empty.
+
+--peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
+LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
+ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (evaluate.py's
+score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
+same greedy tokens. --compile_decode=True adds det's compiled decode step.
 """
 
 import ast
@@ -30,6 +37,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import common
 import configurator
@@ -53,13 +61,24 @@ compile = False
 compile_decode = False  # also time decoding with the cached step compiled (model.compile_decode())
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
+src = ""  # --peer=transformers: the det run (folder or ckpt.pt) whose weights both models get
+thread_counts = (1, 2)  # --peer=transformers: torch.set_num_threads for each table row
+decode_batches = (1, 16)  # --peer=transformers: sequences decoded at once (16 minds)
+decode_prompt = 64  # --peer=transformers: prompt tokens before decoding
+prefill_tokens = 256  # --peer=transformers: tokens of the prefill measurement
+mc_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "hellaswag",
+                       "hellaswag_val_sample1000.jsonl")  # --peer=transformers: multiple-choice items
+mc_items = 10
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
 PEER = "peer"  # the spec of the peer's row
 if peer == "nanogpt":
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "peers", "nanogpt", "model.py")
-if peer and not os.path.isfile(peer):
+if peer == "transformers" and not src:
+    common.die("--peer=transformers needs --src=<a det run>: import one with python convert.py hf --src=... "
+               "--out_dir=...")
+if peer and peer != "transformers" and not os.path.isfile(peer):
     common.die(f"no peer model at {os.path.normpath(peer)}: nanoGPT's model.py is read from "
                f"../shared/peers/nanogpt/model.py, or pass --peer=<path to a nanoGPT model.py>")
 
@@ -179,6 +198,135 @@ def bench_one(spec):
     return row
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# --peer=transformers: det against transformers' LlamaForCausalLM on the same weights, in one process
+
+
+def transformers_peer(run):
+    """det (from the run's checkpoint) and LlamaForCausalLM (from the same tensors, renamed as convert.py to_hf
+    does) timed in turns, at every thread count: decode ms per token at each batch, prefill tokens/s and HellaSwag
+    items/s. Each figure is the best of `repeats` turns; the two models alternate within a turn."""
+    import transformers
+    import convert
+    import evaluate
+    checkpoint = common.load_checkpoint(run)
+    cfg, state = convert.det_state(checkpoint, common.checkpoint_path(run))
+    det = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
+    hf_cfg = transformers.LlamaConfig(**convert.hf_config(cfg, "float32", None, None))
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
+                                              convert.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    encode, _ = common.tokenizer(checkpoint["meta"])
+    examples = evaluate.load_mc_examples(mc_file, mc_items)
+    items = [[evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]] for ex in examples]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (max(decode_batches), decode_prompt), generator=g)
+    long_prompt = torch.randint(0, cfg.vocab_size, (1, prefill_tokens), generator=g)
+
+    def stamped(fn, stamps):  # fn, recording when each call starts
+        def wrapper(*args, **kwargs):
+            stamps.append(time.perf_counter())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def det_generate(idx, n, step=None):
+        """-> ms per decode step: from the start of the first step after the prefill to the start of the last."""
+        stamps = []
+        det.forward = stamped(type(det).forward.__get__(det), stamps)  # the eager step and the prefill
+        det.decode_step = step and stamped(step, stamps)
+        try:
+            det.generate(idx, n, temperature=0)
+        finally:
+            del det.forward
+            det.decode_step = None
+        return (stamps[-1] - stamps[1]) / (len(stamps) - 2) * 1000
+
+    class Stamps(transformers.StoppingCriteria):  # called once per new token, after its step
+        def __init__(self):
+            self.stamps = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.size(0), dtype=torch.bool)
+
+    def hf_generate(idx, n):
+        stamps = Stamps()
+        hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0, stopping_criteria=transformers.StoppingCriteriaList([stamps]))
+        return (stamps.stamps[-1] - stamps.stamps[0]) / (len(stamps.stamps) - 1) * 1000
+
+    def det_prefill():
+        det(long_prompt)
+
+    def hf_prefill():
+        hf(long_prompt, use_cache=False, logits_to_keep=1)
+
+    def det_mc():
+        for pairs in items:
+            evaluate.score_choices(det, pairs, 1, g)
+
+    def hf_mc():  # all choices of an item in one forward over context + choice, as lm-evaluation-harness does
+        for pairs in items:
+            seqs = [ctx + cont for ctx, cont in pairs]
+            L = max(map(len, seqs)) - 1
+            x = torch.tensor([s[:-1] + [0] * (L + 1 - len(s)) for s in seqs])
+            log_p = F.log_softmax(hf(x, use_cache=False).logits.float(), dim=-1)
+            [log_p[i, len(s) - 1 - len(cont):len(s) - 1].gather(-1, torch.tensor(cont)[:, None]).sum().item()
+             for i, (s, (_, cont)) in enumerate(zip(seqs, pairs))]
+
+    def timed(fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return time.perf_counter() - t0, out
+
+    contenders = [("det", det_generate, det_prefill, det_mc), ("transformers", hf_generate, hf_prefill, hf_mc)]
+    if compile_decode:  # det's decode step compiled: the same model, decode rows only
+        compiled_step = det.compile_decode().decode_step
+        det.decode_step = None
+        contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None))
+    same, best = {}, {}
+    with torch.no_grad():
+        for B in decode_batches:  # greedy tokens side by side, and a warm-up (compilation) of every contender
+            for _, gen, _, _ in contenders:
+                gen(prompt[:B], 3)
+            det.decode_step = None
+            ours = det.generate(prompt[:B], decode_tokens, temperature=0)
+            theirs = hf.generate(prompt[:B], attention_mask=torch.ones_like(prompt[:B]), max_new_tokens=decode_tokens,
+                                 min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
+            same[B] = torch.equal(ours, theirs)
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for _ in range(repeats):
+                for name, gen, prefill, mc in contenders:
+                    row = {}
+                    for B in decode_batches:  # the steps after the prefill, timed between steps
+                        row[f"decode ms/token, batch {B}"] = gen(prompt[:B], decode_tokens)
+                    if prefill:
+                        row[f"prefill tokens/s ({prefill_tokens} tokens)"] = prefill_tokens / timed(prefill)[0]
+                        row[f"HellaSwag items/s ({len(items)} items)"] = len(items) / timed(mc)[0]
+                    for key, value in row.items():
+                        better = min if key.startswith("decode") else max
+                        best[threads, key, name] = better(value, best.get((threads, key, name), value))
+    print(f"CPU, float32; {run}: {det.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, "
+          f"d={cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}; transformers "
+          f"{transformers.__version__} (sdpa); prompt {decode_prompt} tokens, {decode_tokens} new; best of {repeats}")
+    print("greedy tokens equal: " + ", ".join(f"batch {B}: {same[B]}" for B in decode_batches))
+    names = [name for name, *_ in contenders]
+    print("threads | measurement | " + " | ".join(names) + " | det speed x transformers"
+          + (" | compiled speed x transformers" if compile_decode else ""))
+    for threads, key, name in best:
+        if name == "det":
+            values = [best.get((threads, key, n)) for n in names]
+            faster = lambda v: values[1] / v if key.startswith("decode") else v / values[1]  # > 1: v is faster
+            speed = lambda v: "-" if v is None else f"{faster(v):.2f}"
+            print(f"{threads} | {key} | " + " | ".join("-" if v is None else f"{v:,.2f}" for v in values)
+                  + f" | {speed(values[0])}" + (f" | {speed(values[2])}" if compile_decode else ""))
+
+if peer == "transformers":
+    transformers_peer(src)
+    sys.exit(0)
 if one:
     torch.set_float32_matmul_precision("high")
     print(json.dumps(bench_one(one)))

@@ -77,6 +77,7 @@ ngram = 4  # n of distinct-n
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 # ----------------------------------------------------------------------------------------------------------------
+MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
            "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
 
@@ -381,29 +382,62 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     example share. mixture 'token': sum over tokens of log p̄(token), p̄ the mean of the passes' softmaxes; 'sequence':
     log mean_m prod_t p_m(token_t), the likelihood under the population when a latent is frozen for the whole sequence
     (a B-Trans mind, B-Trans Eq. 3). pairs: [(context ids, continuation ids)] -> (log-likelihoods [float], scored
-    token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens."""
-    device, T = net.tok_emb.weight.device, net.config.block_size
+    token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens.
+
+    Every pass and choice goes into one batch (cut into pieces of at most MC_LOGITS logits). When the choices share
+    their context and the latents do not depend on the tokens (det, B-Trans minds), the context goes through the
+    model once per pass, into a KV cache that every choice's continuation then reads; otherwise each row is the whole
+    sequence. The passes' latents are drawn as one pass after another would draw them."""
+    device, T, V = net.tok_emb.weight.device, net.config.block_size, net.config.vocab_size
     seqs = [(ctx + cont)[-(T + 1):] for ctx, cont in pairs]  # left-truncate
     n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(pairs, seqs)]
-    L = max(len(seq) for seq in seqs) - 1
-    x = torch.zeros(len(seqs), L, dtype=torch.long)
-    y = torch.full((len(seqs), L), -1, dtype=torch.long)  # -1: not a continuation token (ignored)
-    for i, (seq, n) in enumerate(zip(seqs, n_cont)):  # right-padded: causal, so padding changes nothing before it
-        x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
-        y[i, len(seq) - 1 - n:len(seq) - 1] = torch.tensor(seq[len(seq) - n:])
-    x, y = x.to(device), y.to(device)
     contexts = [seq[:len(seq) - n] for seq, n in zip(seqs, n_cont)]  # what precedes each continuation
-    lse = None
-    for _ in range(n_passes):
-        latents = example_latents(net, contexts, generator)
+    C = len(seqs)
+    latents = [example_latents(net, contexts, generator) for _ in range(n_passes)]  # (C, ...) each, pass by pass
+    if net.latent_kind in ("none", "mind") and all(c == contexts[0] for c in contexts):
+        # Rows are [last context token, continuation but its last token], right-padded: causal, so padding changes
+        # nothing before it; the context but its last token is the prefix in the cache.
+        prefix, L = contexts[0][:-1], max(n_cont)
+        x = torch.zeros(C, L, dtype=torch.long)
+        y = torch.full((C, L), -1, dtype=torch.long)  # -1: not a continuation token (ignored)
+        for i, (seq, n) in enumerate(zip(seqs, n_cont)):
+            x[i, :n] = torch.tensor(seq[len(seq) - n - 1:-1])
+            y[i, :n] = torch.tensor(seq[len(seq) - n:])
+    else:
+        prefix, L = [], max(len(seq) for seq in seqs) - 1
+        x = torch.zeros(C, L, dtype=torch.long)
+        y = torch.full((C, L), -1, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(seqs, n_cont)):  # right-padded, as above
+            x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+            y[i, len(seq) - 1 - n:len(seq) - 1] = torch.tensor(seq[len(seq) - n:])
+    x, y = x.to(device), y.to(device)
+    per_piece = max(1, MC_LOGITS // (C * L * V))  # passes per forward
+    log_p = []  # (passes, C, L) pieces
+    for m0 in range(0, n_passes, per_piece):
+        m1 = min(m0 + per_piece, n_passes)
+        lat = None if latents[0] is None else torch.utils._pytree.tree_map(lambda *t: torch.cat(t), *latents[m0:m1])
+        rows = (m1 - m0) * C
         with autocast:
-            logits = net(x, y, latents=latents)[0]  # (n_choices, L, V)
-        log_p = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        log_p = log_p.masked_fill(y == -1, 0.0)  # (n_choices, L)
-        if mixture == "sequence":
-            log_p = log_p.sum(1)  # (n_choices,) log prod_t p_m(token_t)
-        lse = log_p if lse is None else torch.logaddexp(lse, log_p)
-    log_mix = lse - math.log(n_passes)
+            if prefix:
+                first = None if lat is None else torch.utils._pytree.tree_map(lambda t: t[::C], lat)  # a row a pass
+                net.setup_kv_cache(m1 - m0, len(prefix) + L)
+                try:
+                    net(torch.tensor([prefix], device=device).expand(m1 - m0, -1), latents=first)
+                    for block in net.blocks:
+                        block.attn.kv_cache.repeat(C)  # row m C + c continues pass m's context with choice c
+                    logits = net(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat, start_pos=len(prefix))[0]
+                finally:
+                    net.clear_kv_cache()
+            else:
+                logits = net(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat)[0]  # (rows, L, V)
+        log_probs = F.log_softmax(logits.float(), dim=-1)  # (rows, L, V)
+        del logits
+        target = log_probs.gather(-1, y.repeat(m1 - m0, 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (rows, L)
+        log_p.append(target.view(m1 - m0, C, L))
+    log_p = torch.cat(log_p).masked_fill(y == -1, 0.0)  # (passes, C, L)
+    if mixture == "sequence":
+        log_p = log_p.sum(2)  # (passes, C) log prod_t p_m(token_t)
+    log_mix = torch.logsumexp(log_p, dim=0) - math.log(n_passes)
     if mixture == "token":
         log_mix = log_mix.masked_fill(y == -1, 0.0).sum(1)
     truncated = any(len(ctx) + len(cont) > T + 1 for ctx, cont in pairs)

@@ -106,8 +106,9 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast). Attention reads all of it and masks the
-    positions past each query, so a decode step has the same shapes at every position and compiles once."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast), as long as the sequence: an eager call
+    attends over the positions filled so far; a compiled decode step over the whole cache, masked past its query, so
+    it has the same shapes at every position (generate() rounds its length up with padded_len)."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -115,14 +116,33 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
+    @staticmethod
+    def padded_len(n, block_size):
+        """A compiled step's cache length for n positions: the next power of two, at least 64, at most block_size.
+        A few sizes, so a few compilations, and never a block_size cache (377 MB a sequence at SmolLM2's 8,192)."""
+        return min(block_size, max(64, 1 << (n - 1).bit_length()))
+
     def update(self, start_pos, k, v):
-        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1; start_pos is an int, or a (1,)
-        tensor in generate()'s decode steps. -> the whole cache and the mask of the keys each query sees."""
+        """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1. -> keys and values (B, n_kv, S,
+        hd) and the (T, S) mask of the keys each query sees, or None when it sees them all. start_pos an int (eager):
+        S = start_pos + T, the positions filled so far. A (1,) tensor (generate()'s compiled steps): the whole cache."""
+        if isinstance(start_pos, int):
+            end = start_pos + k.size(2)
+            self.k[:, :, start_pos:end] = k
+            self.v[:, :, start_pos:end] = v
+            pos = torch.arange(start_pos, end, device=k.device)  # (T,)
+            mask = None if k.size(2) == 1 else torch.arange(end, device=k.device) <= pos.unsqueeze(1)  # (T, S)
+            return self.k[:, :, :end], self.v[:, :, :end], mask
         pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
         mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
-        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each
+        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each, (T, max_len)
+
+    def repeat(self, n):
+        """Every cached sequence n times over, rows b n, ..., b n + n - 1 continuing sequence b: a prefix computed
+        once, then continued n ways (evaluate.py's multiple choice: a context, then each choice against it)."""
+        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
 
 
 class Attention(nn.Module):
@@ -139,18 +159,22 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos):
         B, T, _ = x.shape
-        # q, k and v in one matmul (nanoGPT's c_attn) from the three weights checkpoints keep apart, and RoPE in one
-        # pass over q and k: fewer, larger kernels (each costs a start and, on shared CPU cores, a wait for threads).
-        qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))  # (B, T, (nh + 2 n_kv) hd)
-        qkv = qkv.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh + 2 n_kv, T, hd)
-        n_qk = self.n_head + self.n_kv_head
-        qk = apply_rope(qkv[:, :n_qk], cos, sin)
-        q, k, v = qk[:, :self.n_head], qk[:, self.n_head:], qkv[:, n_qk:]  # (B, nh or n_kv, T, hd)
+        # One matmul per weight: a weight read once per call. Joining wq|wk|wv per call (nanoGPT's c_attn from the
+        # weights checkpoints keep apart) copied two thirds of the layer's weights at every decode step; one joined
+        # parameter measured no faster on the CPU than separate matmuls (BENCHMARKS.md), and these keep checkpoints.
+        q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd) each
         if self.kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         else:
-            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, max_len, hd) each, (T, max_len)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+            k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, S, hd) each, (T, S) or None
+            # The rep query heads of a key/value head as rep * T rows of one query: attention reads the cache as it
+            # is, where enable_gqa would copy every key/value head rep times at every step.
+            rep = self.n_head // self.n_kv_head
+            q = q.reshape(B, self.n_kv_head, rep * T, self.head_dim)  # (B, n_kv, rep T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.repeat(rep, 1))
+            y = y.view(B, self.n_head, T, self.head_dim)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -164,8 +188,7 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
     def forward(self, x):
-        a, b = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)  # w1 x, w3 x in one matmul
-        return self.w2(F.silu(a) * b)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # one matmul per weight, as in Attention
 
 
 class Block(nn.Module):
@@ -349,8 +372,8 @@ class Model(nn.Module):
         if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
             if start_pos + T > self.config.block_size:
                 raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-            if start_pos > 0 and T > 1:
-                raise ValueError("after the prefill at position 0, the KV cache takes one token per call")
+            if start_pos > 0 and self.blocks[0].attn.kv_cache is None:
+                raise ValueError("start_pos > 0 continues a KV cache: setup_kv_cache(), then a call at position 0")
         pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         eps = self.offset_noise(B, T, latents, start_pos, generator)  # n_norms tensors (B, 1 or T, C), or Nones
@@ -425,24 +448,28 @@ class Model(nn.Module):
         if latents is None:
             latents = self.sample_latents(B, generator)  # §4.3 (1) Initialization: sample once and cache
         step = self.decode_step or self
-        self.setup_kv_cache(B, total if self.decode_step is None else self.config.block_size)  # compiled: one shape
-        positions = torch.arange(total, device=idx.device)
+        n_cache = total if self.decode_step is None else KVCache.padded_len(total, self.config.block_size)
+        self.setup_kv_cache(B, n_cache)
+        # a step's position: an int when eager (attention over the positions filled so far), a (1,) tensor when
+        # compiled (one graph for every position)
+        positions = range(total) if self.decode_step is None else torch.arange(total, device=idx.device).split(1)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0, generator=generator)  # (B, 1, V)
             for pos in range(T, total):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:  # §4.3 (2) Generation: every step applies the same frozen eps
-                    logits, _, _ = step(idx_next, latents=latents, start_pos=positions[pos:pos + 1],
+                    logits, _, _ = step(idx_next, latents=latents, start_pos=positions[pos],
                                         **({} if self.decode_step else {"generator": generator}))
         finally:
             self.clear_kv_cache()
         return idx
 
     def compile_decode(self, mode=None):
-        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache spans
-        block_size, so every step of every call has the same shapes: one compilation per batch size. On CUDA the mode
-        defaults to "reduce-overhead" (CUDA graphs: the step is launch-bound). Prefill and sampling stay eager."""
+        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache's
+        length is the call's prompt + new tokens rounded up (KVCache.padded_len), so every step of a call has the same
+        shapes: one compilation per batch size and cache length. On CUDA the mode defaults to "reduce-overhead" (CUDA
+        graphs: the step is launch-bound). Prefill and sampling stay eager."""
         if mode is None and self.tok_emb.weight.is_cuda:
             mode = "reduce-overhead"
         self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)

@@ -2,6 +2,8 @@
 Transformer's hand-written mapper backward compiles to the same gradients, and every model's compiled decode step
 generates eager's tokens."""
 
+import sys
+
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -70,3 +72,36 @@ def test_compiled_decode_step_gives_the_eager_tokens_greedy_and_sampled(model_ty
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step of both calls
+
+
+def test_kv_cache_spans_the_sequence_eager_and_a_few_rounded_lengths_compiled(monkeypatch):
+    """Eager decoding attends over the positions filled so far: every step's keys are as many as the tokens so far,
+    in a cache of prompt + new tokens. The compiled step's cache is that length rounded up to a power of two, at least
+    64 and at most block_size (KVCache.padded_len), never block_size when the sequence is shorter; same tokens."""
+    torch.manual_seed(0)
+    model = common.build_model("det", {**TINY, "block_size": 1024}).eval()
+    KVCache = sys.modules[type(model).__module__].KVCache
+    assert [KVCache.padded_len(n, 1024) for n in (1, 17, 64, 65, 129, 1000)] == [64, 64, 64, 128, 256, 1024]
+    assert KVCache.padded_len(700, 512) == 512
+    cache_lens, key_lens = [], []
+    update = KVCache.update
+
+    def recording(self, start_pos, k, v):
+        out = update(self, start_pos, k, v)
+        cache_lens.append(self.k.size(2))
+        key_lens.append(out[0].size(2))
+        return out
+
+    monkeypatch.setattr(KVCache, "update", recording)
+    prompt = torch.randint(0, 64, (2, 5))
+    eager = model.generate(prompt, 12, temperature=0)
+    n_layer = TINY["n_layer"]
+    assert set(cache_lens) == {17}
+    assert key_lens == [n for n in range(5, 17) for _ in range(n_layer)]  # prefill 5, then one more per step
+    monkeypatch.undo()
+    setup, setups = model.setup_kv_cache, []
+    monkeypatch.setattr(model, "setup_kv_cache", lambda B, n: (setups.append(n), setup(B, n)))
+    dynamo.reset()
+    model.compile_decode()
+    assert torch.equal(model.generate(prompt, 12, temperature=0), eager)
+    assert setups == [64] and model.blocks[0].attn.kv_cache is None  # and freed after the call

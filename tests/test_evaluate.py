@@ -173,7 +173,7 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
     torch.manual_seed(0)
     assert out["neg_elbo"] == pytest.approx(net(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
     assert "stats/ce" not in out and "stats/ce_posterior" in out  # the posterior CE is never the model's loss
-    assert out["iw_bound"] > 0 and out["iw_samples"] == K and out["latents"].startswith("Z from the uniform prior")
+    assert out["iw_bound"] > 0 and out["iw_samples"] == K and out["latents"].startswith("every Z_t from the uniform prior")
 
 
 # ----------------------------------------------------------------------------------------------------------------

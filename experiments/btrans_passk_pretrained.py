@@ -5,7 +5,7 @@ imported offline, on the first `num_problems` GSM8K test problems.
     python -m experiments.btrans_passk_pretrained --out_dir=out-smollm2 --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --out_dir=out-smollm2 --num_problems=...
 
-Each problem is asked in SmolLM2's chat template (ChatML with its default system line, rendered here), and n
+Each problem is asked in the run's chat template (common.chat_prompt, as sample.py --chat=True), and n
 completions of `max_new_tokens` are drawn per problem and seed from three arms at the same decoding budget:
   temperature   the det model at `temperature` (the paper's "high-temperature sampling" baseline),
   minds         B-Trans minds (one eps per completion, §4.3; sigma and sigma_scale below) at the same temperature,
@@ -39,7 +39,6 @@ sigma = 0.03  # relative to each gain: +0.08 nats and 15% argmax flips on SmolLM
 sigma_scale = "gain"
 seeds = (1, 2, 3)
 time_only = False  # time one problem of the minds arm and stop
-system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2's default system line
 json_out = "assets/btrans_passk_pretrained.json"
 device = "cpu"
 configurator.apply(globals())
@@ -58,15 +57,11 @@ if len(end_ids) != 1:
     common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
 
 
-def chat(question):
-    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
 def correct_counts(arm, seed, problem_ids):
     net = det if arm == "temperature" else minds
     T = 0.0 if arm == "greedy minds" else temperature
     tokens, latents = (torch.Generator(device).manual_seed(common.seed_of(seed, i)) for i in range(2))
-    prompt_ids = [encode(chat(problems[i]["question"])) for i in problem_ids]
+    prompt_ids = [encode(common.chat_prompt(checkpoint["meta"], problems[i]["question"])) for i in problem_ids]
     completions, _ = rlvr.rollouts(net, prompt_ids, n, max_new_tokens, T, tokens, latents)
     counts = []
     for p, i in enumerate(problem_ids):

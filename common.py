@@ -518,6 +518,18 @@ def load_tokens(dataset, split, meta):
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
 
 
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_LEVEL = {**{b: chr(b) for b in _PRINTABLE},
+              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}}
+
+
+def byte_level(token):
+    """GPT-2's byte-level spelling of a token's bytes (its encoder.py bytes_to_unicode, the keys of encoder.json and
+    the strings of a byte-level BPE's vocab and merges, SmolLM2's GGUF vocabulary included): printable bytes stand
+    for themselves, the others for chr(256), chr(257), ... in order."""
+    return "".join(map(BYTE_LEVEL.__getitem__, token))
+
+
 def gpt2_from_file(bpe_file):
     import tiktoken
     import tiktoken.load

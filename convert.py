@@ -472,14 +472,6 @@ def det_state(checkpoint, path):
     return module.Config(**{k: v for k, v in values.items() if k in fields}), state
 
 
-def byte_level_alphabet():
-    """GPT-2's printable stand-in for each byte (its encoder.py bytes_to_unicode): the strings a byte-level BPE's
-    vocab and merges are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {b: chr(c) for b, c in zip(printable + others, printable + [256 + i for i in range(len(others))])}
-
-
 def gpt2_tokenizer_json(ranks, path):
     """tokenizer.json of GPT-2's BPE from tiktoken's ranks {token bytes: id}, built with the tokenizers package
     (transformers' GPT2TokenizerFast(vocab_file=, merges_file=) gives an empty tokenizer without a word in
@@ -491,8 +483,6 @@ def gpt2_tokenizer_json(ranks, path):
     except ImportError:
         common.die("the weights are written; GPT-2's tokenizer files need the tokenizers package: pip install "
                    "tokenizers, then run to_hf again")
-    alphabet = byte_level_alphabet()
-    text = lambda token: "".join(alphabet[b] for b in token)
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         if len(token) == 1:
@@ -507,8 +497,8 @@ def gpt2_tokenizer_json(ranks, path):
         if len(parts) != 2:
             common.die(f"GPT-2's BPE file makes token {rank} from {len(parts)} parts, not 2: not a byte-pair ranks "
                        f"file (gpt2.tiktoken); point --bpe_file of prepare.py to the original")
-        merges.append((text(parts[0]), text(parts[1])))
-    tok = Tokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=merges))
+        merges.append((common.byte_level(parts[0]), common.byte_level(parts[1])))
+    tok = Tokenizer(models.BPE(vocab={common.byte_level(t): r for t, r in ranks.items()}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split: words, numbers, spaces
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

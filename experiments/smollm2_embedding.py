@@ -23,15 +23,6 @@ import configurator
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored as Q8_0
 
 
-def byte_level(token):
-    """GPT-2's byte-level spelling of a token's bytes (the keys of its encoder.json; SmolLM2's GGUF vocabulary is
-    spelled the same way): printable bytes stand for themselves, the others for chr(256), chr(257), ... in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    table = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-    return "".join(table[b] for b in token)
-
-
 def read_smollm2():
     """SmolLM2-135M-Instruct's token embedding (49152, 576) float32 and its vocabulary {spelling: row}."""
     try:
@@ -55,7 +46,7 @@ def gpt2_rows(meta, table, vocab):
     longest = max(map(len, vocab))
     rows, found = [], 0
     for gpt2_id in meta.get("token_ids", range(meta["vocab_size"])):
-        text = byte_level(encoding.decode_single_token_bytes(gpt2_id))
+        text = common.byte_level(encoding.decode_single_token_bytes(gpt2_id))
         if text in vocab:
             rows.append(table[vocab[text]])
             found += 1

@@ -103,7 +103,7 @@ def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
     with open(os.path.join(GPT2_DIR, "encoder.json")) as f:
         encoder = json.load(f)
     encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spelled = {smollm2_embedding.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
+    spelled = {common.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
     assert spelled == encoder
 
 
@@ -113,7 +113,7 @@ def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_
     table, vocab = smollm2_embedding.read_smollm2()
     assert table.shape == (49152, 576) and vocab["<|endoftext|>"] == 0
     encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spell = [smollm2_embedding.byte_level(encoding.decode_single_token_bytes(i)) for i in range(50257)]
+    spell = [common.byte_level(encoding.decode_single_token_bytes(i)) for i in range(50257)]
     shared = [i for i in range(1000, 50257) if spell[i] in vocab][:6]
     other = next(i for i in range(1000, 50257) if spell[i] not in vocab)
     meta = {"tokenizer": "gpt2", "vocab_size": 7, "token_ids": shared + [other],

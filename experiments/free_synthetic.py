@@ -12,6 +12,8 @@ and shared-Z groups (one Z for the whole group, the green boxes). Numbers per ru
                and across the independent-Z samples. Z encoding the position makes the first much smaller;
   KL           bits/token of the encoder's posterior, and the CE with Z from the posterior, from the prior, and the
                -ELBO, from the run's last evaluation (train.py's metrics.jsonl).
+The numbers go to the JSON beside --figure; runs already in that file with the same generation settings stay in it,
+so seeds trained at different times make one table (the figure shows the first seed of each κ).
 Expected (§4.1): at 1/64 bit Z is unused (shared groups no tighter than independent ones); from 1/8 to 1 bit the shared
 groups agree on the position; at 8 bits Z carries everything and prior samples degrade (fewer well-formed).
 """
@@ -40,9 +42,10 @@ temperature = 1.0
 prompt_z = "encoder"  # the prompt's Z from the 'encoder' (§3.2), or from the uniform 'prior' (this README's first run)
 parallel = 1  # training runs at once (a GPU holds several of these small models)
 device = "cuda" if torch.cuda.is_available() else "cpu"
-figure = "assets/free_synthetic.png"
+figure = ""  # default: assets/free_synthetic_<prompt_z>_z.png, its JSON beside it
 train_args = ""  # extra train.py arguments, e.g. "--max_iters=3000"
 configurator.apply(globals())
+figure = figure or f"assets/free_synthetic_{prompt_z}_z.png"
 KAPPA_BITS = {"1_64": 1 / 64, "1_8": 1 / 8, "1": 1.0, "8": 8.0}
 if not kappas or set(kappas) - set(KAPPA_BITS):
     common.die(f"--kappas takes some of {','.join(KAPPA_BITS)} (the config files there are), got {','.join(kappas)}")
@@ -108,8 +111,28 @@ def analyse(kappa, seed):
                 spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
 
 
+def earlier_runs(path, settings):
+    """The runs an earlier invocation wrote to `path` with the same generation settings, by (kappa, seed): a seed
+    trained in a later session joins the table instead of replacing it (runs are deterministic per seed on one
+    device and code, so a run is never repeated to get its row). Other settings: none kept."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)
+    if any(earlier.get(key) != value for key, value in settings.items()):
+        print(f"{path} was written with other settings: its runs are replaced, not merged")
+        return {}
+    return {(r["kappa"], r["seed"]): r for r in earlier["runs"]}
+
+
 train_missing()
-results = [analyse(k, s) for k in kappas for s in seeds]
+data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
+settings = {"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
+            "show": show, "independent": independent, "train_args": train_args}
+runs = earlier_runs(data, settings)
+runs.update({(k, s): {**analyse(k, s), "kappa_bits": KAPPA_BITS[k]} for k in kappas for s in seeds})
+results = [runs[key] for key in sorted(runs, key=lambda key: (KAPPA_BITS[key[0]], key[1]))]
+seeds = sorted({r["seed"] for r in results})  # the table and the figure show every run in the file
 print(f"\nprompt {letter}>, temperature {temperature}; spread = std of the target's start position "
       f"({shared_groups} shared-Z groups of {show}, {independent} independent-Z samples)\n")
 print("| κ (bits) | seed | iters | KL bits/token | CE posterior | CE prior Z | -ELBO | well-formed | spread shared Z "
@@ -128,12 +151,9 @@ for r in results:
         print(f"shared Z #{i + 1}:")
         print("\n".join(f"  {letter}>{t!r}" for t in group))
 
-data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
 with open(data, "w") as f:
-    json.dump({"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
-               "show": show, "independent": independent, "train_args": train_args,
-               "runs": [{**r, "kappa_bits": KAPPA_BITS[r["kappa"]]} for r in results]}, f, indent=1, default=float)
+    json.dump({**settings, "runs": results}, f, indent=1, default=float)
 print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")

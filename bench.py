@@ -22,7 +22,8 @@ configure_optimizers; it has no KV cache, so its decode columns stay empty.
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
 ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (evaluate.py's
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
-same greedy tokens. --compile_decode=True adds det's compiled decode step.
+same greedy tokens. --compile_decode=True adds det's compiled decode step. Then sample.py's peak resident memory, in
+a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each.
 """
 
 import ast
@@ -69,6 +70,8 @@ prefill_tokens = 256  # --peer=transformers: tokens of the prefill measurement
 mc_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "hellaswag",
                        "hellaswag_val_sample1000.jsonl")  # --peer=transformers: multiple-choice items
 mc_items = 10
+memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many B-Trans minds (0: not measured)
+memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
@@ -212,6 +215,7 @@ def transformers_peer(run):
     checkpoint = common.load_checkpoint(run)
     cfg, state = convert.det_state(checkpoint, common.checkpoint_path(run))
     det = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
+    fast = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through common.onednn_linears
     hf_cfg = transformers.LlamaConfig(**convert.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
@@ -231,16 +235,16 @@ def transformers_peer(run):
             return fn(*args, **kwargs)
         return wrapper
 
-    def det_generate(idx, n, step=None):
+    def det_generate(idx, n, step=None, net=det):
         """-> ms per decode step: from the start of the first step after the prefill to the start of the last."""
         stamps = []
-        det.forward = stamped(type(det).forward.__get__(det), stamps)  # the eager step and the prefill
-        det.decode_step = step and stamped(step, stamps)
+        net.forward = stamped(type(net).forward.__get__(net), stamps)  # the eager step and the prefill
+        net.decode_step = step and stamped(step, stamps)
         try:
-            det.generate(idx, n, temperature=0)
+            net.generate(idx, n, temperature=0)
         finally:
-            del det.forward
-            det.decode_step = None
+            del net.forward
+            net.decode_step = None
         return (stamps[-1] - stamps[1]) / (len(stamps) - 2) * 1000
 
     class Stamps(transformers.StoppingCriteria):  # called once per new token, after its step
@@ -257,15 +261,15 @@ def transformers_peer(run):
                     pad_token_id=0, stopping_criteria=transformers.StoppingCriteriaList([stamps]))
         return (stamps.stamps[-1] - stamps.stamps[0]) / (len(stamps.stamps) - 1) * 1000
 
-    def det_prefill():
-        det(long_prompt)
+    def det_prefill(net=det):
+        net(long_prompt)
 
     def hf_prefill():
         hf(long_prompt, use_cache=False, logits_to_keep=1)
 
-    def det_mc():
+    def det_mc(net=det):
         for pairs in items:
-            evaluate.score_choices(det, pairs, 1, g)
+            evaluate.score_choices(net, pairs, 1, g)
 
     def hf_mc():  # all choices of an item in one forward over context + choice, as lm-evaluation-harness does
         for pairs in items:
@@ -281,21 +285,24 @@ def transformers_peer(run):
         out = fn(*args)
         return time.perf_counter() - t0, out
 
-    contenders = [("det", det_generate, det_prefill, det_mc), ("transformers", hf_generate, hf_prefill, hf_mc)]
+    contenders = [("det", det_generate, det_prefill, det_mc), ("transformers", hf_generate, hf_prefill, hf_mc),
+                  ("det oneDNN", lambda idx, n: det_generate(idx, n, net=fast), lambda: det_prefill(fast),
+                   lambda: det_mc(fast))]
     if compile_decode:  # det's decode step compiled: the same model, decode rows only
         compiled_step = det.compile_decode().decode_step
         det.decode_step = None
         contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None))
     same, best = {}, {}
-    with torch.no_grad():
+    with torch.no_grad(), common.onednn_linears(fast):
         for B in decode_batches:  # greedy tokens side by side, and a warm-up (compilation) of every contender
             for _, gen, _, _ in contenders:
                 gen(prompt[:B], 3)
             det.decode_step = None
             ours = det.generate(prompt[:B], decode_tokens, temperature=0)
+            same[B, "oneDNN"] = torch.equal(ours, fast.generate(prompt[:B], decode_tokens, temperature=0))
             theirs = hf.generate(prompt[:B], attention_mask=torch.ones_like(prompt[:B]), max_new_tokens=decode_tokens,
                                  min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
-            same[B] = torch.equal(ours, theirs)
+            same[B, "transformers"] = torch.equal(ours, theirs)
         for threads in thread_counts:
             torch.set_num_threads(threads)
             for _ in range(repeats):
@@ -312,20 +319,58 @@ def transformers_peer(run):
     print(f"CPU, float32; {run}: {det.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, "
           f"d={cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}; transformers "
           f"{transformers.__version__} (sdpa); prompt {decode_prompt} tokens, {decode_tokens} new; best of {repeats}")
-    print("greedy tokens equal: " + ", ".join(f"batch {B}: {same[B]}" for B in decode_batches))
+    print("det's greedy tokens equal: " + ", ".join(f"{other}'s at batch {B}: {equal}"
+                                                  for (B, other), equal in same.items()))
     names = [name for name, *_ in contenders]
-    print("threads | measurement | " + " | ".join(names) + " | det speed x transformers"
-          + (" | compiled speed x transformers" if compile_decode else ""))
+    print("threads | measurement | " + " | ".join(names) + " | "
+          + " | ".join(f"{name} speed x transformers" for name in names if name != "transformers"))
     for threads, key, name in best:
         if name == "det":
             values = [best.get((threads, key, n)) for n in names]
             faster = lambda v: values[1] / v if key.startswith("decode") else v / values[1]  # > 1: v is faster
-            speed = lambda v: "-" if v is None else f"{faster(v):.2f}"
+            speeds = ["-" if v is None else f"{faster(v):.2f}" for n, v in zip(names, values) if n != "transformers"]
             print(f"{threads} | {key} | " + " | ".join("-" if v is None else f"{v:,.2f}" for v in values)
-                  + f" | {speed(values[0])}" + (f" | {speed(values[2])}" if compile_decode else ""))
+                  + " | " + " | ".join(speeds))
+
+
+
+def sample_memory(run):
+    """sample.py's peak resident memory (a fresh process, one thread) when `memory_minds` B-Trans minds of the run
+    decode `memory_new_tokens` tokens each from a `decode_prompt`-token prompt: the user's path, load included."""
+    import tempfile
+    import evaluate
+    checkpoint = common.load_checkpoint(run)
+    encode, decode = common.tokenizer(checkpoint["meta"])
+    text = " ".join(ex["context"] for ex in evaluate.load_mc_examples(mc_file, 50))
+    prompt = decode(encode(text)[:decode_prompt])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in checkpoint["model"].values()}
+    weights_mib = sum(storages.values()) / 2**20  # a tied head shares the embedding's storage: counted once
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        print(f"\nsample.py --model=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
+              f"{memory_new_tokens} new tokens, one thread")
+        print("sample.py flags | seconds | weights MiB | peak resident MiB | weights + 1 GiB | peak within")
+        for flags in ("--onednn=True", "--onednn=False"):
+            sample = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py"),
+                      f"--out_dir={run}", "--model=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
+                      f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu", flags]
+            # A small parent runs it: a child's peak resident set counts what it inherited before exec, and this
+            # process holds two models.
+            parent = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+                      "capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", parent, *sample], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            peak_mib = int(out.stdout.split()[-1]) / 1024  # kB on Linux
+            print(f"{flags} | {time.perf_counter() - t0:.0f} | {weights_mib:,.0f} | {peak_mib:,.0f} | "
+                  f"{weights_mib + 1024:,.0f} | {peak_mib <= weights_mib + 1024}")
+
 
 if peer == "transformers":
     transformers_peer(src)
+    if memory_minds:
+        sample_memory(src)
     sys.exit(0)
 if one:
     torch.set_float32_matmul_precision("high")

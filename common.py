@@ -143,6 +143,31 @@ def autocast(device, dtype):
     return device_type, torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
 
 
+@contextlib.contextmanager
+def onednn_linears(model):
+    """CPU inference through oneDNN's matrix kernels: inside, every nn.Linear of `model` multiplies by its weight
+    reordered once into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses)
+    instead of torch's default float32 GEMM, which on our 2-core CPU is 1.2-1.9x slower at decoding shapes
+    (BENCHMARKS.md). Results equal F.linear's to float rounding (another summation order), not bit for bit.
+    Inference only: no gradients flow through, and weights changed inside are not seen (enter again). The packed
+    copies cost the weights' memory once more. On a GPU, in another dtype or without oneDNN, nothing changes."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not (torch.backends.mkldnn.is_available() and linears and all(
+            m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)):
+        yield model
+        return
+    for m in linears:
+        weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in), oneDNN's layout
+        bias = None if m.bias is None else m.bias.detach()
+        m.forward = lambda x, weight=weight, bias=bias: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none",
+                                                                                            [], "")
+    try:
+        yield model
+    finally:
+        for m in linears:
+            del m.forward  # the class's forward again
+
+
 def check_device(device):
     """One line for a device this machine does not have, before any work starts; on the CPU, the thread count."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():

@@ -271,6 +271,7 @@ def main():
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
     net, checkpoint = common.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
     net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
     meta = common.load_meta(data)
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):

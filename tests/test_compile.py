@@ -105,3 +105,26 @@ def test_kv_cache_spans_the_sequence_eager_and_a_few_rounded_lengths_compiled(mo
     model.compile_decode()
     assert torch.equal(model.generate(prompt, 12, temperature=0), eager)
     assert setups == [64] and model.blocks[0].attn.kv_cache is None  # and freed after the call
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
+def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model_type):
+    """common.onednn_linears (sample.py's CPU decoding): every model's logits within float rounding of F.linear's,
+    the same greedy tokens with pinned latents, and on leaving, the modules' own forward back (bit-equal logits)."""
+    torch.manual_seed(0)
+    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
+    x = torch.randint(0, 64, (3, 20))
+    latents = model.sample_latents(3, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(x, x, latents=latents)[0]
+        tokens = model.generate(x[:, :5], 12, temperature=0, latents=latents)
+        with common.onednn_linears(model):
+            inside = model(x, x, latents=latents)[0]
+            assert torch.equal(model.generate(x[:, :5], 12, temperature=0, latents=latents), tokens)
+            linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+            assert "forward" in vars(linear)  # the oneDNN call is in place, so the comparison above compares it
+        after = model(x, x, latents=latents)[0]
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(after, before)
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@
     python bench.py --models=det --peer=nanogpt --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
     python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
     python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
+    python bench.py --models=det --peer=nanogpt ... --profile=True      # and each training step op by op
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -59,6 +60,8 @@ decode_tokens = 16
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 compile = False
+profile = False  # also each model's training step op by op (torch.profiler: self time per step of the top ops)
+profile_ops = 15  # ... how many ops per model
 compile_decode = False  # also time decoding with the cached step compiled (model.compile_decode())
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
@@ -143,7 +146,18 @@ def bench_train(model_type, overrides):
         optimizer.zero_grad(set_to_none=True)
     sync()
     dt = (time.perf_counter() - t0) / steps
-    return model, dt
+    ops = None
+    if profile:  # the same steps again under the profiler: where each model's step goes, op by op
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                with autocast:
+                    loss = train_model(x, y)[1]
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:profile_ops]
+        ops = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in events]
+    return model, dt, ops
 
 
 @torch.no_grad()
@@ -187,12 +201,12 @@ def bench_one(spec):
     model_type, overrides = parse_spec(spec)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model, dt = bench_train(model_type, overrides)
+    model, dt, ops = bench_train(model_type, overrides)
     tokens_per_s = batch_size * block_size / dt
     peak = torch.cuda.max_memory_allocated() if device_type == "cuda" else resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss * 1024
     row = dict(spec=spec, params=model.num_params(), flops_per_token=model.flops_per_token(), step_ms=dt * 1000,
-               tokens_per_s=tokens_per_s, peak_mib=peak / 2**20)
+               tokens_per_s=tokens_per_s, peak_mib=peak / 2**20, ops=ops)
     peak_flops = common.peak_flops(device)
     row["mfu"] = model.flops_per_token() * tokens_per_s / peak_flops if peak_flops else None
     del model
@@ -416,3 +430,13 @@ for r in rows:
         cells += [cell(f"cdecode_ms_{c}", "{:.2f}") for c in contexts]
         cells += [cell(f"compile_s_{c}", "{:.1f}") for c in contexts]
     print(" | ".join(cells))
+if profile:  # the top ops of every model's step side by side: self CPU (or host) ms per step, '-' outside its top
+    names = [r["spec"] if r["spec"] != PEER else "nanoGPT (peer)" for r in rows]
+    per_op = {}
+    for r in rows:
+        for op, ms, calls in r["ops"]:
+            per_op.setdefault(op, {})[r["spec"]] = (ms, calls)
+    print(f"\nop (profiled, {steps} steps) | " + " | ".join(f"{n} ms/step | {n} calls/step" for n in names))
+    for op, cells in sorted(per_op.items(), key=lambda item: -max(ms for ms, _ in item[1].values())):
+        print(f"{op} | " + " | ".join(f"{cells[r['spec']][0]:,.1f} | {cells[r['spec']][1]:g}" if r["spec"] in cells
+                                      else "- | -" for r in rows))

@@ -3,6 +3,7 @@ this module; they stay self-contained."""
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -157,15 +158,18 @@ def onednn_linears(model):
         yield model
         return
     for m in linears:
-        weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in), oneDNN's layout
-        bias = None if m.bias is None else m.bias.detach()
-        m.forward = lambda x, weight=weight, bias=bias: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none",
-                                                                                            [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in) in oneDNN's layout
+        m.forward = functools.partial(onednn_linear, weight=packed, bias=None if m.bias is None else m.bias.detach())
     try:
         yield model
     finally:
         for m in linears:
             del m.forward  # the class's forward again
+
+
+def onednn_linear(x, weight, bias):
+    """F.linear(x, weight, bias) by oneDNN, for a weight packed by onednn_linears ("none": no fused activation)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def check_device(device):

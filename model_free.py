@@ -47,7 +47,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        if x.device.type == "cpu":  # CUDA has a fused rms_norm kernel, the CPU a composite one
+        # CUDA has a fused rms_norm kernel, the CPU a composite one: its backward in closed form when there is one
+        # to take; without gradients, the same ops without an autograd Function's overhead (a decode step has 61)
+        if x.device.type == "cpu" and torch.is_grad_enabled():
             return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
@@ -454,7 +456,7 @@ class Model(nn.Module):
             x = block(x, cos, sin, start_pos)
         x = self.norm_f(x)
         if targets is None:
-            return self.lm_head(x[:, [-1], :]), None, {}  # (B, 1, V)
+            return self.lm_head(x[:, -1:, :]), None, {}  # (B, 1, V)
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         if bit_logits is None:

@@ -347,7 +347,6 @@ def transformers_peer(run):
                   + " | " + " | ".join(speeds))
 
 
-
 def sample_memory(run):
     """sample.py's peak resident memory (a fresh process, one thread) when `memory_minds` B-Trans minds of the run
     decode `memory_new_tokens` tokens each from a `decode_prompt`-token prompt: the user's path, load included."""

@@ -39,7 +39,7 @@ show = 8  # generations per printed group
 shared_groups = 8  # shared-Z groups for the numbers (of `show` generations each)
 independent = 64  # independent-Z generations for the numbers
 temperature = 1.0
-prompt_z = "encoder"  # the prompt's Z from the 'encoder' (§3.2), or from the uniform 'prior' (this README's first run)
+prompt_z = "encoder"  # the prompt's Z from the 'encoder' (§3.2), or from the uniform 'prior' (as the README compares)
 parallel = 1  # training runs at once (a GPU holds several of these small models)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 figure = ""  # default: assets/free_synthetic_<prompt_z>_z.png, its JSON beside it
@@ -113,8 +113,8 @@ def analyse(kappa, seed):
 
 def earlier_runs(path, settings):
     """The runs an earlier invocation wrote to `path` with the same generation settings, by (kappa, seed): a seed
-    trained in a later session joins the table instead of replacing it (runs are deterministic per seed on one
-    device and code, so a run is never repeated to get its row). Other settings: none kept."""
+    trained in a later session joins the table instead of replacing it, and a run analysed before need not be
+    trained again to keep its row. Written with other settings: none kept."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # CUDA has a fused rms_norm kernel, the CPU a composite one: its backward in closed form when there is one
-        # to take; without gradients, the same ops without an autograd Function's overhead (a decode step has 61)
+        # to take; without gradients, the same ops without an autograd Function's overhead (2L + 1 a decode step)
         if x.device.type == "cpu" and torch.is_grad_enabled():
             return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)

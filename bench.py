@@ -135,26 +135,26 @@ def bench_train(model_type, overrides):
     train_model = torch.compile(model) if compile else model
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
-    for i in range(warmup + steps):
-        if i == warmup:
-            sync()
-            t0 = time.perf_counter()
+
+    def train_step():
         with autocast:
             loss = train_model(x, y)[1]  # (logits, loss, stats); the peer's (logits, loss)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        train_step()
     sync()
     dt = (time.perf_counter() - t0) / steps
     ops = None
     if profile:  # the same steps again under the profiler: where each model's step goes, op by op
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                with autocast:
-                    loss = train_model(x, y)[1]
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step()
         events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:profile_ops]
         ops = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in events]
     return model, dt, ops
@@ -364,17 +364,17 @@ def sample_memory(run):
         print(f"\nsample.py --model=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
               f"{memory_new_tokens} new tokens, one thread")
         print("sample.py flags | seconds | weights MiB | peak resident MiB | weights + 1 GiB | peak within")
+        sample = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py"),
+                  f"--out_dir={run}", "--model=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
+                  f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu"]
+        # A small parent runs it: a child's peak resident set counts what it inherited before exec, and this process
+        # holds two models.
+        parent = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+                  "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
         for flags in ("--onednn=True", "--onednn=False"):
-            sample = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py"),
-                      f"--out_dir={run}", "--model=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
-                      f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu", flags]
-            # A small parent runs it: a child's peak resident set counts what it inherited before exec, and this
-            # process holds two models.
-            parent = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-                      "capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
             t0 = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", parent, *sample], check=True, capture_output=True, text=True,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            out = subprocess.run([sys.executable, "-c", parent, *sample, flags], check=True, capture_output=True,
+                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             peak_mib = int(out.stdout.split()[-1]) / 1024  # kB on Linux
             print(f"{flags} | {time.perf_counter() - t0:.0f} | {weights_mib:,.0f} | {peak_mib:,.0f} | "
                   f"{weights_mib + 1024:,.0f} | {peak_mib <= weights_mib + 1024}")

@@ -24,7 +24,8 @@ LlamaForCausalLM built from the same tensors, in one process, taking turns, at o
 ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (evaluate.py's
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
 same greedy tokens. --compile_decode=True adds det's compiled decode step. Then sample.py's peak resident memory, in
-a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each.
+a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each
+(--thread_counts="()": that table alone).
 """
 
 import ast
@@ -66,7 +67,7 @@ compile_decode = False  # also time decoding with the cached step compiled (mode
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
 src = ""  # --peer=transformers: the det run (folder or ckpt.pt) whose weights both models get
-thread_counts = (1, 2)  # --peer=transformers: torch.set_num_threads for each table row
+thread_counts = (1, 2)  # --peer=transformers: torch.set_num_threads for each table row (none: the memory table only)
 decode_batches = (1, 16)  # --peer=transformers: sequences decoded at once (16 minds)
 decode_prompt = 64  # --peer=transformers: prompt tokens before decoding
 prefill_tokens = 256  # --peer=transformers: tokens of the prefill measurement
@@ -381,7 +382,8 @@ def sample_memory(run):
 
 
 if peer == "transformers":
-    transformers_peer(src)
+    if thread_counts:
+        transformers_peer(src)
     if memory_minds:
         sample_memory(src)
     sys.exit(0)

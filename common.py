@@ -1,6 +1,7 @@
 """What the scripts share: picking a model file, checkpoints, prepared data and tokenizers. Model files never import
 this module; they stay self-contained."""
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -147,24 +148,38 @@ def autocast(device, dtype):
 @contextlib.contextmanager
 def onednn_linears(model):
     """CPU inference through oneDNN's matrix kernels: inside, every nn.Linear of `model` multiplies by its weight
-    reordered once into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses)
-    instead of torch's default float32 GEMM, which on our 2-core CPU is 1.2-1.9x slower at decoding shapes
-    (BENCHMARKS.md). Results equal F.linear's to float rounding (another summation order), not bit for bit.
-    Inference only: no gradients flow through, and weights changed inside are not seen (enter again). The packed
-    copies cost the weights' memory once more. On a GPU, in another dtype or without oneDNN, nothing changes."""
+    reordered into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses) instead
+    of torch's default float32 GEMM, which on our 2-core CPU is 1.2-1.9x slower at decoding shapes (BENCHMARKS.md).
+    Results equal F.linear's to float rounding (another summation order), not bit for bit. A weight is reordered at
+    its module's first call, and its plain copy released then unless another module shares it (a tied head): inside,
+    the packed copy is the weight, so memory stays that of the model. Inference only: no gradients flow through, and
+    a called Linear's weight must not be read or changed inside. On leaving, every module is as before, bit for bit
+    (the reorder is a permutation). On a GPU, in another dtype or without oneDNN, nothing changes."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not (torch.backends.mkldnn.is_available() and linears and all(
             m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)):
         yield model
         return
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    packed, released = {}, []
+
+    def forward(m, x):
+        if m not in packed:
+            packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in), oneDNN's layout
+            if uses[id(m.weight)] == 1:  # nothing else reads it (a Linear never called, like Free's post_sampler, or
+                m.weight.data = m.weight.data.new_empty(0)  # a tied embedding, keeps its plain weight)
+                released.append(m)
+        return onednn_linear(x, packed[m], None if m.bias is None else m.bias.detach())
+
     for m in linears:
-        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in) in oneDNN's layout
-        m.forward = functools.partial(onednn_linear, weight=packed, bias=None if m.bias is None else m.bias.detach())
+        m.forward = functools.partial(forward, m)
     try:
         yield model
     finally:
         for m in linears:
             del m.forward  # the class's forward again
+        for m in released:
+            m.weight.data = packed[m].to_dense()
 
 
 def onednn_linear(x, weight, bias):

@@ -76,6 +76,7 @@ ngram = 4  # n of distinct-n
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
+onednn = True  # CPU float32: matmuls through oneDNN (common.onednn_linears): faster, float rounding apart
 # ----------------------------------------------------------------------------------------------------------------
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
@@ -416,7 +417,6 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     for m0 in range(0, n_passes, per_piece):
         m1 = min(m0 + per_piece, n_passes)
         lat = None if latents[0] is None else torch.utils._pytree.tree_map(lambda *t: torch.cat(t), *latents[m0:m1])
-        rows = (m1 - m0) * C
         with autocast:
             if prefix:
                 first = None if lat is None else torch.utils._pytree.tree_map(lambda t: t[::C], lat)  # a row a pass
@@ -528,6 +528,12 @@ def load_net(path, checkpoint):
     return net.eval(), torch.Generator(device).manual_seed(seed)
 
 
+def matmuls(net):
+    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (common.onednn_linears: a
+    no-op elsewhere), torch's own kernels with --onednn=False (bit for bit what the model's forward computes)."""
+    return common.onednn_linears(net) if onednn else nullcontext()
+
+
 def dataset_for(checkpoints):
     """The prepared dataset the runs are evaluated on (--dataset, or the one they were trained on), refusing a run
     whose tokenizer does not fit it. -> (name, meta)"""
@@ -564,8 +570,10 @@ def run_lm(checkpoints):
     for path, checkpoint in checkpoints.items():
         net, generator = load_net(path, checkpoint)
         n_passes = 1 if net.latent_kind == "none" else mc_samples
-        results[path] = evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=batch_size,
-                                    iw_samples=iw_samples, n_bins=ece_bins, cvar_alpha=cvar_alpha, autocast=autocast)
+        with matmuls(net):
+            results[path] = evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=batch_size,
+                                        iw_samples=iw_samples, n_bins=ece_bins, cvar_alpha=cvar_alpha,
+                                        autocast=autocast)
     if any("neg_elbo" in r for r in results.values()):
         print("free: nll ... cvar_nll use every Z_t from the uniform prior (the prior predictive; generation draws the "
               "prompt's Z from the encoder); neg_elbo and iw_bound are "
@@ -593,8 +601,9 @@ def run_mc(checkpoints):
         how = mixture_for(net, mixture)
         eot = encode("<|endoftext|>")[0] if checkpoint["meta"]["tokenizer"] == "gpt2" else None
         run_items = [] if out_items else None
-        results[path] = evaluate_mc(net, examples, encode, decode, n_passes, seed, autocast=autocast, mixture=how,
-                                    eot=eot, items=run_items)
+        with matmuls(net):
+            results[path] = evaluate_mc(net, examples, encode, decode, n_passes, seed, autocast=autocast,
+                                        mixture=how, eot=eot, items=run_items)
         items += [{"out_dir": path, "mixture": results[path]["mixture"], **item} for item in run_items or []]
         if results[path]["truncated"]:
             print(f"{path}: {results[path]['truncated']} examples longer than block_size={net.config.block_size} "
@@ -620,7 +629,7 @@ def run_population(checkpoints):
     for path, checkpoint in checkpoints.items():
         net, generator = load_net(path, checkpoint)
         encode, decode = common.tokenizer(checkpoint["meta"])
-        with autocast:
+        with matmuls(net), autocast:
             results[path] = evaluate_population(net, prompts, encode, decode, minds, generator,
                                                 max_new_tokens=max_new_tokens, temperature=temperature,
                                                 top_k=top_k, n=ngram)

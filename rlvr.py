@@ -8,6 +8,7 @@ test-time RL with a majority-vote reward (§5.3), at CPU scale:
     python rlvr.py config/rlvr_arith.py --reward=ttrl --train_prompts=eval   # §5.3 TTRL: no labels read
     python rlvr.py config/rlvr_synthetic.py                             # the letters task (Free Transformer §4.1)
     python -m experiments.rlvr_compare                                  # temperature vs minds vs token, 3 seeds
+    python rlvr.py config/rlvr_smollm2.py                               # a pretrained chat model (SmolLM2)
 
 A det checkpoint is wrapped plug-and-play into B-Trans (§6.2: mu = 0, so the mean model is the det model). Every
 step draws prompts_per_step prompts and group_size rollouts of each, scores them (a verifier, or agreement with the
@@ -18,9 +19,11 @@ the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale 
 """
 
 import copy
+import json
 import os
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -39,13 +42,14 @@ init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; 
 log_interval = 1
 eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval steps and after the last
 # task
-task = "arith"  # 'arith' (python prepare.py arith) or 'letters' (the synthetic task: python prepare.py synthetic)
-dataset = ""  # '' = the task's: arith, or synthetic for letters
+task = "arith"  # 'arith' (python prepare.py arith), 'letters' (python prepare.py synthetic), or for a chat model
+# 'gsm8k' (GSM8K, answer after "####") or 'hellaswag' (lettered multiple choice, tasks.lettered_question)
+dataset = ""  # '' = the task's: arith, synthetic, gsm8k, hellaswag; a chat task's can be a local path (chat_problems)
 train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past the eval ones), 'eval' (TTRL only)
-eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split
+eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split (GSM8K's: test)
 eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, tasks.pass_at_k)
 eval_temperature = 1.0
-max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters
+max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters, 256 gsm8k, 1 hellaswag
 # rollouts
 rollout = "minds"  # 'temperature' (det baseline), 'minds' (one eps per rollout, §4.3), 'token' (fresh eps, §6.1)
 temperature = 1.0  # token sampling temperature of the rollouts, every mode (0 = greedy: then only minds explore)
@@ -131,6 +135,12 @@ def completion_logprobs(net, prompt_ids, completions):
     return F.log_softmax(logits.float(), dim=-1).gather(-1, completions[..., None]).squeeze(-1)  # (N, L)
 
 
+def replies(completions, decode, stop_id):
+    """Each completion decoded up to and including its first stop token (completion_mask): the reply that is scored."""
+    lengths = completion_mask(completions, stop_id).sum(1).tolist()
+    return [decode(row[:n]) for row, n in zip(completions.tolist(), lengths)]
+
+
 def group_advantages(rewards, eps=1e-4):
     """(P, G) rewards -> (P, G) advantages (r - mean) / (std + eps) within each group, std with Bessel's correction
     (torch.std, as TRL's GRPOTrainer). A group whose rewards are all equal gets advantage 0: no signal."""
@@ -192,7 +202,7 @@ def ttrl_rewards(answers):
 
 
 @torch.no_grad()
-def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed):
+def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
     """The mean model (the one the updates train) on held-out prompts: greedy accuracy, and pass@1 and pass@k of k
     samples at `temperature`."""
     device = net.tok_emb.weight.device
@@ -201,12 +211,53 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
     with noise_mode(net, "mean"):
         greedy, _ = rollouts(net, ids, 1, max_new_tokens, 0.0, generator, generator)
         sampled, _ = rollouts(net, ids, k, max_new_tokens, temperature, generator, generator)
-    greedy_ok = [verify(p, decode(c)) for p, c in zip(prompts, greedy.tolist())]
-    sampled_ok = np.array([verify(p, decode(c)) for p, c in zip(np.repeat(prompts, k), sampled.tolist())])
+    greedy_ok = [verify(p, t) for p, t in zip(prompts, replies(greedy, decode, stop_id))]
+    sampled_ok = np.array([verify(p, t) for p, t in zip(np.repeat(prompts, k), replies(sampled, decode, stop_id))])
     correct = sampled_ok.reshape(len(prompts), k).sum(1)
     return {"eval_greedy": float(np.mean(greedy_ok)),
             "eval_pass@1": float(np.mean([tasks.pass_at_k(k, int(c), 1) for c in correct])),
             f"eval_pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
+
+
+def chat_problems(task, dataset, split):
+    """(question, answer) of every problem of a chat task's split, in data order. gsm8k: `dataset` is a folder with
+    GSM8K's train.jsonl and test.jsonl (openai/grade-school-math), else the hub's openai/gsm8k; 'val' is its test
+    split. hellaswag: a jsonl file or hub name, as evaluate.py's --mc_file; HellaSwag's labelled items are its
+    validation split, so they are all 'val'."""
+    if task == "hellaswag":
+        if split == "train":
+            common.die("hellaswag has labelled validation items only: use --train_prompts=val (the items past the "
+                       "held-out ones)")
+        import evaluate
+        return [(tasks.lettered_question(ex["context"], ex["choices"]), tasks.LETTERS[ex["label"]])
+                for ex in evaluate.load_mc_examples(dataset)]
+    name = "test" if split == "val" else "train"
+    path = os.path.join(dataset, f"{name}.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        try:
+            import datasets
+            rows = datasets.load_dataset("openai/gsm8k", "main", split=name)
+        except Exception as e:
+            common.die(f"no {path}, and the hub's openai/gsm8k did not load ({type(e).__name__}); offline, pass "
+                       f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>")
+    return [(row["question"], tasks.gsm8k_answer(row["answer"])) for row in rows]
+
+
+def chat_task(task, dataset, meta):
+    """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
+    (common.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of the
+    question it replies to."""
+    labels = {}
+
+    def load(split):
+        pairs = [(common.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split)]
+        labels.update(pairs)
+        return [p for p, _ in pairs]
+    answer = tasks.TASKS[task].answer
+    return load, lambda prompt, reply: answer(reply) == labels[prompt]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,7 +276,7 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     completions, _ = rollouts(net, prompt_ids, group_size, max_new, temperature,
                               torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
                               torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
-    texts = [decode(c) for c in completions.tolist()]
+    texts = replies(completions, decode, stop_id)
     group_prompts = [p for p in prompts for _ in range(group_size)]
     correct = np.array([spec.verify(p, t) for p, t in zip(group_prompts, texts)], dtype=float)  # ttrl: logged only
     answers = [spec.answer(t) for t in texts]
@@ -264,7 +315,8 @@ def main():
         common.die("train_prompts=eval trains on the held-out problems: only with reward=ttrl, which reads no label")
     spec = tasks.TASKS[task]
     data = dataset or spec.dataset
-    config["dataset"] = data  # recorded in the checkpoint, where evaluate.py looks for it
+    if not spec.chat:
+        config["dataset"] = data  # recorded in the checkpoint, where evaluate.py looks for it
     max_new = max_new_tokens or spec.max_new_tokens
     common.lock_out_dir(out_dir, "rlvr.py")
     common.refuse_existing_run(out_dir, overwrite)
@@ -273,22 +325,31 @@ def main():
     net, checkpoint = common.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
     checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
     net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
-    meta = common.load_meta(data)
+    meta = checkpoint["meta"] if spec.chat else common.load_meta(data)  # a chat task: the model's own tokenizer
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
         common.die(f"{init_from} was trained with another tokenizer or vocabulary than dataset {data!r}")
     ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
+    if spec.chat and common.chat_template(meta) is None:
+        common.die(f"task={task} prompts a chat model in its chat template, and {init_from} has none: import an "
+                   f"Instruct model with convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
     encode, decode = common.tokenizer(meta)
-    stop_id = encode("\n")[0]
+    stop_ids = encode("<|im_end|>" if spec.chat else "\n")  # a reply ends at the chat turn's end, a problem at '\n'
+    if len(stop_ids) != 1:
+        common.die(f"task={task} needs a chat model whose tokenizer has ChatML's <|im_end|> (SmolLM2-Instruct's)")
+    stop_id = stop_ids[0]
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     optimizer = net.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 
     # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
     # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
     # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
-    val = tasks.load_prompts(task, data, "val", meta)
+    load, verify = chat_task(task, data, meta) if spec.chat else (
+        lambda split: tasks.load_prompts(task, data, split, meta), spec.verify)
+    spec = SimpleNamespace(**{**vars(spec), "verify": verify})
+    val = load("val")
     eval_set = val[:eval_prompts]
-    pool = {"train": lambda: tasks.load_prompts(task, data, "train", meta), "val": lambda: val[eval_prompts:],
+    pool = {"train": lambda: load("train"), "val": lambda: val[eval_prompts:],
             "eval": lambda: eval_set}[train_prompts]()
     if len(pool) < prompts_per_step or not eval_set:
         common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
@@ -302,7 +363,7 @@ def main():
     for step in range(max_steps + 1):
         if step % eval_interval == 0 or step == max_steps:
             evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
-                                     max_new, seed)
+                                     max_new, seed, stop_id)
             print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
             common.append_record(metrics_path, {"iter": step, **evals})
             if step > 0:  # train.py's format; RL has no validation loss, so a train.py resume saves at its first eval

@@ -3,6 +3,8 @@ what evaluate.py, rlvr.py and the experiments score. No model in here.
 
     letters  the Free Transformer's synthetic task (Fleuret, §4.1): "K>" then 64 characters holding the letter 8 times
     arith    "37*12=444" lines: two- and three-digit addition and multiplication, verified exactly (rlvr.py)
+and two real ones for a pretrained chat model, asked in its chat template: GSM8K (the number after "####") and
+HellaSwag as lettered multiple choice (the format of B-Trans §5.1's MMLU-Pro: the answer is a letter).
 """
 
 import math
@@ -94,10 +96,6 @@ def verify_arith(prompt, text):
     return arith_answer(text) == str(int(a) + int(b) if op == "+" else int(a) * int(b))
 
 
-TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier
-    "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith),
-    "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters),
-}
 
 
 def load_prompts(task, dataset, split, meta):
@@ -141,6 +139,36 @@ def gsm8k_answer(text):
     after = GSM8K_NUMBER.findall(text.rsplit("####", 1)[1]) if "####" in text else []
     numbers = after[:1] or GSM8K_NUMBER.findall(text)[-1:]
     return float(numbers[0].replace(",", "")) if numbers else None
+
+
+def gsm8k_steps(answer):
+    """The calculator steps of a GSM8K reference solution (its "<<48/2=24>>" annotations): a measure of difficulty."""
+    return answer.count("<<")
+
+
+def lettered_question(context, choices):
+    """A multiple-choice item as one user message: the text, the choices as "A. ...", and the answer format asked
+    for (the letter first), as MMLU-Pro is posed (B-Trans §5.1)."""
+    options = "\n".join(f"{LETTERS[i]}. {c.strip()}" for i, c in enumerate(choices))
+    return (f"Which ending is the most likely continuation of the text?\n\n{context.strip()}\n\n{options}\n\n"
+            f"Answer with the letter only.")
+
+
+def letter_answer(text, n_choices=4):
+    """The letter a reply starts with ("B", "B. the dog ...", " B"), or None: the format asked for is the letter
+    first, so "The answer is B" counts as no answer."""
+    match = re.match(r"\s*([A-Z])(?![A-Za-z])", text)
+    return match.group(1) if match and LETTERS.index(match.group(1)) < n_choices else None
+
+
+TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier (chat: rlvr.py's, from labels)
+    "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith, chat=False),
+    "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters,
+                               chat=False),
+    # a pretrained chat model's own vocabulary, prompts in its chat template; the dataset is a jsonl folder or file
+    "gsm8k": SimpleNamespace(dataset="gsm8k", max_new_tokens=256, answer=gsm8k_answer, verify=None, chat=True),
+    "hellaswag": SimpleNamespace(dataset="hellaswag", max_new_tokens=1, answer=letter_answer, verify=None, chat=True),
+}
 
 
 def intervals_apart(a, b):

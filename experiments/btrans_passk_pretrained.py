@@ -1,19 +1,26 @@
-"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2, with GSM8K in place of MMLU-Pro): SmolLM2-135M-Instruct,
-imported offline, on the first `num_problems` GSM8K test problems.
+"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, on GSM8K or on
+HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
 
     python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
-    python -m experiments.btrans_passk_pretrained --out_dir=out-smollm2 --num_problems=8 --time_only=True
-    python -m experiments.btrans_passk_pretrained --out_dir=out-smollm2 --num_problems=...
+    python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=150
+    python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
+    python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=...
 
-Each problem is asked in the run's chat template (common.chat_prompt, as sample.py --chat=True), and n
-completions of `max_new_tokens` are drawn per problem and seed from three arms at the same decoding budget:
+Each problem is asked in the run's chat template (common.chat_prompt, as sample.py --chat=True), and n answers are
+drawn per problem and seed from three arms at the same decoding budget:
   temperature   the det model at `temperature` (the paper's "high-temperature sampling" baseline),
-  minds         B-Trans minds (one eps per completion, §4.3; sigma and sigma_scale below) at the same temperature,
+  minds         n B-Trans minds (one eps each, §4.3; sigma and sigma_scale below) at the same temperature,
   greedy minds  the same minds at temperature 0: all diversity from the minds.
-A completion ends at the first <|im_end|>; its answer is the number after the last "####", else its last number,
-checked against GSM8K's. pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ±
-std over seeds and marks (*) only differences from temperature whose mean ± std intervals do not overlap.
---time_only=True times one problem of one arm and prints what the whole run would take.
+A seed draws its n minds once, as a population that answers every problem (§5.1).
+gsm8k      the first `num_problems` test problems (with max_steps > 0: of those whose reference solution has at most
+           max_steps calculator steps, an easier real split); completions of max_new_tokens end at the first
+           <|im_end|>; the answer is the number after the last "####", else the last number (tasks.gsm8k_answer).
+hellaswag  the first `num_problems` items of HellaSwag's validation sample, the four endings as A-D
+           (tasks.lettered_question); the answer is the reply's first token, right when it is the item's letter
+           (tasks.letter_answer): every arm's first token is drawn from the prefill's logits, as generate() draws it.
+pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
+only differences from temperature whose mean ± std intervals do not overlap. Matrix products go through oneDNN on a
+CPU (common.onednn_linears: float rounding apart from F.linear). --time_only=True times one problem of the minds arm.
 """
 
 import json
@@ -22,78 +29,118 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import common
 import configurator
-import rlvr
+import evaluate
 import tasks
 
 out_dir = "out-smollm2"
+benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
 gsm8k = "../shared/data/gsm8k/test.jsonl"
-num_problems = 8  # the first problems of the test split
-n = 8  # completions per problem, arm and seed
-ks = (1, 2, 4, 8)
-max_new_tokens = 256
+hellaswag = "../shared/data/hellaswag/hellaswag_val_sample1000.jsonl"
+num_problems = 150  # the first problems of the benchmark (after the max_steps filter)
+max_steps = 0  # gsm8k: keep problems whose reference takes at most this many calculator steps (0: every problem)
+n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
+ks = (1, 2, 4, 8, 16)  # the table's columns
+max_new_tokens = 256  # gsm8k
 temperature = 1.0  # the paper's high temperature; the greedy minds' excepted
 sigma = 0.03  # relative to each gain: +0.08 nats and 15% argmax flips on SmolLM2 (experiments/btrans_sigma.py)
 sigma_scale = "gain"
 seeds = (1, 2, 3)
 time_only = False  # time one problem of the minds arm and stop
-json_out = "assets/btrans_passk_pretrained.json"
+json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json
 device = "cpu"
-configurator.apply(globals())
-
-if not os.path.exists(gsm8k):
-    common.die(f"{gsm8k} not found: GSM8K's test.jsonl (openai/grade-school-math) is expected there")
-with open(gsm8k) as f:
-    problems = [json.loads(line) for line in f][:num_problems]
+config, _ = configurator.apply(globals())
+configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
+                     choices={"benchmark": ("gsm8k", "hellaswag")})
+if max(ks) > n:
+    common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
+json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
+source = gsm8k if benchmark == "gsm8k" else hellaswag
+if not os.path.exists(source):
+    common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "
+               f"or HellaSwag's validation jsonl)")
+if benchmark == "gsm8k":
+    with open(source) as f:
+        problems = [p for p in map(json.loads, f) if not max_steps or tasks.gsm8k_steps(p["answer"]) <= max_steps]
+    problems = [{"question": p["question"], "answer": tasks.gsm8k_answer(p["answer"])} for p in problems]
+else:
+    problems = [{"question": tasks.lettered_question(ex["context"], ex["choices"]),
+                 "answer": tasks.LETTERS[ex["label"]], "choices": len(ex["choices"])}
+                for ex in evaluate.load_mc_examples(source)]
+problems = problems[:num_problems]
 det, checkpoint = common.load_model(out_dir, device)
-det.eval()
 minds = common.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma=sigma, sigma_scale=sigma_scale)[0]
-minds.eval()
+det.eval(), minds.eval()
 encode, decode = common.tokenizer(checkpoint["meta"])
 end_ids = encode("<|im_end|>")
 if len(end_ids) != 1:
     common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
+prompts = [encode(common.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
+ARMS = ("temperature", "minds", "greedy minds")
 
 
-def correct_counts(arm, seed, problem_ids):
-    net = det if arm == "temperature" else minds
-    T = 0.0 if arm == "greedy minds" else temperature
-    tokens, latents = (torch.Generator(device).manual_seed(common.seed_of(seed, i)) for i in range(2))
-    prompt_ids = [encode(common.chat_prompt(checkpoint["meta"], problems[i]["question"])) for i in problem_ids]
-    completions, _ = rlvr.rollouts(net, prompt_ids, n, max_new_tokens, T, tokens, latents)
-    counts = []
-    for p, i in enumerate(problem_ids):
-        truth = tasks.gsm8k_answer(problems[i]["answer"])
-        ok = 0
-        for row in completions[p * n:(p + 1) * n].tolist():
-            row = row[:row.index(end_ids[0])] if end_ids[0] in row else row
-            ok += tasks.gsm8k_answer(decode(row)) == truth
-        counts.append(ok)
-    return np.array(counts)
+def gsm8k_correct(seed, i, population):
+    """{arm: correct answers of n} for GSM8K problem i: n completions of each arm, decoded to max_new_tokens."""
+    correct = {}
+    for arm in ARMS:
+        net, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
+        idx = torch.tensor([prompts[i]]).expand(n, -1)
+        tokens = torch.Generator().manual_seed(common.seed_of(seed, ARMS.index(arm), i))
+        rows = net.generate(idx, max_new_tokens, T, latents=None if net is det else population,
+                            generator=tokens)[:, idx.size(1):].tolist()
+        rows = [row[:row.index(end_ids[0])] if end_ids[0] in row else row for row in rows]
+        correct[arm] = sum(tasks.gsm8k_answer(decode(row)) == problems[i]["answer"] for row in rows)
+    return correct
 
 
-arms = ("temperature", "minds", "greedy minds")
-if time_only:
-    t0 = time.time()
-    correct_counts("minds", seeds[0], [0])
-    per = time.time() - t0
-    print(f"one problem, one arm, one seed: n={n} completions of {max_new_tokens} tokens in {per:.1f} s; the whole "
-          f"run ({num_problems} problems x {len(arms)} arms x {len(seeds)} seeds) ~ "
-          f"{per * num_problems * len(arms) * len(seeds) / 60:.0f} min")
-    raise SystemExit
+def hellaswag_correct(seed, i, population, det_logits):
+    """{arm: correct answers of n} for HellaSwag item i: each arm's first token, from the prompt's logits (det's are
+    the same for every seed: computed once per item)."""
+    tokens = torch.Generator().manual_seed(common.seed_of(seed, i))
+    mind_logits = minds(torch.tensor([prompts[i]]).expand(n, -1), latents=population)[0][:, -1].float()  # (n, V)
+    draws = {"temperature": torch.multinomial(F.softmax(det_logits / temperature, dim=-1), n, replacement=True,
+                                              generator=tokens).view(n),
+             "minds": torch.multinomial(F.softmax(mind_logits / temperature, dim=-1), 1, generator=tokens).view(n),
+             "greedy minds": mind_logits.argmax(-1)}
+    return {arm: sum(tasks.letter_answer(decode([t]), problems[i]["choices"]) == problems[i]["answer"]
+                     for t in ids.tolist()) for arm, ids in draws.items()}
 
-print(f"{out_dir}: {num_problems} GSM8K test problems, n={n} per arm and seed, T={temperature}, minds sigma={sigma} "
-      f"({sigma_scale}), {max_new_tokens} new tokens, seeds {list(seeds)}")
+
+def run(problem_ids):
+    """(seeds, problems, arms) correct counts."""
+    counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
+    with torch.no_grad(), common.onednn_linears(det), common.onednn_linears(minds):
+        for p, i in enumerate(problem_ids):
+            det_logits = det(torch.tensor([prompts[i]]))[0][0, -1].float() if benchmark == "hellaswag" else None
+            for s, seed in enumerate(seeds):
+                population = minds.sample_latents(n, torch.Generator().manual_seed(common.seed_of(seed, 0)))
+                correct = (gsm8k_correct(seed, i, population) if benchmark == "gsm8k"
+                           else hellaswag_correct(seed, i, population, det_logits))
+                counts[s, p] = [correct[arm] for arm in ARMS]
+            if (p + 1) % 10 == 0:
+                print(f"{p + 1}/{len(problem_ids)} problems, {(time.time() - t0) / 60:.1f} min; correct so far "
+                      + ", ".join(f"{arm} {counts[:, :p + 1, a].sum()}" for a, arm in enumerate(ARMS)), flush=True)
+    return counts
+
+
+what = ("GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else "")
+        if benchmark == "gsm8k" else "HellaSwag validation items as lettered multiple choice")
+print(f"{out_dir}: the first {len(problems)} {what}, n={n} per arm and seed, T={temperature}, minds sigma={sigma} "
+      f"({sigma_scale}), seeds {list(seeds)}")
 t0 = time.time()
-curves = {}
-for arm in arms:
-    counts = [correct_counts(arm, seed, range(num_problems)) for seed in seeds]
-    curves[arm] = np.array([list(tasks.pass_at_k_curve(c, n, range(1, n + 1)).values()) for c in counts])
-    print(f"{arm}: pass@1 {curves[arm][:, 0].mean():.3f} ± {curves[arm][:, 0].std():.3f} "
-          f"({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-
+if time_only:
+    all_seeds, seeds = seeds, seeds[:1]
+    run([0])
+    per = time.time() - t0
+    print(f"one problem, one seed, three arms: {per:.1f} s; the whole run ({len(problems)} problems x "
+          f"{len(all_seeds)} seeds) ~ {per * len(problems) * len(all_seeds) / 60:.0f} min")
+    raise SystemExit
+counts = run(range(len(problems)))
+curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
+                         for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
 ref = curves["temperature"]
 print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
 print("|---|" + "---|" * len(ks))
@@ -102,10 +149,12 @@ for arm, c in curves.items():
              + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
              for k in ks]
     print(f"| {arm} | " + " | ".join(cells) + " |")
-os.makedirs(os.path.dirname(json_out), exist_ok=True)
+os.makedirs(os.path.dirname(json_out) or ".", exist_ok=True)
 with open(json_out, "w") as f:
-    json.dump({"out_dir": out_dir, "num_problems": num_problems, "n": n, "max_new_tokens": max_new_tokens,
-               "temperature": temperature, "sigma": sigma, "sigma_scale": sigma_scale, "seeds": list(seeds),
-               "minutes": (time.time() - t0) / 60,
+    json.dump({"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source), "max_steps": max_steps,
+               "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
+               "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
+               **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
+               "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
                "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}, f, indent=1)
 print(f"wrote {json_out}")

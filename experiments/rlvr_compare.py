@@ -2,12 +2,14 @@
 better than temperature sampling, at the same group size, steps and seeds?
 
     python -m experiments.rlvr_compare              # trains config/det_arith.py first if needed
+    python -m experiments.rlvr_compare --rlvr_config=config/rlvr_smollm2.py --sft_dir=out-smollm2 ...  # README
 
 From one supervised det checkpoint on prepare.py's arithmetic task, rlvr.py runs GRPO with a verifier reward three
 ways, every other setting equal (config/rlvr_arith.py):
   temperature  the det model, action-space noise only (token sampling at `temperature`)
   minds        B-Trans: each rollout of a group its own mind, eps drawn once and frozen (§4.3), same temperature
   token        the same sigma, a fresh eps at every step (§6.1)
+--rlvr_config=config/rlvr_smollm2.py runs the same comparison from a pretrained chat model (its task and data).
 The updates and the evaluation use the mean model in every case (§5), so the three differ only in how rollouts are
 drawn. Printed: held-out pass@1, pass@k and greedy accuracy before and after (mean and spread over seeds), reward
 over the first and last `window` steps, distinct answers per group, the share of groups with a learning signal
@@ -25,7 +27,8 @@ import numpy as np
 import common
 import configurator
 
-sft_dir = "out-det-arith"
+rlvr_config = "config/rlvr_arith.py"  # rlvr.py's config: task, data, held-out split; the settings below override it
+sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
 modes = ("temperature", "minds", "token")
 seeds = (1, 2, 3)
@@ -44,7 +47,8 @@ figure = "assets/rlvr_compare.png"
 device = "cpu"
 configurator.apply(globals())
 
-common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+if rlvr_config == "config/rlvr_arith.py":
+    common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,7 +56,7 @@ def run(mode, seed):
     """One rlvr.py run; its metrics.jsonl records."""
     out = os.path.join(runs_dir, f"{mode}-s{seed}")
     os.makedirs(out, exist_ok=True)
-    args = ["config/rlvr_arith.py", f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
+    args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
             f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
             f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
             f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
@@ -112,7 +116,8 @@ for mode, rows in summary.items():
 data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
 with open(data, "w") as f:
-    json.dump({"steps": steps, "prompts_per_step": prompts_per_step, "group_size": group_size, "sigma": sigma,
+    json.dump({"rlvr_config": rlvr_config, "sft_dir": sft_dir, "steps": steps, "prompts_per_step": prompts_per_step,
+               "group_size": group_size, "sigma": sigma,
                "temperature": temperature, "learning_rate": learning_rate, "seeds": list(seeds), "window": window,
                "runs": summary}, f, indent=1, default=float)
 print(f"\nwrote {data}")
@@ -128,7 +133,7 @@ for mode, rows in summary.items():
     ax.fill_between(x, lo, hi, alpha=0.2)
 ax.set_xlabel("GRPO step")
 ax.set_ylabel(f"rollout reward ({window}-step moving mean)")
-ax.set_title(f"GRPO on arith, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
+ax.set_title(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
 ax.legend()
 fig.tight_layout()

@@ -111,7 +111,8 @@ def test_kv_cache_spans_the_sequence_eager_and_a_few_rounded_lengths_compiled(mo
 @pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
 def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model_type):
     """common.onednn_linears (sample.py's CPU decoding): every model's logits within float rounding of F.linear's,
-    the same greedy tokens with pinned latents, and on leaving, the modules' own forward back (bit-equal logits)."""
+    the same greedy tokens with pinned latents, the plain weights released inside, and on leaving, the modules' own
+    forward and weights back (bit-equal logits)."""
     torch.manual_seed(0)
     model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
     x = torch.randint(0, 64, (3, 20))
@@ -124,6 +125,9 @@ def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model
             assert torch.equal(model.generate(x[:, :5], 12, temperature=0, latents=latents), tokens)
             linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
             assert "forward" in vars(linear)  # the oneDNN call is in place, so the comparison above compares it
+            # a called, untied weight is held once, packed; a tied head's stays (the embedding reads it)
+            assert model.blocks[0].attn.wq.weight.numel() == 0
+            assert model.lm_head.weight.shape == model.tok_emb.weight.shape
         after = model(x, x, latents=latents)[0]
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(after, before)

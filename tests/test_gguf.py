@@ -22,6 +22,7 @@ from conftest import run_script  # noqa: E402
 
 import common  # noqa: E402
 import convert  # noqa: E402
+import tasks  # noqa: E402
 
 # Text with numbers, and spaces before digits: where a digit-splitting pre-tokenizer (SmolLM2's) and GPT-2's differ.
 TEXT = "".join(
@@ -329,3 +330,35 @@ def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
         assert encode(text) == reference.encode(text).ids
     assert len(encode("12345")) == 5
     assert hf_tok(PROBE, add_special_tokens=False)["input_ids"] != encode(PROBE)  # what the import repairs
+
+
+def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_the_turns_end(small_import, tmp_path):
+    """rlvr.py --task=gsm8k on an imported chat model: held-out greedy accuracy before any update is what det's own
+    greedy replies to the templated questions, cut at <|im_end|>, score against the labels (built from those replies,
+    so some are right and some wrong)."""
+    root, _ = small_import
+    det, checkpoint = common.load_model(root / "ours")
+    encode, decode = common.tokenizer(checkpoint["meta"])
+    end = encode("<|im_end|>")[0]
+    questions = [f"In {year}, the model read {n} prompts. How many answers?" for year in (1999, 2019, 2024)
+                 for n in (12, 345, 6789)]
+    labels, right = [], 0
+    for i, q in enumerate(questions):
+        ids = encode(common.chat_prompt(checkpoint["meta"], q))
+        reply = det.generate(torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
+        answer = tasks.gsm8k_answer(decode(reply[:reply.index(end) + 1] if end in reply else reply))
+        correct = answer is not None and i % 2 == 0  # every other parsed reply gets its own answer as the label
+        labels.append(answer if correct else (answer or 0) + 1)
+        right += correct
+    assert 0 < right < len(questions)  # the check below can tell right from wrong
+    (tmp_path / "gsm8k").mkdir()
+    for split, qs in (("test", questions), ("train", questions[:4])):
+        with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"question": q, "answer": f"so\n#### {a:g}"}) + "\n" for q, a in zip(qs, labels))
+    run_script("rlvr.py", f"--init_from={root / 'ours'}", f"--out_dir={tmp_path / 'out'}", "--task=gsm8k",
+               f"--dataset={tmp_path / 'gsm8k'}", "--max_steps=1", f"--eval_prompts={len(questions)}",
+               "--eval_samples=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=12", "--device=cpu",
+               data_dir=root)
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert first["iter"] == 0 and first["eval_greedy"] == pytest.approx(right / len(questions))

@@ -2,6 +2,7 @@
 reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset."""
 
 import copy
+import json
 import math
 
 import pytest
@@ -106,6 +107,48 @@ def test_arith_verifier_on_edge_cases():
     assert tasks.arith_answer("0444\nxyz") == "0444" and tasks.arith_answer("*3\n") is None
 
 
+def test_chat_task_answers_gsm8k_numbers_and_lettered_choices():
+    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234") == 1234.0  # the number after the last ####
+    assert tasks.gsm8k_answer("She pays $12.50, then 3 more") == 3.0 and tasks.gsm8k_answer("none") is None
+    assert tasks.gsm8k_steps("2*3=<<2*3=6>>6 and 6+1=<<6+1=7>>7\n#### 7") == 2
+    assert [tasks.letter_answer(t) for t in ("B", " C. the dog", "A\n", "D)", "Apple", "The answer is B", "E", "")] \
+        == ["B", "C", "A", "D", None, None, None, None]  # the letter first, among the item's choices
+    assert tasks.letter_answer("E", n_choices=5) == "E"
+    question = tasks.lettered_question(" A man sits.", ["reads. ", "runs", "sleeps", "eats"])
+    assert question.splitlines()[2:8] == ["A man sits.", "", "A. reads.", "B. runs", "C. sleeps", "D. eats"]
+
+
+def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    for split, n in (("train", 3), ("test", 2)):
+        with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>\n#### {i + 1}"})
+                         + "\n" for i in range(n))
+    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
+                                                                         ("train 2?", 3.0)]
+    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
+    items = [{"context": "The cat", "choices": ["sat.", "flew.", "sang."], "label": 2}]
+    with open(tmp_path / "mc.jsonl", "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in items)
+    ((question, label),) = rlvr.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
+    assert label == "C" and question == tasks.lettered_question("The cat", ["sat.", "flew.", "sang."])
+
+
+def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_label(tmp_path):
+    completions = torch.tensor([[1, 2, 0, 3], [3, 3, 3, 3]])
+    assert rlvr.replies(completions, lambda ids: "".join("|abc"[i] for i in ids), stop_id=0) == ["ab|", "cccc"]
+    items = [{"context": "one", "choices": ["a", "b"], "label": 1}, {"context": "two", "choices": ["a", "b"], "label": 0}]
+    with open(tmp_path / "mc.jsonl", "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in items)
+    template = tmp_path / "chat_template.jinja"  # beside the run's tokenizer, as convert.py writes it
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+    meta = {"tokenizer": "hf", "tokenizer_file": str(tmp_path / "tokenizer.json")}
+    load, verify = rlvr.chat_task("hellaswag", tmp_path / "mc.jsonl", meta)
+    prompts = load("val")
+    assert prompts == [f"<user>{tasks.lettered_question(i['context'], i['choices'])}<assistant>" for i in items]
+    assert verify(prompts[0], "B. b") and not verify(prompts[0], "A") and verify(prompts[1], "A")
+
+
 def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
     completions = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]])
     mask = rlvr.completion_mask(completions, stop_id=0)
@@ -182,3 +225,13 @@ def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatc
     monkeypatch.setenv("RANK", "0")
     proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "runs in one process" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task=gsm8k"], "task=gsm8k prompts a chat model in its chat template, and "),  # a char-level model
+    (["--task=nope"], "--task must be one of"),
+])
+def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp_path, args, message):
+    root, det_out = arith_ckpt
+    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

@@ -7,6 +7,7 @@
     python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
     python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
     python bench.py --models=det --peer=nanogpt ... --profile=True      # and each training step op by op
+    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=d199529   # multiple choice against the past
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -25,7 +26,9 @@ ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-c
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
 same greedy tokens. --compile_decode=True adds det's compiled decode step. Then sample.py's peak resident memory, in
 a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each
-(--thread_counts="()": that table alone).
+(--thread_counts="()": that table alone). --mc_baseline=<git revision> instead times multiple choice against
+evaluate.py's score_choices of that revision on the same items and draws: today's through F.linear and through oneDNN
+(evaluate.py's CPU default), items/s and the largest score difference from the revision's.
 """
 
 import ast
@@ -76,6 +79,8 @@ mc_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared
 mc_items = 10
 memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many B-Trans minds (0: not measured)
 memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
+mc_baseline = ""  # --peer=transformers: a git revision whose evaluate.py's score_choices today's is timed against
+mc_passes = "det:1,btrans:8"  # ... the models (type:passes; btrans: minds at sigma 0.02, mixture 'sequence')
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
@@ -381,6 +386,60 @@ def sample_memory(run):
                   f"{weights_mib + 1024:,.0f} | {peak_mib <= weights_mib + 1024}")
 
 
+def mc_history(run):
+    """Multiple-choice items/s of evaluate.py's score_choices at git revision `mc_baseline` against today's (through
+    F.linear, and through oneDNN as evaluate.py runs on a CPU), the same items and draws, in turns, best of
+    `repeats`, at every thread count; and each one's largest |score - the revision's score|."""
+    import importlib.util
+    import tempfile
+    import evaluate
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = subprocess.run(["git", "show", f"{mc_baseline}:evaluate.py"], cwd=here, capture_output=True, text=True)
+    if source.returncode:
+        common.die(f"--mc_baseline={mc_baseline}: git show found no evaluate.py there ({source.stderr.strip()})")
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(source.stdout)
+        f.flush()
+        spec = importlib.util.spec_from_file_location(f"evaluate_{mc_baseline}", f.name)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    checkpoint = common.load_checkpoint(run)
+    encode, _ = common.tokenizer(checkpoint["meta"])
+    print(f"\nmultiple choice, {run}: evaluate.py's score_choices at {mc_baseline} against today's; best of {repeats}")
+    print("model | passes | items | threads | contender | items/s | x the revision | max |score - revision's|")
+    for model_spec in mc_passes.split(","):
+        model_type, passes = model_spec.split(":")
+        net, fast = (common.load_model(run, "cpu", model_type, checkpoint=checkpoint,
+                                       **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
+                     for _ in range(2))  # fast: inside common.onednn_linears throughout, as evaluate.py runs
+        mixture = evaluate.mixture_for(net, "auto")
+        n_items = mc_items if model_type == "det" else max(1, mc_items // 3)
+        items = [[evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
+                 for ex in evaluate.load_mc_examples(mc_file, n_items)]
+        contenders = [(mc_baseline, old, net), ("today, F.linear", evaluate, net),
+                      ("today, oneDNN (evaluate.py's default)", evaluate, fast)]
+        with torch.no_grad(), common.onednn_linears(fast):
+            evaluate.score_choices(fast, items[0], 1, None)  # each weight packed at its first call: not timed
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                best, scores = {}, {}
+                for _ in range(repeats):
+                    for name, module, model in contenders:
+                        t0 = time.perf_counter()
+                        scores[name] = [module.score_choices(model, pairs, int(passes), evaluate.example_generator(
+                            model, 1, i), mixture=mixture)[0] for i, pairs in enumerate(items)]
+                        dt = time.perf_counter() - t0
+                        best[name] = min(dt, best.get(name, dt))
+                reference = torch.tensor(scores[mc_baseline])
+                for name, _, _ in contenders:
+                    error = (torch.tensor(scores[name]) - reference).abs().max().item()
+                    print(f"{model_type} | {passes} | {len(items)} | {threads} | {name} | "
+                          f"{len(items) / best[name]:.3f} | {best[mc_baseline] / best[name]:.2f} | {error:.1e}")
+
+
+if peer == "transformers" and mc_baseline:
+    mc_history(src)
+    sys.exit(0)
 if peer == "transformers":
     if thread_counts:
         transformers_peer(src)

@@ -19,8 +19,9 @@ hellaswag  the first `num_problems` items of HellaSwag's validation sample, the 
            (tasks.lettered_question); the answer is the reply's first token, right when it is the item's letter
            (tasks.letter_answer): every arm's first token is drawn from the prefill's logits, as generate() draws it.
 pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
-only differences from temperature whose mean ± std intervals do not overlap. Matrix products go through oneDNN on a
-CPU (common.onednn_linears: float rounding apart from F.linear). --time_only=True times one problem of the minds arm.
+only differences from temperature whose mean ± std intervals do not overlap; every count and curve goes to json_out,
+the curves to its figure (--from_json=True redraws both from the JSON, running nothing). Matrix products go through
+oneDNN on a CPU (common.onednn_linears: float rounding apart from F.linear). --time_only=True times one problem.
 """
 
 import json
@@ -49,8 +50,9 @@ temperature = 1.0  # the paper's high temperature; the greedy minds' excepted
 sigma = 0.03  # relative to each gain: +0.08 nats and 15% argmax flips on SmolLM2 (experiments/btrans_sigma.py)
 sigma_scale = "gain"
 seeds = (1, 2, 3)
-time_only = False  # time one problem of the minds arm and stop
-json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json
+time_only = False  # time one problem (three arms, one seed) and stop
+from_json = False  # print the table and draw the figure from json_out, running nothing
+json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json; the figure beside it, .png
 device = "cpu"
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
@@ -58,6 +60,50 @@ configurator.require(config, positive=("num_problems", "n"), non_negative=("max_
 if max(ks) > n:
     common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
 json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
+ARMS = ("temperature", "minds", "greedy minds")
+
+
+def problems_named(benchmark, max_steps):
+    return ("GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else "")
+            if benchmark == "gsm8k" else "HellaSwag validation items as lettered multiple choice")
+
+
+def report(run):
+    """The table (mean ± std over seeds at each of ks; * where an arm's interval and temperature's do not overlap)
+    and the figure beside json_out (pass@k against k, mean over seeds, band min-max), from a run's JSON record."""
+    curves = {arm: np.array(c) for arm, c in run["pass_at_k_per_seed"].items()}  # (seeds, n) per arm
+    ref = curves["temperature"]
+    print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|" + "---|" * len(ks))
+    for arm, c in curves.items():
+        cells = [f"{c[:, k - 1].mean():.3f} ± {c[:, k - 1].std():.3f}"
+                 + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
+                 for k in ks]
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+    plt = common.pyplot("the table is above; the figure")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, c in curves.items():
+        k = np.arange(1, c.shape[1] + 1)
+        ax.plot(k, c.mean(0), marker=".", label=arm)
+        ax.fill_between(k, c.min(0), c.max(0), alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k")
+    ax.set_title(f"{os.path.basename(os.path.normpath(run['out_dir']))}: {run['num_problems']} "
+                 f"{problems_named(run['benchmark'], run['max_steps'])}\nn={run['n']}, T={run['temperature']}, "
+                 f"minds sigma={run['sigma']} ({run['sigma_scale']}); mean of {len(run['seeds'])} seeds, band: "
+                 f"min-max", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    figure = os.path.splitext(json_out)[0] + ".png"
+    fig.savefig(figure, dpi=100)
+    print(f"wrote {figure}")
+
+
+if from_json:
+    with open(json_out) as f:
+        report(json.load(f))
+    raise SystemExit
 source = gsm8k if benchmark == "gsm8k" else hellaswag
 if not os.path.exists(source):
     common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "
@@ -79,7 +125,6 @@ end_ids = encode("<|im_end|>")
 if len(end_ids) != 1:
     common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
 prompts = [encode(common.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
-ARMS = ("temperature", "minds", "greedy minds")
 
 
 def gsm8k_correct(seed, i, population):
@@ -126,10 +171,8 @@ def run(problem_ids):
     return counts
 
 
-what = ("GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else "")
-        if benchmark == "gsm8k" else "HellaSwag validation items as lettered multiple choice")
-print(f"{out_dir}: the first {len(problems)} {what}, n={n} per arm and seed, T={temperature}, minds sigma={sigma} "
-      f"({sigma_scale}), seeds {list(seeds)}")
+print(f"{out_dir}: the first {len(problems)} {problems_named(benchmark, max_steps)}, n={n} per arm and seed, "
+      f"T={temperature}, minds sigma={sigma} ({sigma_scale}), seeds {list(seeds)}")
 t0 = time.time()
 if time_only:
     all_seeds, seeds = seeds, seeds[:1]
@@ -141,20 +184,14 @@ if time_only:
 counts = run(range(len(problems)))
 curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
-ref = curves["temperature"]
-print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
-print("|---|" + "---|" * len(ks))
-for arm, c in curves.items():
-    cells = [f"{c[:, k - 1].mean():.3f} ± {c[:, k - 1].std():.3f}"
-             + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
-             for k in ks]
-    print(f"| {arm} | " + " | ".join(cells) + " |")
+record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source), "max_steps": max_steps,
+          "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
+          "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
+          **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
+          "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
+          "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}
 os.makedirs(os.path.dirname(json_out) or ".", exist_ok=True)
 with open(json_out, "w") as f:
-    json.dump({"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source), "max_steps": max_steps,
-               "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
-               "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
-               **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
-               "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
-               "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}, f, indent=1)
+    json.dump(record, f, indent=1)
 print(f"wrote {json_out}")
+report(record)

@@ -42,6 +42,7 @@ eval_prompts = 200
 eval_samples = 8
 window = 20  # reward summary: mean over the first and the last `window` steps
 parallel = 2  # rlvr.py processes at once (one thread each)
+reuse = False  # take a run whose metrics.jsonl is in runs_dir as it is (redraw the table and figure), not run it again
 extra = ""  # more rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
 figure = "assets/rlvr_compare.png"
 device = "cpu"
@@ -55,18 +56,20 @@ root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(mode, seed):
     """One rlvr.py run; its metrics.jsonl records."""
     out = os.path.join(runs_dir, f"{mode}-s{seed}")
-    os.makedirs(out, exist_ok=True)
-    args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
-            f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
-            f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
-            f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
-            f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
-    with open(os.path.join(out, "log.txt"), "w") as log:
-        proc = subprocess.run([sys.executable, os.path.join(root, "rlvr.py"), *args], check=False, stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        common.die(f"rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
+    metrics = os.path.join(out, "metrics.jsonl")
+    if not (reuse and os.path.exists(metrics)):
+        os.makedirs(out, exist_ok=True)
+        args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
+                f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
+                f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
+                f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
+                f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            proc = subprocess.run([sys.executable, os.path.join(root, "rlvr.py"), *args], check=False, stdout=log,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode:
+            common.die(f"rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
+    with open(metrics) as f:
         return [json.loads(line) for line in f]
 
 
@@ -133,7 +136,7 @@ for mode, rows in summary.items():
     ax.fill_between(x, lo, hi, alpha=0.2)
 ax.set_xlabel("GRPO step")
 ax.set_ylabel(f"rollout reward ({window}-step moving mean)")
-ax.set_title(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
+ax.set_title(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma};\nmean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
 ax.legend()
 fig.tight_layout()

@@ -315,8 +315,8 @@ def main():
         common.die("train_prompts=eval trains on the held-out problems: only with reward=ttrl, which reads no label")
     spec = tasks.TASKS[task]
     data = dataset or spec.dataset
-    if not spec.chat:
-        config["dataset"] = data  # recorded in the checkpoint, where evaluate.py looks for it
+    # recorded in the checkpoint, where evaluate.py looks for a prepared dataset: a chat task's jsonl is none
+    config["dataset"], config["chat_dataset"] = ("", data) if spec.chat else (data, "")
     max_new = max_new_tokens or spec.max_new_tokens
     common.lock_out_dir(out_dir, "rlvr.py")
     common.refuse_existing_run(out_dir, overwrite)

@@ -2,9 +2,9 @@
 HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
 
     python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
-    python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=150
+    python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
-    python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=...
+    python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
 
 Each problem is asked in the run's chat template (common.chat_prompt, as sample.py --chat=True), and n answers are
 drawn per problem and seed from three arms at the same decoding budget:
@@ -41,7 +41,7 @@ out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
 gsm8k = "../shared/data/gsm8k/test.jsonl"
 hellaswag = "../shared/data/hellaswag/hellaswag_val_sample1000.jsonl"
-num_problems = 150  # the first problems of the benchmark (after the max_steps filter)
+num_problems = 100  # the first problems of the benchmark (after the max_steps filter)
 max_steps = 0  # gsm8k: keep problems whose reference takes at most this many calculator steps (0: every problem)
 n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
 ks = (1, 2, 4, 8, 16)  # the table's columns
@@ -64,6 +64,7 @@ ARMS = ("temperature", "minds", "greedy minds")
 
 
 def problems_named(benchmark, max_steps):
+    """What the problems are, in words (the log's first line, the figure's title)."""
     return ("GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else "")
             if benchmark == "gsm8k" else "HellaSwag validation items as lettered multiple choice")
 
@@ -101,6 +102,8 @@ def report(run):
 
 
 if from_json:
+    if not os.path.exists(json_out):
+        common.die(f"--from_json=True reads {json_out}, which is not there: run the experiment first (or --json_out=)")
     with open(json_out) as f:
         report(json.load(f))
     raise SystemExit

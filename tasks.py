@@ -96,40 +96,6 @@ def verify_arith(prompt, text):
     return arith_answer(text) == str(int(a) + int(b) if op == "+" else int(a) * int(b))
 
 
-
-
-def load_prompts(task, dataset, split, meta):
-    """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
-    every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
-    letters: the first two characters "K>" of each fixed-length sequence."""
-    data = common.load_tokens(dataset, split, meta)
-    if task == "letters":
-        n = meta["doc_len"]
-        return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
-    text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
-    return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# population metrics: pass@k, majority vote, diversity
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
-    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_at_k_curve(correct, n, ks):
-    """{k: pass@k averaged over prompts} from the number of correct samples of each prompt, n samples each."""
-    return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
-
-
 GSM8K_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -169,6 +135,38 @@ TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), v
     "gsm8k": SimpleNamespace(dataset="gsm8k", max_new_tokens=256, answer=gsm8k_answer, verify=None, chat=True),
     "hellaswag": SimpleNamespace(dataset="hellaswag", max_new_tokens=1, answer=letter_answer, verify=None, chat=True),
 }
+
+
+def load_prompts(task, dataset, split, meta):
+    """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
+    every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
+    letters: the first two characters "K>" of each fixed-length sequence."""
+    data = common.load_tokens(dataset, split, meta)
+    if task == "letters":
+        n = meta["doc_len"]
+        return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
+    text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
+    return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# population metrics: pass@k, majority vote, diversity
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
+    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_curve(correct, n, ks):
+    """{k: pass@k averaged over prompts} from the number of correct samples of each prompt, n samples each."""
+    return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
 
 
 def intervals_apart(a, b):

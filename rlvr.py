@@ -45,6 +45,7 @@ eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval
 task = "arith"  # 'arith' (python prepare.py arith), 'letters' (python prepare.py synthetic), or for a chat model
 # 'gsm8k' (GSM8K, answer after "####") or 'hellaswag' (lettered multiple choice, tasks.lettered_question)
 dataset = ""  # '' = the task's: arith, synthetic, gsm8k, hellaswag; a chat task's can be a local path (chat_problems)
+max_calc_steps = 0  # gsm8k: only problems whose reference solution takes at most this many calculator steps (0: all)
 train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past the eval ones), 'eval' (TTRL only)
 eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split (GSM8K's: test)
 eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, tasks.pass_at_k)
@@ -219,11 +220,12 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
             f"eval_pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
 
 
-def chat_problems(task, dataset, split):
+def chat_problems(task, dataset, split, max_calc_steps=0):
     """(question, answer) of every problem of a chat task's split, in data order. gsm8k: `dataset` is a folder with
     GSM8K's train.jsonl and test.jsonl (openai/grade-school-math), else the hub's openai/gsm8k; 'val' is its test
-    split. hellaswag: a jsonl file or hub name, as evaluate.py's --mc_file; HellaSwag's labelled items are its
-    validation split, so they are all 'val'."""
+    split; max_calc_steps > 0 keeps the problems whose reference takes at most that many calculator steps (the easier
+    real split of experiments/btrans_passk_pretrained). hellaswag: a jsonl file or hub name, as evaluate.py's
+    --mc_file; HellaSwag's labelled items are its validation split, so they are all 'val'."""
     if task == "hellaswag":
         if split == "train":
             common.die("hellaswag has labelled validation items only: use --train_prompts=val (the items past the "
@@ -243,17 +245,18 @@ def chat_problems(task, dataset, split):
         except Exception as e:
             common.die(f"no {path}, and the hub's openai/gsm8k did not load ({type(e).__name__}); offline, pass "
                        f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>")
-    return [(row["question"], tasks.gsm8k_answer(row["answer"])) for row in rows]
+    return [(row["question"], tasks.gsm8k_answer(row["answer"])) for row in rows
+            if not max_calc_steps or tasks.gsm8k_steps(row["answer"]) <= max_calc_steps]
 
 
-def chat_task(task, dataset, meta):
+def chat_task(task, dataset, meta, max_calc_steps=0):
     """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
     (common.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of the
     question it replies to."""
     labels = {}
 
     def load(split):
-        pairs = [(common.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split)]
+        pairs = [(common.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split, max_calc_steps)]
         labels.update(pairs)
         return [p for p, _ in pairs]
     answer = tasks.TASKS[task].answer
@@ -301,8 +304,8 @@ def main():
     config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
                                            "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
-                         non_negative=("max_new_tokens", "temperature", "eval_temperature", "learning_rate",
-                                       "kl_coef", "clip_eps", "grad_clip", "weight_decay", "seed"),
+                         non_negative=("max_new_tokens", "max_calc_steps", "temperature", "eval_temperature",
+                                       "learning_rate", "kl_coef", "clip_eps", "grad_clip", "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
                                   "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
                          within={"beta1": "[0, 1)", "beta2": "[0, 1)"})
@@ -311,6 +314,8 @@ def main():
         common.die("the rollout mode sets the B-Trans noise_mode: use --rollout=temperature|minds|token")
     if group_size < 2:
         common.die("group_size must be >= 2: GRPO's advantages are relative to the rest of the group")
+    if max_calc_steps and task != "gsm8k":
+        common.die(f"max_calc_steps keeps GSM8K problems by their calculator steps: only with task=gsm8k, not {task}")
     if train_prompts == "eval" and reward != "ttrl":
         common.die("train_prompts=eval trains on the held-out problems: only with reward=ttrl, which reads no label")
     spec = tasks.TASKS[task]
@@ -344,7 +349,7 @@ def main():
     # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
     # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
     # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
-    load, verify = chat_task(task, data, meta) if spec.chat else (
+    load, verify = chat_task(task, data, meta, max_calc_steps) if spec.chat else (
         lambda split: tasks.load_prompts(task, data, split, meta), spec.verify)
     spec = SimpleNamespace(**{**vars(spec), "verify": verify})
     val = load("val")

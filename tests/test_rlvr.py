@@ -122,11 +122,13 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
     (tmp_path / "gsm8k").mkdir()
     for split, n in (("train", 3), ("test", 2)):
         with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>\n#### {i + 1}"})
-                         + "\n" for i in range(n))
+            f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>" * (i + 1)
+                                     + f"\n#### {i + 1}"}) + "\n" for i in range(n))  # problem i: i + 1 steps
     assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
                                                                          ("train 2?", 3.0)]
     assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
+    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
+                                                                                          ("train 1?", 2.0)]
     items = [{"context": "The cat", "choices": ["sat.", "flew.", "sang."], "label": 2}]
     with open(tmp_path / "mc.jsonl", "w") as f:
         f.writelines(json.dumps(item) + "\n" for item in items)
@@ -230,6 +232,7 @@ def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatc
 @pytest.mark.parametrize("args, message", [
     (["--task=gsm8k"], "task=gsm8k prompts a chat model in its chat template, and "),  # a char-level model
     (["--task=nope"], "--task must be one of"),
+    (["--max_calc_steps=1"], "max_calc_steps keeps GSM8K problems by their calculator steps: only with task=gsm8k"),
 ])
 def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp_path, args, message):
     root, det_out = arith_ckpt

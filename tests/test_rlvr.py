@@ -139,7 +139,8 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
 def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_label(tmp_path):
     completions = torch.tensor([[1, 2, 0, 3], [3, 3, 3, 3]])
     assert rlvr.replies(completions, lambda ids: "".join("|abc"[i] for i in ids), stop_id=0) == ["ab|", "cccc"]
-    items = [{"context": "one", "choices": ["a", "b"], "label": 1}, {"context": "two", "choices": ["a", "b"], "label": 0}]
+    items = [{"context": "one", "choices": ["a", "b"], "label": 1},
+             {"context": "two", "choices": ["a", "b"], "label": 0}]
     with open(tmp_path / "mc.jsonl", "w") as f:
         f.writelines(json.dumps(item) + "\n" for item in items)
     template = tmp_path / "chat_template.jinja"  # beside the run's tokenizer, as convert.py writes it

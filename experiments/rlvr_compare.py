@@ -121,7 +121,8 @@ os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
 with open(data, "w") as f:
     json.dump({"rlvr_config": rlvr_config, "sft_dir": sft_dir, "steps": steps, "prompts_per_step": prompts_per_step,
                "group_size": group_size, "sigma": sigma,
-               "temperature": temperature, "learning_rate": learning_rate, "seeds": list(seeds), "window": window,
+               "temperature": temperature, "learning_rate": learning_rate, "eval_prompts": eval_prompts,
+               "eval_samples": eval_samples, "extra": extra, "seeds": list(seeds), "window": window,
                "runs": summary}, f, indent=1, default=float)
 print(f"\nwrote {data}")
 

@@ -4,6 +4,7 @@ reward, the arithmetic verifier, and the script end to end on a tiny arithmetic 
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from conftest import records, run_script, train_det
 
 import common
+import configurator
 import rlvr
 import tasks
 
@@ -239,3 +241,20 @@ def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp
     root, det_out = arith_ckpt
     proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("config", ["config/rlvr_arith.py", "config/rlvr_smollm2.py", "config/rlvr_synthetic.py"])
+def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
+    """What rlvr.py's configurator would read from each config: every key one of rlvr.py's settings or a B-Trans
+    Config field, each of its default's type (configure dies otherwise, with the key)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    defaults = {k: v for k, v in vars(rlvr).items() if not k.startswith("_") and isinstance(v, configurator.TYPES)}
+    values, model_values = configurator.configure(defaults, [os.path.join(root, config)],
+                                                  model_fields=lambda values: common.config_fields("btrans"))
+    assert values["task"] in tasks.TASKS and set(model_values) <= {"sigma", "sigma_scale"}
+
+
+def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_file(tmp_path, monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)  # ../shared/data seen from here does not exist
+    assert configurator.read_config_file(os.path.join(root, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"

@@ -61,6 +61,9 @@ prompts_per_step = 8
 max_steps = 100
 learning_rate = 1e-5  # AdamW; 3e-5 already degraded the tiny det_arith model (config/rlvr_arith.py)
 updates_per_batch = 1  # optimizer steps per batch of rollouts (GRPO's mu); 1: the ratio is 1, the clip never acts
+update_batch = 0  # rollouts per forward/backward of an update, gradients summed over the batch (0: all at once).
+# An update's memory grows with it: 16 SmolLM2 rollouts of ~400 tokens at once hold ~12 GB of float32 logits and
+# activations (49,152-token vocabulary); 4 at a time, about a quarter
 clip_eps = 0.2  # PPO's ratio clip
 kl_coef = 0.0  # beta of the KL to the initial model (0: logged, not optimised)
 adv_eps = 1e-4  # (r - mean) / (std + adv_eps): TRL's GRPO value
@@ -166,8 +169,10 @@ def grpo_loss(logp, old_logp, ref_logp, mask, advantages, clip_eps=0.2, kl_coef=
 
 
 def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, updates=1, clip_eps=0.2,
-                kl_coef=0.0, grad_clip=1.0):
-    """updates optimizer steps on one batch of rollouts; the stats of the last.
+                kl_coef=0.0, grad_clip=1.0, chunk=0):
+    """updates optimizer steps on one batch of rollouts; the stats of the last. With chunk > 0, each step's forward
+    and backward take `chunk` rollouts at a time and their gradients add up to the whole batch's (grpo_loss is a mean
+    over completions: a chunk of n of N weighs n / N), for the memory of a chunk.
 
     §5: "we inject stochasticity only during rollout ... keeping the update phase deterministic by using the mean
     shift only". The log-probabilities here are those of the mean model (offset mu, no eps), but the rollouts were
@@ -178,20 +183,28 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
     stays deterministic and on-policy for the mean model, with the minds acting as a proposal that explores. With
     updates = 1, old_logp is this very forward, detached: rho = 1 exactly, the clip never acts, and the gradient is
     the plain policy gradient mean A grad log pi_mean (the clip matters only for updates > 1)."""
+    N = len(prompt_ids)
+    parts = [slice(i, i + (chunk or N)) for i in range(0, N, chunk or N)]
     with noise_mode(net, "mean"):
         with torch.no_grad():
-            ref_logp = completion_logprobs(ref, prompt_ids, completions)
+            ref_logp = [completion_logprobs(ref, prompt_ids[p], completions[p]) for p in parts]
+        old_logp = [None] * len(parts)
         for u in range(updates):
-            logp = completion_logprobs(net, prompt_ids, completions)
-            if u == 0:
-                old_logp = logp.detach()
-            loss, stats = grpo_loss(logp, old_logp, ref_logp, mask, advantages, clip_eps, kl_coef)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+            for j, p in enumerate(parts):
+                logp = completion_logprobs(net, prompt_ids[p], completions[p])
+                if u == 0:
+                    old_logp[j] = logp.detach()
+                loss, stats = grpo_loss(logp, old_logp[j], ref_logp[j], mask[p], advantages[p], clip_eps, kl_coef)
+                weight = len(prompt_ids[p]) / N
+                (loss * weight).backward()
+                for key, value in {"loss": loss.item(), **stats}.items():
+                    totals[key] += value * weight
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
             optimizer.step()
-    return {"loss": loss.item(), **stats}
+    return totals
 
 
 def ttrl_rewards(answers):
@@ -289,7 +302,7 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     advantages = group_advantages(rewards, adv_eps)  # (P, G)
     stats = grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
                         completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
-                        kl_coef, grad_clip)
+                        kl_coef, grad_clip, update_batch)
     return {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
             "adv_std": advantages.std().item(), **stats,
             "informative": (rewards.std(1) > 0).float().mean().item(),  # groups with a learning signal
@@ -304,8 +317,9 @@ def main():
     config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
                                            "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
-                         non_negative=("max_new_tokens", "max_calc_steps", "temperature", "eval_temperature",
-                                       "learning_rate", "kl_coef", "clip_eps", "grad_clip", "weight_decay", "seed"),
+                         non_negative=("max_new_tokens", "max_calc_steps", "update_batch", "temperature",
+                                       "eval_temperature", "learning_rate", "kl_coef", "clip_eps", "grad_clip",
+                                       "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
                                   "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
                          within={"beta1": "[0, 1)", "beta2": "[0, 1)"})

@@ -20,6 +20,7 @@ temperature = 1.0
 sigma = 0.03  # relative to each norm's gain (the default sigma_scale): +0.08 nats on SmolLM2 (btrans_sigma)
 group_size = 8
 prompts_per_step = 2  # 16 rollouts a step: what a 2-core CPU updates a 135M model on in ~half a minute
+update_batch = 4  # rollouts per forward/backward of the update: 16 GSM8K rollouts at once took ~12 GB
 max_steps = 30
 eval_interval = 30
 learning_rate = 1e-5

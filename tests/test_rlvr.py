@@ -182,6 +182,32 @@ def test_one_grpo_step_raises_logprobs_of_positive_advantage_rollouts_and_lowers
     assert net.config.noise_mode == "sequence"  # restored after the update
 
 
+def test_a_chunked_update_takes_the_whole_batchs_step():
+    """update_batch: gradients summed over chunks of rollouts (each weighed by its share) give the one-batch update,
+    through two clipped steps (updates=2: ratios away from 1) with a KL term, and the same stats."""
+    net = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(net).requires_grad_(False)
+    prompt_ids = [[3, 7, 1, 13]] * 3 + [[5, 2]] * 3  # two prompt lengths: each chunk pads to its own
+    completions = torch.cat([rlvr.rollouts(net, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
+                             for s, ids in enumerate(prompt_ids[::3])])  # (6, 6)
+    mask = rlvr.completion_mask(completions, stop_id=0)
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
+    results = []
+    for chunk in (0, 2, 4):
+        torch.manual_seed(0)
+        net_c = copy.deepcopy(net)
+        optimizer = torch.optim.SGD(net_c.parameters(), lr=0.5)  # Adam's first step, g / |g|, would amplify rounding
+        stats = rlvr.grpo_update(net_c, ref, optimizer, prompt_ids, completions, mask, advantages, updates=2,
+                                 clip_eps=0.2, kl_coef=0.1, grad_clip=1.0, chunk=chunk)
+        results.append((torch.cat([p.flatten() for p in net_c.parameters()]), stats))
+    (whole, whole_stats), *chunked = results
+    assert 0 < whole_stats["clip_frac"] < 1 and whole_stats["kl"] > 0  # the 2nd step clips some, left the reference
+    for params, stats in chunked:
+        assert torch.allclose(params, whole, atol=1e-6) and not torch.equal(params, torch.cat(
+            [p.flatten() for p in net.parameters()]))
+        assert all(math.isclose(stats[k], whole_stats[k], rel_tol=1e-4, abs_tol=1e-7) for k in whole_stats)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the script
 

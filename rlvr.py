@@ -62,7 +62,7 @@ max_steps = 100
 learning_rate = 1e-5  # AdamW; 3e-5 already degraded the tiny det_arith model (config/rlvr_arith.py)
 updates_per_batch = 1  # optimizer steps per batch of rollouts (GRPO's mu); 1: the ratio is 1, the clip never acts
 update_batch = 0  # rollouts per forward/backward of an update, gradients summed over the batch (0: all at once).
-# An update's memory grows with it: GRPO from SmolLM2-135M on GSM8K, 16 rollouts of up to ~450 tokens, peaked at
+# An update's memory grows with it: GRPO from SmolLM2-135M on GSM8K, 16 rollouts of 256 new tokens, peaked at
 # 15.8 GiB resident all at once (float32 activations of 30 layers, 49,152-token logits) and 6.8 GiB 4 at a time
 clip_eps = 0.2  # PPO's ratio clip
 kl_coef = 0.0  # beta of the KL to the initial model (0: logged, not optimised)

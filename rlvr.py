@@ -191,7 +191,7 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
         old_logp = [None] * len(parts)
         for u in range(updates):
             optimizer.zero_grad(set_to_none=True)
-            totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+            totals = {}  # the stats of the whole batch: each chunk's weighed by its share
             for j, p in enumerate(parts):
                 logp = completion_logprobs(net, prompt_ids[p], completions[p])
                 if u == 0:
@@ -200,7 +200,7 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
                 weight = len(prompt_ids[p]) / N
                 (loss * weight).backward()
                 for key, value in {"loss": loss.item(), **stats}.items():
-                    totals[key] += value * weight
+                    totals[key] = totals.get(key, 0.0) + value * weight
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
             optimizer.step()

@@ -2,6 +2,7 @@
 reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset."""
 
 import copy
+import glob
 import json
 import math
 import os
@@ -9,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import records, run_script, train_det
+from conftest import ROOT, records, run_script, train_det
 
 import common
 import configurator
@@ -269,18 +270,19 @@ def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("config", ["config/rlvr_arith.py", "config/rlvr_smollm2.py", "config/rlvr_synthetic.py"])
+@pytest.mark.parametrize("config", sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config",
+                                                                                                    "rlvr_*.py"))))
 def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
-    """What rlvr.py's configurator would read from each config: every key one of rlvr.py's settings or a B-Trans
-    Config field, each of its default's type (configure dies otherwise, with the key)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """What rlvr.py's configurator reads from each of its configs: every key one of rlvr.py's settings or a B-Trans
+    Config field (configure dies otherwise, naming the key), each value as the file gives it (of its default's type)."""
     defaults = {k: v for k, v in vars(rlvr).items() if not k.startswith("_") and isinstance(v, configurator.TYPES)}
-    values, model_values = configurator.configure(defaults, [os.path.join(root, config)],
+    values, model_values = configurator.configure(defaults, [os.path.join(ROOT, config)],
                                                   model_fields=lambda values: common.config_fields("btrans"))
-    assert values["task"] in tasks.TASKS and set(model_values) <= {"sigma", "sigma_scale"}
+    file_values = configurator.read_config_file(os.path.join(ROOT, config))
+    assert values["task"] in tasks.TASKS and len(file_values) > 3
+    assert all({**values, **model_values}[k] == v for k, v in file_values.items())
 
 
 def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_file(tmp_path, monkeypatch):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.chdir(tmp_path)  # ../shared/data seen from here does not exist
-    assert configurator.read_config_file(os.path.join(root, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
+    assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"

@@ -390,7 +390,6 @@ def mc_history(run):
     """Multiple-choice items/s of evaluate.py's score_choices at git revision `mc_baseline` against today's (through
     F.linear, and through oneDNN as evaluate.py runs on a CPU), the same items and draws, in turns, best of
     `repeats`, at every thread count; and each one's largest |score - the revision's score|."""
-    import importlib.util
     import tempfile
     import evaluate
     here = os.path.dirname(os.path.abspath(__file__))

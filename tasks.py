@@ -49,7 +49,6 @@ def arith_lines(n, rng, exclude=frozenset()):
     return [lines[i] for i in rng.permutation(len(lines))]
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # answers and verifiers
 
@@ -147,7 +146,6 @@ def load_prompts(task, dataset, split, meta):
         return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
     text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
     return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
-
 
 
 # ----------------------------------------------------------------------------------------------------------------

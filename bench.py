@@ -18,7 +18,8 @@ compiled (model.compile_decode()), and the seconds its compilation took.
 --peer=nanogpt adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the round robin
 and a column of each model's tokens/s over the peer's. Its model.py is read from ../shared/peers/nanogpt/model.py
 (MIT), never copied into this repository; --peer=<path> reads another copy. The peer trains with its own
-configure_optimizers; it has no KV cache, so its decode columns stay empty.
+configure_optimizers; it has no KV cache, so its decode columns stay empty. On a CPU every model's process keeps its
+freed memory as train.py's does (common.keep_freed_memory; --keep_freed_memory=False: glibc's default thresholds).
 
 --peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
@@ -66,6 +67,7 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 compile = False
 profile = False  # also each model's training step op by op (torch.profiler: self time per step of the top ops)
 profile_ops = 15  # ... how many ops per model
+keep_freed_memory = True  # CPU: common.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
 compile_decode = False  # also time decoding with the cached step compiled (model.compile_decode())
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
@@ -447,6 +449,8 @@ if peer == "transformers":
     sys.exit(0)
 if one:
     torch.set_float32_matmul_precision("high")
+    if keep_freed_memory and device_type == "cpu":
+        common.keep_freed_memory()  # as train.py does on a CPU, for every model timed, the peer's too
     print(json.dumps(bench_one(one)))
     sys.exit(0)
 
@@ -469,7 +473,8 @@ peer_row = best.get(PEER)
 contexts = decode_contexts
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
-      f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else ""))
+      f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else "")
+      + ("; freed memory kept (common.keep_freed_memory)" if keep_freed_memory and device_type == "cpu" else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det", "flop x det"]
 header += ["tok/s x peer"] if peer_row else []
 header += ["MFU", "peak MiB"] + [f"dec@{c} ms" for c in contexts] + [f"nocache@{c} ms" for c in contexts]

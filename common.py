@@ -3,6 +3,7 @@ this module; they stay self-contained."""
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib
@@ -284,6 +285,22 @@ def cpu_threads():
     threads = max(1, min(cores, idle))
     torch.set_num_threads(threads)
     return threads
+
+
+def keep_freed_memory():
+    """Keep the memory of freed tensors in the process, for the next training step to reuse (glibc, Linux). glibc's
+    malloc returns large freed blocks to the kernel (unmapping them, trimming the heap's top) by thresholds it adapts
+    as it runs; a step that frees its activations and allocates them again then faults on their pages, every step:
+    det at nanoGPT's Shakespeare shape took 24,000-30,000 page faults and 40-116 ms of system time a step, nanoGPT's
+    model 0-6,900 (BENCHMARKS.md). Fixed thresholds of 1 GiB keep freed blocks for reuse, as the jemalloc or tcmalloc
+    PyTorch's CPU tuning guide recommends do; the resident memory then stays at its peak between steps.
+    -> True when glibc took both settings; False elsewhere (macOS, Windows, musl), where nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    return [mallopt(param, 1 << 30) for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)] == [1, 1]
 
 
 class Stop:

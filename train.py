@@ -90,6 +90,8 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 common.check_device(device)
+if device == "cpu":
+    common.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
 sys.stdout.reconfigure(line_buffering=True)  # every line as it is printed, also into a log file (nohup ... > log)
 stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the loop saves the current step and exits
 if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(globals()):

@@ -120,7 +120,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def test_kept_freed_memory_is_reused_without_page_faults():
     """common.keep_freed_memory(), which train.py calls on a CPU: once two steps have touched their memory,
-    the next ones reuse it (2,000-7,400 faults in 20 steps, measured: a block placed anew now and then) where glibc's
+    the next ones reuse it (0-7,400 faults in 20 steps, measured: a block placed anew now and then) where glibc's
     own thresholds fault on every page of the 54 MB, every step (13,800 pages a step, 276,000 in 20). In child
     processes: the setting holds for the whole process."""
     if platform.libc_ver()[0] != "glibc":

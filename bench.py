@@ -86,6 +86,7 @@ mc_passes = "det:1,btrans:8"  # ... the models (type:passes; btrans: minds at si
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
+keeps_freed_memory = keep_freed_memory and device_type == "cpu"  # the setting acts on a CPU's malloc only
 PEER = "peer"  # the spec of the peer's row
 if peer == "nanogpt":
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "peers", "nanogpt", "model.py")
@@ -449,7 +450,7 @@ if peer == "transformers":
     sys.exit(0)
 if one:
     torch.set_float32_matmul_precision("high")
-    if keep_freed_memory and device_type == "cpu":
+    if keeps_freed_memory:
         common.keep_freed_memory()  # as train.py does on a CPU, for every model timed, the peer's too
     print(json.dumps(bench_one(one)))
     sys.exit(0)
@@ -474,7 +475,7 @@ contexts = decode_contexts
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
       f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else "")
-      + ("; freed memory kept (common.keep_freed_memory)" if keep_freed_memory and device_type == "cpu" else ""))
+      + ("; freed memory kept (common.keep_freed_memory)" if keeps_freed_memory else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det", "flop x det"]
 header += ["tok/s x peer"] if peer_row else []
 header += ["MFU", "peak MiB"] + [f"dec@{c} ms" for c in contexts] + [f"nocache@{c} ms" for c in contexts]

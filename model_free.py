@@ -54,6 +54,48 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
+# oneDNN's float32 kernels where they were measured: x86 CPUs with AVX2 or AVX-512 (oneDNN also builds elsewhere)
+ONEDNN_CPU = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+class LinearFunction(torch.autograd.Function):
+    """F.linear for CPU training: the product x W^T and the input's gradient g W by oneDNN (torch.ops.mkldnn, the
+    kernel torch.compile gives CPU linears), the weight's gradient g^T x by torch's GEMM (MKL). At nanoGPT's
+    Shakespeare shapes on our AMD CPU, oneDNN takes 12-17% less time than MKL for the first two products and MKL a
+    little less for the third (BENCHMARKS.md). The same values to float32 rounding: another order of summation."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., out); "none": no activation
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")  # (..., in)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_2d.t().mm(x.reshape(-1, x.size(-1)))  # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)  # (out,)
+        return grad_x, grad_w, grad_b
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and state dict) whose training products on a CPU go through LinearFunction.
+    Without gradients, F.linear: decoding's matrix-vector products were measured through it (BENCHMARKS.md); under
+    autocast or torch.compile too (inductor chooses its own kernels)."""
+
+    def forward(self, x):
+        if (ONEDNN_CPU and x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_grad_enabled()
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
+            return LinearFunction.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 def precompute_rope(head_dim, max_len, theta):
     """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
     Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels."""
@@ -119,10 +161,10 @@ class Attention(nn.Module):
         super().__init__()
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.wq = Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
         self.kv_cache = None  # a KVCache while generate() runs
 
     def forward(self, x, cos, sin, start_pos, x_kv=None):
@@ -152,9 +194,9 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+        self.w1 = Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = Linear(config.ffn_hidden, config.n_embd, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # one matmul per weight, as in Attention
@@ -388,10 +430,10 @@ class Model(nn.Module):
         self.zeta = nn.Parameter(torch.empty(config.n_embd))
         self.encoder = Block(config, causal=False)
         self.encoder_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.encoder_readout = nn.Linear(config.n_embd, config.latent_bits, bias=False)
-        self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
+        self.encoder_readout = Linear(config.n_embd, config.latent_bits, bias=False)
+        self.post_sampler = Linear(2 ** config.latent_bits, config.n_embd, bias=False)
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)

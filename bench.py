@@ -8,6 +8,7 @@
     python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
     python bench.py --models=det --peer=nanogpt ... --profile=True      # and each training step op by op
     python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=d199529   # multiple choice against the past
+    python bench.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -18,8 +19,9 @@ compiled (model.compile_decode()), and the seconds its compilation took.
 --peer=nanogpt adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the round robin
 and a column of each model's tokens/s over the peer's. Its model.py is read from ../shared/peers/nanogpt/model.py
 (MIT), never copied into this repository; --peer=<path> reads another copy. The peer trains with its own
-configure_optimizers; it has no KV cache, so its decode columns stay empty. On a CPU every model's process keeps its
-freed memory as train.py's does (common.keep_freed_memory; --keep_freed_memory=False: glibc's default thresholds).
+configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models' Linear trains
+through oneDNN on an x86 CPU. It has no KV cache, so its decode columns stay empty. On a CPU every model's process
+keeps its freed memory as train.py's does (common.keep_freed_memory; --keep_freed_memory=False: glibc's default).
 
 --peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
@@ -30,6 +32,11 @@ a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_
 (--thread_counts="()": that table alone). --mc_baseline=<git revision> instead times multiple choice against
 evaluate.py's score_choices of that revision on the same items and draws: today's through F.linear and through oneDNN
 (evaluate.py's CPU default), items/s and the largest score difference from the revision's.
+
+--linears=True times, at det's shapes for the given sizes (rows of batch_size * block_size tokens), the three matrix
+products of each Linear in a training step: x W^T, the input's gradient g W and the weight's gradient g^T x, by
+torch's GEMM (F.linear's: MKL on x86) and by oneDNN (torch.ops.mkldnn), in turns, best of `steps` calls after
+`warmup`. The model files' LinearFunction takes the faster kernel for each product on our CPU (BENCHMARKS.md).
 """
 
 import ast
@@ -83,6 +90,7 @@ memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many
 memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
 mc_baseline = ""  # --peer=transformers: a git revision whose evaluate.py's score_choices today's is timed against
 mc_passes = "det:1,btrans:8"  # ... the models (type:passes; btrans: minds at sigma 0.02, mixture 'sequence')
+linears = False  # instead: the three products of det's Linears in a training step, torch's GEMM against oneDNN
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
@@ -439,6 +447,44 @@ def mc_history(run):
                           f"{len(items) / best[name]:.3f} | {best[mc_baseline] / best[name]:.2f} | {error:.1e}")
 
 
+def bench_linears():
+    """--linears=True: torch's GEMM against oneDNN for the three products of each Linear shape of det (docstring)."""
+    cfg = dict(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
+    model = common.build_model("det", {**cfg, "block_size": block_size})
+    shapes = {}  # (out, in) -> the Linears of that shape
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes.setdefault(tuple(m.weight.shape), []).append(name.split(".")[-1])
+    onednn = lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")  # a (M, in) @ w (out, in)^T
+    rows = batch_size * block_size
+    print(f"CPU, float32, {torch.get_num_threads()} threads; rows M = B * T = {rows}; best of {steps} calls after "
+          f"{warmup}" + ("; freed memory kept (common.keep_freed_memory)" if keeps_freed_memory else ""))
+    print("Linear | out x in | product | torch GEMM ms | oneDNN ms | torch GF/s | oneDNN GF/s | oneDNN time / torch's")
+    for (n_out, n_in), names in shapes.items():
+        x, w, g = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
+        products = {"x W^T": (lambda: x @ w.t(), lambda: onednn(x, w)),  # forward
+                    "g W": (lambda: g @ w, lambda: onednn(g, w.t())),  # the input's gradient
+                    "g^T x": (lambda: g.t() @ x, lambda: onednn(g.t(), x.t()))}  # the weight's gradient
+        for product, kernels in products.items():
+            times = [[], []]
+            for _ in range(warmup + steps):
+                for kernel, kernel_times in zip(kernels, times):
+                    t0 = time.perf_counter()
+                    kernel()
+                    kernel_times.append(time.perf_counter() - t0)
+            ms = [min(t[warmup:]) * 1000 for t in times]
+            gflop = 2 * rows * n_in * n_out / 1e9
+            print(f"{', '.join(names)} | {n_out} x {n_in} | {product} | {ms[0]:.2f} | {ms[1]:.2f} | "
+                  f"{gflop / ms[0] * 1e3:.1f} | {gflop / ms[1] * 1e3:.1f} | {ms[1] / ms[0]:.3f}")
+
+
+if linears:
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        common.die("--linears=True compares CPU kernels: run it on a CPU with a torch built with oneDNN (mkldnn)")
+    if keeps_freed_memory:
+        common.keep_freed_memory()
+    bench_linears()
+    sys.exit(0)
 if peer == "transformers" and mc_baseline:
     mc_history(src)
     sys.exit(0)

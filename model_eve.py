@@ -73,7 +73,7 @@ ONEDNN_CPU = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu
 
 class LinearFunction(torch.autograd.Function):
     """F.linear for CPU training: the product x W^T and the input's gradient g W by oneDNN (torch.ops.mkldnn, the
-    kernel torch.compile gives CPU linears), the weight's gradient g^T x by torch's GEMM (MKL). At nanoGPT's
+    kernel of torch.compile's CPU weight prepacking), the weight's gradient g^T x by torch's GEMM (MKL). At nanoGPT's
     Shakespeare shapes on our AMD CPU, oneDNN takes 7-13% less time than MKL for the first two products, MKL up to
     13% less for the third (bench.py --linears=True). The same values to float32 rounding: another summation order."""
 

@@ -448,7 +448,7 @@ def mc_history(run):
 
 
 def bench_linears():
-    """--linears=True: torch's GEMM against oneDNN for the three products of each Linear shape of det (docstring)."""
+    """--linears=True: torch's GEMM against oneDNN for the three products of each Linear shape of det (module docstring)."""
     cfg = dict(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
     model = common.build_model("det", {**cfg, "block_size": block_size})
     shapes = {}  # (out, in) -> the Linears of that shape

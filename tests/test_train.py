@@ -123,7 +123,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def test_kept_freed_memory_is_reused_without_page_faults():
     """common.keep_freed_memory(), which train.py calls on a CPU: once two steps have touched their memory, the next
-    ones reuse it (512-7,400 faults in 20 steps, measured: a block placed anew now and then). The control, glibc's
+    ones reuse it (0-7,400 faults in 20 steps, measured: a block placed anew now and then). The control, glibc's
     starting mmap threshold held fixed, faults on every page of the 54 MB every step (13,800 pages a step, 276,640 in
     20), which shows the count sees what it is meant to. glibc's own adaptive thresholds fall anywhere between the two
     (measured 9,952 to 275,840, by the number of threads), so they make no control. In child processes: the setting

@@ -448,23 +448,23 @@ def mc_history(run):
 
 
 def bench_linears():
-    """--linears=True: torch's GEMM against oneDNN for the three products of each Linear shape of det (module docstring)."""
+    """--linears=True: torch's GEMM against oneDNN (common.onednn_linear on plain weights) for the three products of
+    each Linear shape of det, as the module's docstring says."""
     cfg = dict(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
     model = common.build_model("det", {**cfg, "block_size": block_size})
     shapes = {}  # (out, in) -> the Linears of that shape
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear):
             shapes.setdefault(tuple(m.weight.shape), []).append(name.split(".")[-1])
-    onednn = lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")  # a (M, in) @ w (out, in)^T
     rows = batch_size * block_size
     print(f"CPU, float32, {torch.get_num_threads()} threads; rows M = B * T = {rows}; best of {steps} calls after "
           f"{warmup}" + ("; freed memory kept (common.keep_freed_memory)" if keeps_freed_memory else ""))
     print("Linear | out x in | product | torch GEMM ms | oneDNN ms | torch GF/s | oneDNN GF/s | oneDNN time / torch's")
     for (n_out, n_in), names in shapes.items():
         x, w, g = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
-        products = {"x W^T": (lambda: x @ w.t(), lambda: onednn(x, w)),  # forward
-                    "g W": (lambda: g @ w, lambda: onednn(g, w.t())),  # the input's gradient
-                    "g^T x": (lambda: g.t() @ x, lambda: onednn(g.t(), x.t()))}  # the weight's gradient
+        products = {"x W^T": (lambda: x @ w.t(), lambda: common.onednn_linear(x, w, None)),  # forward
+                    "g W": (lambda: g @ w, lambda: common.onednn_linear(g, w.t(), None)),  # input's gradient
+                    "g^T x": (lambda: g.t() @ x, lambda: common.onednn_linear(g.t(), x.t(), None))}  # weight's
         for product, kernels in products.items():
             times = [[], []]
             for _ in range(warmup + steps):

@@ -184,7 +184,8 @@ def onednn_linears(model):
 
 
 def onednn_linear(x, weight, bias):
-    """F.linear(x, weight, bias) by oneDNN, for a weight packed by onednn_linears ("none": no fused activation)."""
+    """F.linear(x, weight, bias) by oneDNN, for a weight packed by onednn_linears or a plain (out, in) one, also a
+    strided view such as a transpose (bench.py --linears=True; "none": no fused activation)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -14,14 +14,14 @@ A model spec is `type[:field=value...]`. Each spec runs in its own process, so i
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
 Decode times are per generated token at a given context length, with the KV cache (generate) and, for contrast,
 without (a full forward over the context for every new token); with compile_decode, also with the cached step
-compiled (model.compile_decode()), and the seconds its compilation took.
+compiled (torch.compile of the model's forward, as sample.py --compile=True), and the seconds its compilation took.
 
 --peer=nanogpt adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the round robin
 and a column of each model's tokens/s over the peer's. Its model.py is read from ../shared/peers/nanogpt/model.py
 (MIT), never copied into this repository; --peer=<path> reads another copy. The peer trains with its own
 configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models' Linear trains
 through oneDNN on an x86 CPU. It has no KV cache, so its decode columns stay empty. On a CPU every model's process
-keeps its freed memory as train.py's does (common.keep_freed_memory; --keep_freed_memory=False: glibc's default).
+keeps its freed memory as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
 
 --peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 import common
 import configurator
+import cpu
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -74,8 +75,8 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 compile = False
 profile = False  # also each model's training step op by op (torch.profiler: self time per step of the top ops)
 profile_ops = 15  # ... how many ops per model
-keep_freed_memory = True  # CPU: common.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
-compile_decode = False  # also time decoding with the cached step compiled (model.compile_decode())
+keep_freed_memory = True  # CPU: cpu.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
+compile_decode = False  # also time decoding with the cached step compiled (torch.compile of the model's forward, as sample.py --compile=True)
 peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
 one = ""  # internal: benchmark this single spec and print its JSON row
 src = ""  # --peer=transformers: the det run (folder or ckpt.pt) whose weights both models get
@@ -185,10 +186,12 @@ def bench_decode(model_type, overrides, context):
     model = build(model_type, overrides, context + decode_tokens).eval()
     prompt = torch.randint(0, vocab_size, (1, context), device=device)
 
+    step = None
+
     def generate(n):
         sync()
         t0 = time.perf_counter()
-        model.generate(prompt, n, generator=torch.Generator(device).manual_seed(0))
+        model.generate(prompt, n, generator=torch.Generator(device).manual_seed(0), step=step)
         sync()
         return time.perf_counter() - t0
 
@@ -207,7 +210,7 @@ def bench_decode(model_type, overrides, context):
     sync()
     row[f"nocache_ms_{context}"] = (time.perf_counter() - t0) / 3 * 1000
     if compile_decode:
-        model.compile_decode()
+        step = torch.compile(model.forward, dynamic=True)  # as sample.py --compile=True
         first = generate(2)  # one decode step: it compiles
         row[f"compile_s_{context}"] = first - generate(2)
         row[f"cdecode_ms_{context}"] = per_token()
@@ -246,7 +249,7 @@ def transformers_peer(run):
     checkpoint = common.load_checkpoint(run)
     cfg, state = convert.det_state(checkpoint, common.checkpoint_path(run))
     det = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
-    fast = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through common.onednn_linears
+    fast = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through cpu.onednn_linears
     hf_cfg = transformers.LlamaConfig(**convert.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
@@ -270,12 +273,10 @@ def transformers_peer(run):
         """-> ms per decode step: from the start of the first step after the prefill to the start of the last."""
         stamps = []
         net.forward = stamped(type(net).forward.__get__(net), stamps)  # the eager step and the prefill
-        net.decode_step = step and stamped(step, stamps)
         try:
-            net.generate(idx, n, temperature=0)
+            net.generate(idx, n, temperature=0, step=step and stamped(step, stamps))
         finally:
             del net.forward
-            net.decode_step = None
         return (stamps[-1] - stamps[1]) / (len(stamps) - 2) * 1000
 
     class Stamps(transformers.StoppingCriteria):  # called once per new token, after its step
@@ -320,15 +321,13 @@ def transformers_peer(run):
                   ("det oneDNN", lambda idx, n: det_generate(idx, n, net=fast), lambda: det_prefill(fast),
                    lambda: det_mc(fast))]
     if compile_decode:  # det's decode step compiled: the same model, decode rows only
-        compiled_step = det.compile_decode().decode_step
-        det.decode_step = None
+        compiled_step = torch.compile(type(det).forward.__get__(det), dynamic=True)  # as sample.py --compile=True
         contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None))
     same, best = {}, {}
-    with torch.no_grad(), common.onednn_linears(fast):
+    with torch.no_grad(), cpu.onednn_linears(fast):
         for B in decode_batches:  # greedy tokens side by side, and a warm-up (compilation) of every contender
             for _, gen, _, _ in contenders:
                 gen(prompt[:B], 3)
-            det.decode_step = None
             ours = det.generate(prompt[:B], decode_tokens, temperature=0)
             same[B, "oneDNN"] = torch.equal(ours, fast.generate(prompt[:B], decode_tokens, temperature=0))
             theirs = hf.generate(prompt[:B], attention_mask=torch.ones_like(prompt[:B]), max_new_tokens=decode_tokens,
@@ -421,14 +420,14 @@ def mc_history(run):
         model_type, passes = model_spec.split(":")
         net, fast = (common.load_model(run, "cpu", model_type, checkpoint=checkpoint,
                                        **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
-                     for _ in range(2))  # fast: inside common.onednn_linears throughout, as evaluate.py runs
+                     for _ in range(2))  # fast: inside cpu.onednn_linears throughout, as evaluate.py runs
         mixture = evaluate.mixture_for(net, "auto")
         n_items = mc_items if model_type == "det" else max(1, mc_items // 3)
         items = [[evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
                  for ex in evaluate.load_mc_examples(mc_file, n_items)]
         contenders = [(mc_baseline, old, net), ("today, F.linear", evaluate, net),
                       ("today, oneDNN (evaluate.py's default)", evaluate, fast)]
-        with torch.no_grad(), common.onednn_linears(fast):
+        with torch.no_grad(), cpu.onednn_linears(fast):
             evaluate.score_choices(fast, items[0], 1, None)  # each weight packed at its first call: not timed
             for threads in thread_counts:
                 torch.set_num_threads(threads)
@@ -448,7 +447,7 @@ def mc_history(run):
 
 
 def bench_linears():
-    """--linears=True: torch's GEMM against oneDNN (common.onednn_linear on plain weights) for the three products of
+    """--linears=True: torch's GEMM against oneDNN (cpu.onednn_linear on plain weights) for the three products of
     each Linear shape of det, as the module's docstring says."""
     cfg = dict(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
     model = common.build_model("det", {**cfg, "block_size": block_size})
@@ -458,13 +457,13 @@ def bench_linears():
             shapes.setdefault(tuple(m.weight.shape), []).append(name.split(".")[-1])
     rows = batch_size * block_size
     print(f"CPU, float32, {torch.get_num_threads()} threads; rows M = B * T = {rows}; best of {steps} calls after "
-          f"{warmup}" + ("; freed memory kept (common.keep_freed_memory)" if keeps_freed_memory else ""))
+          f"{warmup}" + ("; freed memory kept (cpu.keep_freed_memory)" if keeps_freed_memory else ""))
     print("Linear | out x in | product | torch GEMM ms | oneDNN ms | torch GF/s | oneDNN GF/s | oneDNN time / torch's")
     for (n_out, n_in), names in shapes.items():
         x, w, g = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
-        products = {"x W^T": (lambda: x @ w.t(), lambda: common.onednn_linear(x, w, None)),  # forward
-                    "g W": (lambda: g @ w, lambda: common.onednn_linear(g, w.t(), None)),  # input's gradient
-                    "g^T x": (lambda: g.t() @ x, lambda: common.onednn_linear(g.t(), x.t(), None))}  # weight's
+        products = {"x W^T": (lambda: x @ w.t(), lambda: cpu.onednn_linear(x, w, None)),  # forward
+                    "g W": (lambda: g @ w, lambda: cpu.onednn_linear(g, w.t(), None)),  # input's gradient
+                    "g^T x": (lambda: g.t() @ x, lambda: cpu.onednn_linear(g.t(), x.t(), None))}  # weight's
         for product, kernels in products.items():
             times = [[], []]
             for _ in range(warmup + steps):
@@ -482,7 +481,7 @@ if linears:
     if device_type != "cpu" or not torch.backends.mkldnn.is_available():
         common.die("--linears=True compares CPU kernels: run it on a CPU with a torch built with oneDNN (mkldnn)")
     if keeps_freed_memory:
-        common.keep_freed_memory()
+        cpu.keep_freed_memory()
     bench_linears()
     sys.exit(0)
 if peer == "transformers" and mc_baseline:
@@ -497,7 +496,7 @@ if peer == "transformers":
 if one:
     torch.set_float32_matmul_precision("high")
     if keeps_freed_memory:
-        common.keep_freed_memory()  # as train.py does on a CPU, for every model timed, the peer's too
+        cpu.keep_freed_memory()  # as train.py does on a CPU, for every model timed, the peer's too
     print(json.dumps(bench_one(one)))
     sys.exit(0)
 
@@ -521,7 +520,7 @@ contexts = decode_contexts
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
       f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else "")
-      + ("; freed memory kept (common.keep_freed_memory)" if keeps_freed_memory else ""))
+      + ("; freed memory kept (cpu.keep_freed_memory)" if keeps_freed_memory else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det", "flop x det"]
 header += ["tok/s x peer"] if peer_row else []
 header += ["MFU", "peak MiB"] + [f"dec@{c} ms" for c in contexts] + [f"nocache@{c} ms" for c in contexts]

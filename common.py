@@ -1,13 +1,11 @@
 """What the scripts share: picking a model file, checkpoints, prepared data and tokenizers. Model files never import
 this module; they stay self-contained."""
 
-import collections
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -18,6 +16,8 @@ import time
 
 import numpy as np
 import torch
+
+import cpu
 
 MODEL_TYPES = ("det", "eve", "free", "btrans")
 GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when tiktoken cannot download GPT-2's BPE
@@ -146,49 +146,6 @@ def autocast(device, dtype):
     return device_type, torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
 
 
-@contextlib.contextmanager
-def onednn_linears(model):
-    """CPU inference through oneDNN's matrix kernels: inside, every nn.Linear of `model` multiplies by its weight
-    reordered into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses) instead
-    of torch's default float32 GEMM, which on our 2-core CPU is 1.2-1.9x slower at decoding shapes (BENCHMARKS.md).
-    Results equal F.linear's to float rounding (another summation order), not bit for bit. A weight is reordered at
-    its module's first call, and its plain copy released then unless another module shares it (a tied head): inside,
-    the packed copy is the weight, so memory stays that of the model. Inference only: no gradients flow through, and
-    a called Linear's weight must not be read or changed inside. On leaving, every module is as before, bit for bit
-    (the reorder is a permutation). On a GPU, in another dtype or without oneDNN, nothing changes."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not (torch.backends.mkldnn.is_available() and linears and all(
-            m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)):
-        yield model
-        return
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    packed, released = {}, []
-
-    def forward(m, x):
-        if m not in packed:
-            packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in), oneDNN's layout
-            if uses[id(m.weight)] == 1:  # nothing else reads it (a Linear never called, like Free's post_sampler, or
-                m.weight.data = m.weight.data.new_empty(0)  # a tied embedding, keeps its plain weight)
-                released.append(m)
-        return onednn_linear(x, packed[m], None if m.bias is None else m.bias.detach())
-
-    for m in linears:
-        m.forward = functools.partial(forward, m)
-    try:
-        yield model
-    finally:
-        for m in linears:
-            del m.forward  # the class's forward again
-        for m in released:
-            m.weight.data = packed[m].to_dense()
-
-
-def onednn_linear(x, weight, bias):
-    """F.linear(x, weight, bias) by oneDNN, for a weight packed by onednn_linears or a plain (out, in) one, also a
-    strided view such as a transpose (bench.py --linears=True; "none": no fused activation)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
 def check_device(device):
     """One line for a device this machine does not have, before any work starts; on the CPU, the thread count."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -203,7 +160,7 @@ def check_device(device):
             die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
                 f"cuda:{torch.cuda.device_count() - 1}")
     if str(device) == "cpu":
-        cpu_threads()
+        cpu.cpu_threads()
 
 
 _locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
@@ -275,35 +232,6 @@ def refuse_nonempty_dir(dst, overwrite, what="--dst"):
             f"new folder, or write into it anyway with --overwrite=True")
 
 
-def cpu_threads():
-    """Threads for torch's CPU kernels. torch takes one per core, which on a machine shared with other work makes
-    each thread wait for a core and the run several times slower (measured on a loaded 2-core CPU: README, Shared
-    CPUs). Unless OMP_NUM_THREADS says otherwise: the cores not busy when the script starts, at least one."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    idle = cores - round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else cores
-    threads = max(1, min(cores, idle))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def keep_freed_memory():
-    """Keep the memory of freed tensors in the process, for the next training step to reuse (glibc, Linux). glibc's
-    malloc returns large freed blocks to the kernel (unmapping them, trimming the heap's top) by thresholds it adapts
-    as it runs; a step that frees its activations and allocates them again then faults on their pages, every step:
-    det at nanoGPT's Shakespeare shape took 24,000-30,000 page faults and 40-116 ms of system time a step, nanoGPT's
-    model 0-6,900 (BENCHMARKS.md). Fixed thresholds of 1 GiB keep freed blocks for reuse, as the jemalloc or tcmalloc
-    PyTorch's CPU tuning guide recommends do; the resident memory then stays at its peak between steps.
-    -> True when glibc took both settings; False elsewhere (macOS, Windows, musl), where nothing changes."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-    return [mallopt(param, 1 << 30) for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)] == [1, 1]
-
-
 class Stop:
     """SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's preemption) during a training loop: the handler only notes
     the signal, and the loop, between two whole steps, saves and exits (stopping inside an optimizer step would
@@ -347,10 +275,31 @@ def config_dict(config):
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
+def typed_values(model_type, model_values):
+    """The model values with the types their Config fields declare, before a Config sees them: an int (or numpy
+    float) stands for a float, a list (JSON) for a tuple; anything else of the wrong type, or a NaN or infinity, is a
+    ValueError naming the field (--ffn_hidden=abc, float('nan') in a config file)."""
+    fields = {f.name: f for f in dataclasses.fields(import_model(model_type).Config) if f.init}
+    is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
+    typed = dict(model_values)
+    for name, value in model_values.items():
+        f = fields.get(name)
+        if f is None or value is None and f.default is None:
+            continue
+        if f.type is float and is_number(value) or f.type is tuple and type(value) is list:
+            value = typed[name] = f.type(value)
+        numbers = value if f.type is tuple else (value,) if f.type is float else ()
+        if type(value) is not f.type or not all(is_number(v) and math.isfinite(v) for v in numbers):
+            kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
+                f.type, f"a {f.type.__name__}")
+            raise ValueError(f"{name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+    return typed
+
+
 def build_model(model_type, model_values):
     module = import_model(model_type)
     try:
-        return module.Model(module.Config(**model_values))
+        return module.Model(module.Config(**typed_values(model_type, model_values)))
     except ValueError as e:
         die(f"invalid {model_type} model config: {e}")
 
@@ -536,8 +485,8 @@ def train_if_missing(out_dir, *train_args):
 
 
 def repeat_latents(latents, n):
-    """Share one draw of latents (batch 1) across n sequences: repeat dim 0 of every tensor inside."""
-    return torch.utils._pytree.tree_map(lambda t: t.expand(n, *t.shape[1:]).contiguous(), latents)
+    """Share one draw of latents (batch 1) across n sequences: repeat dim 0 of the tensor (None: nothing to share)."""
+    return None if latents is None else latents.expand(n, *latents.shape[1:]).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------------

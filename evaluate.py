@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import common
 import configurator
+import cpu
 import tasks
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ ngram = 4  # n of distinct-n
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
-onednn = True  # CPU float32: matmuls through oneDNN (common.onednn_linears): faster, float rounding apart
+onednn = True  # CPU float32: matmuls through oneDNN (cpu.onednn_linears): faster, float rounding apart
 # ----------------------------------------------------------------------------------------------------------------
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
@@ -416,15 +417,14 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     log_p = []  # (passes, C, L) pieces
     for m0 in range(0, n_passes, per_piece):
         m1 = min(m0 + per_piece, n_passes)
-        lat = None if latents[0] is None else torch.utils._pytree.tree_map(lambda *t: torch.cat(t), *latents[m0:m1])
+        lat = None if latents[0] is None else torch.cat(latents[m0:m1])  # (rows, ...)
         with autocast:
             if prefix:
-                first = None if lat is None else torch.utils._pytree.tree_map(lambda t: t[::C], lat)  # a row a pass
+                first = None if lat is None else lat[::C]  # a row a pass
                 net.setup_kv_cache(m1 - m0, len(prefix) + L)
                 try:
                     net(torch.tensor([prefix], device=device).expand(m1 - m0, -1), latents=first)
-                    for block in net.blocks:
-                        block.attn.kv_cache.repeat(C)  # row m C + c continues pass m's context with choice c
+                    net.repeat_kv_cache(C)  # row m C + c continues pass m's context with choice c
                     logits = net(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat, start_pos=len(prefix))[0]
                 finally:
                     net.clear_kv_cache()
@@ -529,9 +529,9 @@ def load_net(path, checkpoint):
 
 
 def matmuls(net):
-    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (common.onednn_linears: a
+    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.onednn_linears: a
     no-op elsewhere), torch's own kernels with --onednn=False (bit for bit what the model's forward computes)."""
-    return common.onednn_linears(net) if onednn else nullcontext()
+    return cpu.onednn_linears(net) if onednn else nullcontext()
 
 
 def dataset_for(checkpoints):

@@ -13,31 +13,6 @@ import torch.nn.functional as F
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """F.rms_norm's forward, op for op, with its backward in closed form: torch's CPU rms_norm is composite, so
-    autograd goes back through each of its ops (fwd + bwd 11.2 ms against 6.5 ms here at (8, 256, 384), one thread)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()  # float32 at least, as F.rms_norm computes
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        x_hat = xf * rstd  # (..., C)
-        ctx.save_for_backward(x_hat, weight, rstd)
-        ctx.x_dtype = x.dtype
-        return x_hat.type_as(x) * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        # y = x_hat * w with x_hat = x * rstd: dx = rstd * (g_hat - x_hat * mean(g_hat * x_hat)) for g_hat = g * w.
-        x_hat, weight, rstd = ctx.saved_tensors
-        g_hat = (grad * weight).float()
-        prod = g_hat * x_hat  # (..., C), reused below for the gain's gradient
-        dot = prod.mean(-1, keepdim=True)  # (..., 1)
-        grad_w = torch.mul(grad, x_hat, out=prod).sum(tuple(range(grad.dim() - 1)))  # (C,)
-        grad_x = g_hat.addcmul_(x_hat, dot, value=-1).mul_(rstd)
-        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), None
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain and no bias (Zhang & Sennrich 2019)."""
 
@@ -47,53 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # CUDA has a fused rms_norm kernel, the CPU a composite one: its backward in closed form when there is one
-        # to take; without gradients, the same ops without an autograd Function's overhead (2L + 1 a decode step)
-        if x.device.type == "cpu" and torch.is_grad_enabled():
-            return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
-
-
-# oneDNN's float32 kernels where they were measured: x86 CPUs with AVX2 or AVX-512 (oneDNN also builds elsewhere)
-ONEDNN_CPU = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-class LinearFunction(torch.autograd.Function):
-    """F.linear for CPU training: the product x W^T and the input's gradient g W by oneDNN (torch.ops.mkldnn, the
-    kernel of torch.compile's CPU weight prepacking), the weight's gradient g^T x by torch's GEMM (MKL). At nanoGPT's
-    Shakespeare shapes on our AMD CPU, oneDNN takes 7-13% less time than MKL for the first two products, MKL up to
-    13% less for the third (bench.py --linears=True). The same values to float32 rounding: another summation order."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., out); "none": no activation
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")  # (..., in)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_2d.t().mm(x.reshape(-1, x.size(-1)))  # (out, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_2d.sum(0)  # (out,)
-        return grad_x, grad_w, grad_b
-
-
-class Linear(nn.Linear):
-    """nn.Linear (the same parameters and state dict) whose training products on a CPU go through LinearFunction.
-    Without gradients, F.linear: decoding's matrix-vector products were measured through it (BENCHMARKS.md); under
-    autocast or torch.compile too (inductor chooses its own kernels)."""
-
-    def forward(self, x):
-        if (ONEDNN_CPU and x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_grad_enabled()
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-            return LinearFunction.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 def precompute_rope(head_dim, max_len, theta):
@@ -112,9 +41,8 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast), as long as the sequence: an eager call
-    attends over the positions filled so far; a compiled decode step over the whole cache, masked past its query, so
-    it has the same shapes at every position (generate() rounds its length up with padded_len)."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast): a call stores its T positions and
+    attends over the positions filled so far."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -122,32 +50,18 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    @staticmethod
-    def padded_len(n, block_size):
-        """A compiled step's cache length for n positions: the next power of two, at least 64, at most block_size.
-        A few sizes, so a few compilations, and never a block_size cache (377 MB a sequence at SmolLM2's 8,192)."""
-        return min(block_size, max(64, 1 << (n - 1).bit_length()))
-
     def update(self, start_pos, k, v):
         """Store k, v (B, n_kv, T, hd) at positions start_pos, ..., start_pos + T - 1. -> keys and values (B, n_kv, S,
-        hd) and the (T, S) mask of the keys each query sees, or None when it sees them all. start_pos an int (eager):
-        S = start_pos + T, the positions filled so far. A (1,) tensor (generate()'s compiled steps): the whole cache."""
-        if isinstance(start_pos, int):
-            end = start_pos + k.size(2)
-            self.k[:, :, start_pos:end] = k
-            self.v[:, :, start_pos:end] = v
-            pos = torch.arange(start_pos, end, device=k.device)  # (T,)
-            mask = None if k.size(2) == 1 else torch.arange(end, device=k.device) <= pos.unsqueeze(1)  # (T, S)
-            return self.k[:, :, :end], self.v[:, :, :end], mask
-        pos = start_pos + torch.arange(k.size(2), device=k.device)  # (T,)
-        self.k.index_copy_(2, pos, k)
-        self.v.index_copy_(2, pos, v)
-        mask = torch.arange(self.k.size(2), device=k.device) <= pos.unsqueeze(1)  # (T, max_len), causal
-        return self.k, self.v, mask  # (B, n_kv, max_len, hd) each, (T, max_len)
+        hd) of the S = start_pos + T positions filled so far, and the (T, S) causal mask (None for one query)."""
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        pos = torch.arange(start_pos, end, device=k.device)  # (T,)
+        mask = None if k.size(2) == 1 else torch.arange(end, device=k.device) <= pos.unsqueeze(1)  # (T, S)
+        return self.k[:, :, :end], self.v[:, :, :end], mask
 
     def repeat(self, n):
-        """Every cached sequence n times over, rows b n, ..., b n + n - 1 continuing sequence b: a prefix computed
-        once, then continued n ways (evaluate.py's multiple choice: a context, then each choice against it)."""
+        """Every cached sequence n times over, rows b n, ..., b n + n - 1 continuing sequence b."""
         self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
 
 
@@ -161,18 +75,16 @@ class Attention(nn.Module):
         super().__init__()
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.wq = Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
-        self.wk = Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
-        self.wv = Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
-        self.wo = Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.wq = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
         self.kv_cache = None  # a KVCache while generate() runs
 
     def forward(self, x, cos, sin, start_pos, x_kv=None):
         B, T, _ = x.shape
         x_kv = x if x_kv is None else x_kv  # queries from x, keys and values from x_kv, of the same length T
-        # One matmul per weight: a weight read once per call. Joining wq|wk|wv per call (nanoGPT's c_attn from the
-        # weights checkpoints keep apart) copied two thirds of the layer's weights at every decode step; one joined
-        # parameter measured no faster on the CPU than separate matmuls (BENCHMARKS.md), and these keep checkpoints.
+        # One matmul per weight, kept apart as Llama checkpoints keep them
         q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
         k = apply_rope(self.wk(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin)
         v = self.wv(x_kv).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd) each
@@ -194,12 +106,12 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.w1 = Linear(config.n_embd, config.ffn_hidden, bias=False)
-        self.w3 = Linear(config.n_embd, config.ffn_hidden, bias=False)
-        self.w2 = Linear(config.ffn_hidden, config.n_embd, bias=False)
+        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # one matmul per weight, as in Attention
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -305,7 +217,7 @@ class FactoredBinaryMapper(torch.autograd.Function):
     G is never formed, nor all of v: v is built at most `chunk` values (tokens x codes; at least one token by 2^b
     codes) at a time in one reused buffer. A piece spans whole rows hi: it gives y for those rows and adds its share
     to x. A piece spans as many tokens as fit and as few codes as needed: (tokens, C) x (C, codes) matmuls
-    with many rows run fastest (measured on a CPU at C = 256: 1.4-1.6x against all 2^16 codes for fewer tokens).
+    with many rows run fastest.
     The work beyond v's 2 C 2^H flops per token is 4 2^H for the two products.
     """
 
@@ -371,35 +283,18 @@ class Config:
     # in float32, which stays in a CPU's last-level cache for the two passes over it; larger on a GPU
 
     def __post_init__(self):
-        # Every field is checked here, where a model built from Python meets it too: a ValueError names the field,
-        # its value and what is allowed (the scripts print it as one line). First the types: --ffn_hidden=abc or a
-        # float('nan') from a config file would otherwise fail deep in the model, or train on NaN.
-        for f in self.__dataclass_fields__.values():
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
-                continue
-            is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
-            if f.type is float and is_number(value) or f.type is tuple and type(value) is list:
-                value = f.type(value)  # an int (or numpy float) may stand for a float; a JSON config holds lists
-                setattr(self, f.name, value)
-            numbers = value if f.type is tuple else (value,) if f.type is float else ()
-            if type(value) is not f.type or not all(is_number(v) and math.isfinite(v) for v in numbers):
-                kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
-                    f.type, f"a {f.type.__name__}")
-                raise ValueError(f"{f.name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+        # Shapes and ranges, one line each; a value's type is checked where the scripts build a model (common.py).
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
-                     "ffn_hidden"):
+                     "ffn_hidden"):  # ffn_hidden None: derived below
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("rope_theta", "norm_eps"):  # 0 or less: NaN from the first step (1/theta^0, sqrt(-eps))
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
+        if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
                              f"and n_head by n_kv_head={self.n_kv_head}")
         self.head_dim = self.n_embd // self.n_head
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+        if self.head_dim % 2: raise ValueError(f"head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
         if self.ffn_hidden is None:
             hidden = int(8 * self.n_embd / 3)
             self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
@@ -430,16 +325,15 @@ class Model(nn.Module):
         self.zeta = nn.Parameter(torch.empty(config.n_embd))
         self.encoder = Block(config, causal=False)
         self.encoder_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.encoder_readout = Linear(config.n_embd, config.latent_bits, bias=False)
-        self.post_sampler = Linear(2 ** config.latent_bits, config.n_embd, bias=False)
+        self.encoder_readout = nn.Linear(config.n_embd, config.latent_bits, bias=False)
+        self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.decode_step = None  # generate()'s one-token step once compile_decode() has compiled it
         self.apply(self._init_weights)
         nn.init.normal_(self.zeta, mean=0.0, std=0.02)  # like a token embedding
         # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
@@ -464,17 +358,16 @@ class Model(nn.Module):
         otherwise with targets (training) or at start_pos 0 (generation's prefill) it is sampled from the encoder,
         and at a decode step it is uniform over the 2^H codes, drawn from `generator`.
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus the free-bits
-        term when the encoder ran. Without: logits of the last position only, (B, 1, V). start_pos > 0 only in KV-cache
-        decoding (a (1,) tensor from generate()).
+        term when the encoder ran. Without: logits of the last position only, (B, 1, V). start_pos > 0 continues a KV
+        cache (generate()).
         """
         B, T = idx.shape
-        if isinstance(start_pos, int):  # generate() checks the length of a tensor start_pos once, for all steps
-            if start_pos + T > self.config.block_size:
-                raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
-            if start_pos > 0 and self.blocks[0].attn.kv_cache is None:
-                raise ValueError("start_pos > 0 continues a KV cache: setup_kv_cache(), then a call at position 0")
-            if latents is not None and latents.size(1) < start_pos + T:
-                raise ValueError(f"latents cover {latents.size(1)} positions, need {start_pos + T}")
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
+        if start_pos > 0 and self.blocks[0].attn.kv_cache is None:
+            raise ValueError("start_pos > 0 continues a KV cache: setup_kv_cache(), then a call at position 0")
+        if latents is not None and latents.size(1) < start_pos + T:
+            raise ValueError(f"latents cover {latents.size(1)} positions, need {start_pos + T}")
         pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         x = self.tok_emb(idx)  # (B, T, C)
@@ -599,16 +492,22 @@ class Model(nn.Module):
         for block in self.blocks:
             block.attn.kv_cache = None
 
+    def repeat_kv_cache(self, n):
+        """Continue every cached sequence n ways (rows b n, ..., b n + n - 1 continue sequence b): a context computed
+        once, then each of n continuations against it (multiple-choice scoring)."""
+        for block in self.blocks:
+            block.attn.kv_cache.repeat(n)
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None, step=None):
         """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token.
 
         Z for the prompt comes from the encoder at the prefill, Z for each new token from the uniform prior (§3.2);
         or all of it from `latents` (B, L): sample_latents(B, generator, prompt=idx) pins the same distribution
         (one row repeated over a group shares it), sample_latents() without a prompt draws the prompt's Z uniform
-        too, posterior_latents() of a reference copies another sequence's; positions past L get uniform codes. The
-        steps after the prefill are compiled after compile_decode(); tokens and codes are drawn between steps, from
-        `generator`, compiled or not."""
+        too, posterior_latents() of a reference copies another sequence's; positions past L get uniform codes. step:
+        self's forward unless a script passes a compiled one; tokens and codes are drawn between steps, from
+        `generator`."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -618,15 +517,11 @@ class Model(nn.Module):
             extra = torch.randint(2 ** self.config.latent_bits, (B, total - latents.size(1)), generator=generator,
                                   device=idx.device)
             latents = torch.cat((latents.expand(B, -1), extra), dim=1)  # (B, total)
-        step = self.decode_step or self
-        n_cache = total if self.decode_step is None else KVCache.padded_len(total, self.config.block_size)
-        self.setup_kv_cache(B, n_cache)
-        z = idx.new_zeros(B, n_cache)  # Z at every position of the cache for the decode steps: one shape per call
+        step = step or self
+        self.setup_kv_cache(B, total)
+        z = idx.new_zeros(B, total)  # Z at every position, for the decode steps
         if latents is not None:
             z[:, :total] = latents[:, :total]
-        # a step's position: an int when eager (attention over the positions filled so far), a (1,) tensor when
-        # compiled (one graph for every position)
-        positions = range(total) if self.decode_step is None else torch.arange(total, device=idx.device).split(1)
         try:
             logits, _, _ = self(idx, latents=latents, start_pos=0, generator=generator)  # (B, 1, V)
             for pos in range(T, total):
@@ -636,20 +531,10 @@ class Model(nn.Module):
                     if latents is None:  # Z_t of a new token: uniform (Fig. 1), drawn once, from the token generator
                         z[:, pos] = torch.randint(2 ** self.config.latent_bits, (B,), generator=generator,
                                                   device=idx.device)
-                    logits, _, _ = step(idx_next, latents=z, start_pos=positions[pos])
+                    logits, _, _ = step(idx_next, latents=z, start_pos=pos)
         finally:
             self.clear_kv_cache()
         return idx
-
-    def compile_decode(self, mode=None):
-        """torch.compile generate()'s one-token step (gpt-fast). The position goes in as a tensor and the KV cache's
-        length is the call's prompt + new tokens rounded up (KVCache.padded_len), so every step of a call has the same
-        shapes: one compilation per batch size and cache length. On CUDA the mode defaults to "reduce-overhead" (CUDA
-        graphs: the step is launch-bound). Prefill and sampling stay eager."""
-        if mode is None and self.tok_emb.weight.is_cuda:
-            mode = "reduce-overhead"
-        self.decode_step = torch.compile(self.forward, mode=mode, fullgraph=True, dynamic=False)
-        return self
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices and embeddings only (>= 2-D), never on norm gains."""
@@ -658,8 +543,7 @@ class Model(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # The fused kernel updates every tensor in one pass, with no parameter-sized temporaries: on a CPU it is 6x
-        # faster than the default foreach path for a 2^16 x 256 matrix (measured), on a GPU the usual choice.
+        # The fused kernel updates every tensor in one pass, with no parameter-sized temporaries (on a CPU too).
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cpu", "cuda"))
 
     def flops_per_token(self):

@@ -13,6 +13,7 @@ import torch
 
 import common
 import configurator
+import cpu
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
@@ -28,8 +29,10 @@ prompt_latents = "encoder"  # Free: the prompt's Z from the 'encoder' on the pro
 latent_seed = -1  # seeds the latents alone (-1: use seed), so the same minds / Z can be kept while tokens vary
 minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independent latents)
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
-onednn = True  # CPU: matmuls through oneDNN's packed weights (common.onednn_linears): faster, float rounding apart
+onednn = True  # CPU float32: matmuls through oneDNN's packed weights (cpu.onednn_linears): faster, float rounding apart
+compile = False  # torch.compile the one-token decode step (gpt-fast's decode_one_token); the prefill stays eager
 device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = "float32"  # of the weights: bfloat16 or float16 halve the bytes a decode step reads
 # ----------------------------------------------------------------------------------------------------------------
 checkpoint = None
 
@@ -46,7 +49,7 @@ config, overrides = configurator.apply(globals(), model_fields=model_fields)
 configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      non_negative=("temperature", "top_k", "minds", "seed"),
                      choices={"latents": ("independent", "shared", "posterior"),
-                              "prompt_latents": ("encoder", "prior")})
+                              "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
 common.check_device(device)
 if latent_seed < -1:
     common.die(f"--latent_seed must be >= 0, or -1 to use --seed; got {latent_seed}")
@@ -63,6 +66,8 @@ if chat:
 net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
 checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages (513 MiB for SmolLM2)
 net.eval()
+for p in net.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
+    p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = common.tokenizer(checkpoint["meta"])
 if minds:
     num_samples, latents = minds, "independent"
@@ -89,10 +94,12 @@ else:
                    f"(block_size={net.config.block_size}): the encoder reads it whole; shorten it")
     pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
 
+# The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
+step = torch.compile(net.forward, dynamic=True) if compile else None
 try:
-    with common.onednn_linears(net) if onednn else contextlib.nullcontext():
+    with cpu.onednn_linears(net) if onednn and not compile else contextlib.nullcontext():
         out = net.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
-                           generator=token_generator)
+                           generator=token_generator, step=step)
 except ValueError as e:
     common.die(str(e))
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import configurator
+import cpu
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for a 2-core CPU
@@ -91,7 +92,7 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 common.check_device(device)
 if device == "cpu":
-    common.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
+    cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
 sys.stdout.reconfigure(line_buffering=True)  # every line as it is printed, also into a log file (nohup ... > log)
 stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the loop saves the current step and exits
 if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(globals()):
@@ -230,6 +231,8 @@ if fsdp:
     fully_shard(raw_model, mesh=mesh, mp_policy=mp_policy)
     train_model = raw_model
 else:
+    if device_type == "cpu" and not compile:
+        cpu.training_kernels(raw_model)  # oneDNN's products, RMSNorm's closed-form backward (cpu.py)
     train_model = torch.compile(raw_model) if compile else raw_model
     if ddp:
         train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)

@@ -1,6 +1,6 @@
-"""torch.compile: the training forward of every model traces as one graph (no graph breaks), the Free
-Transformer's hand-written mapper backward compiles to the same gradients, and every model's compiled decode step
-generates eager's tokens."""
+"""torch.compile, as the scripts apply it: the training forward of every model traces as one graph (no graph
+breaks), the Free Transformer's hand-written mapper backward compiles to the same gradients, and every model's
+compiled decode step generates eager's tokens."""
 
 import sys
 
@@ -53,36 +53,33 @@ def test_compiled_training_step_equals_eager_for_the_factored_mapper():
 
 @pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
 def test_compiled_decode_step_gives_the_eager_tokens_greedy_and_sampled(model_type):
-    """compile_decode(): generate() with the compiled one-token step draws the tokens it draws eagerly, for the same
-    seed, latents included (B-Trans's eps and EVE's eps drawn from the generator, Free's Z_t drawn per new token).
-    The second compiled call, with another prompt length, reuses the compiled step (no recompilation)."""
+    """generate() with the one-token step compiled as sample.py --compile=True compiles it (torch.compile of the
+    forward, dynamic positions) draws the tokens it draws eagerly, for the same seed, latents included (B-Trans's
+    eps and EVE's eps drawn from the generator, Free's Z_t drawn per new token). A graph per sequence length: the
+    KV cache is as long as the call's prompt + new tokens, and every step of a call reuses its graph."""
     torch.manual_seed(0)
     model = common.build_model(model_type, TINY).eval()
     prompts = torch.randint(0, 64, (2, 5)), torch.randint(0, 64, (2, 3))
     runs = [(prompts[0], dict(temperature=0)), (prompts[1], dict(temperature=1.0, top_k=20))]
 
-    def generate_all():
-        return [model.generate(p, 12, generator=torch.Generator().manual_seed(3), **kw) for p, kw in runs]
+    def generate_all(step=None):
+        return [model.generate(p, 12, generator=torch.Generator().manual_seed(3), step=step, **kw) for p, kw in runs]
 
     eager = generate_all()
     dynamo.reset()
     dynamo.utils.counters.clear()
-    model.compile_decode()
-    compiled = generate_all()
+    compiled = generate_all(torch.compile(model.forward, dynamic=True))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
-    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step of both calls
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one for each call's length, 11 steps each
 
 
-def test_kv_cache_spans_the_sequence_eager_and_a_few_rounded_lengths_compiled(monkeypatch):
-    """Eager decoding attends over the positions filled so far: every step's keys are as many as the tokens so far,
-    in a cache of prompt + new tokens. The compiled step's cache is that length rounded up to a power of two, at least
-    64 and at most block_size (KVCache.padded_len), never block_size when the sequence is shorter; same tokens."""
+def test_kv_cache_spans_the_sequence_and_each_step_attends_over_the_positions_so_far(monkeypatch):
+    """Decoding attends over the positions filled so far: every step's keys are as many as the tokens so far, in a
+    cache of prompt + new tokens, freed after the call."""
     torch.manual_seed(0)
     model = common.build_model("det", {**TINY, "block_size": 1024}).eval()
     KVCache = sys.modules[type(model).__module__].KVCache
-    assert [KVCache.padded_len(n, 1024) for n in (1, 17, 64, 65, 129, 1000)] == [64, 64, 64, 128, 256, 1024]
-    assert KVCache.padded_len(700, 512) == 512
     cache_lens, key_lens = [], []
     update = KVCache.update
 
@@ -94,41 +91,8 @@ def test_kv_cache_spans_the_sequence_eager_and_a_few_rounded_lengths_compiled(mo
 
     monkeypatch.setattr(KVCache, "update", recording)
     prompt = torch.randint(0, 64, (2, 5))
-    eager = model.generate(prompt, 12, temperature=0)
+    model.generate(prompt, 12, temperature=0)
     n_layer = TINY["n_layer"]
     assert set(cache_lens) == {17}
     assert key_lens == [n for n in range(5, 17) for _ in range(n_layer)]  # prefill 5, then one more per step
-    monkeypatch.undo()
-    setup, setups = model.setup_kv_cache, []
-    monkeypatch.setattr(model, "setup_kv_cache", lambda B, n: (setups.append(n), setup(B, n)))
-    dynamo.reset()
-    model.compile_decode()
-    assert torch.equal(model.generate(prompt, 12, temperature=0), eager)
-    assert setups == [64] and model.blocks[0].attn.kv_cache is None  # and freed after the call
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
-@pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
-def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model_type):
-    """common.onednn_linears (sample.py's CPU decoding): every model's logits within float rounding of F.linear's,
-    the same greedy tokens with pinned latents, the plain weights released inside, and on leaving, the modules' own
-    forward and weights back (bit-equal logits)."""
-    torch.manual_seed(0)
-    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
-    x = torch.randint(0, 64, (3, 20))
-    latents = model.sample_latents(3, torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(x, x, latents=latents)[0]
-        tokens = model.generate(x[:, :5], 12, temperature=0, latents=latents)
-        with common.onednn_linears(model):
-            inside = model(x, x, latents=latents)[0]
-            assert torch.equal(model.generate(x[:, :5], 12, temperature=0, latents=latents), tokens)
-            linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-            assert "forward" in vars(linear)  # the oneDNN call is in place, so the comparison above compares it
-            # a called, untied weight is held once, packed; a tied head's stays (the embedding reads it)
-            assert model.blocks[0].attn.wq.weight.numel() == 0
-            assert model.lm_head.weight.shape == model.tok_emb.weight.shape
-        after = model(x, x, latents=latents)[0]
-    assert not any("forward" in vars(m) for m in model.modules())
-    assert torch.equal(after, before)
-    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    assert model.blocks[0].attn.kv_cache is None

@@ -84,67 +84,6 @@ def test_rope_turns_each_channel_pair_by_its_angle_as_a_complex_product():
     assert torch.allclose(model_det.apply_rope(x, cos, sin), torch.cat([expected.real, expected.imag], -1), atol=1e-6)
 
 
-def test_rms_norm_on_the_cpu_equals_torch_rms_norm_exactly_and_its_gradients_to_float_rounding():
-    """RMSNorm on the CPU runs model_det.RMSNormFunction (closed-form backward): values equal F.rms_norm's exactly,
-    both gradients equal autograd's through F.rms_norm to 1e-6 of their largest magnitude (measured: 1.2e-7)."""
-    norm = model_det.RMSNorm(48)
-    with torch.no_grad():
-        norm.weight.normal_()
-    x = (torch.randn(4, 16, 48) * 3).requires_grad_()
-    g = torch.randn(4, 16, 48)
-    ours = norm(x)
-    ours.backward(g)
-    x_ref, w_ref = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
-    ref = F.rms_norm(x_ref, (48,), w_ref, norm.eps)
-    ref.backward(g)
-    assert torch.equal(ours, ref)
-    for a, b in ((x.grad, x_ref.grad), (norm.weight.grad, w_ref.grad)):
-        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
-
-
-MODEL_FILES = ("model_det", "model_eve", "model_free", "model_btrans")  # each repeats the building blocks
-
-
-@pytest.mark.parametrize("name", MODEL_FILES)
-def test_linear_in_cpu_training_runs_onednn_and_equals_f_linear_to_float_rounding(name):
-    """Every model file's Linear: with gradients on a CPU, LinearFunction (oneDNN's products); its output and the
-    gradients of input, weight and bias equal float64 F.linear's to 1e-6 of their largest magnitude (measured:
-    1-2e-7, float32 rounding). No gradient is computed for what does not need one (a frozen weight)."""
-    module = importlib.import_module(name)
-    if not module.ONEDNN_CPU:
-        pytest.skip("oneDNN's x86 kernels are not here: Linear is F.linear (the fallback other tests cover)")
-    torch.manual_seed(0)
-    linear = module.Linear(96, 40, bias=True)
-    x = torch.randn(3, 17, 96, requires_grad=True)
-    g = torch.randn(3, 17, 40)
-    y = linear(x)
-    assert type(y.grad_fn).__name__ == "LinearFunctionBackward"
-    y.backward(g)
-    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, linear.weight, linear.bias))
-    y64 = F.linear(x64, w64, b64)
-    y64.backward(g.double())
-    for ours, ref in ((y, y64), (x.grad, x64.grad), (linear.weight.grad, w64.grad), (linear.bias.grad, b64.grad)):
-        assert (ours.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-    x.grad = linear.weight.grad = linear.bias.grad = None
-    linear.weight.requires_grad_(False)
-    linear(x).backward(g)
-    assert linear.weight.grad is None and x.grad is not None and linear.bias.grad is not None
-
-
-@pytest.mark.parametrize("name", MODEL_FILES)
-def test_linear_without_gradients_or_under_autocast_is_f_linear_exactly(name):
-    """Inference (decoding was measured through F.linear) and CPU autocast (bfloat16 products) take F.linear."""
-    module = importlib.import_module(name)
-    linear = module.Linear(32, 8, bias=False)
-    x = torch.randn(4, 32, requires_grad=True)
-    with torch.no_grad():
-        assert torch.equal(linear(x), F.linear(x, linear.weight))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = linear(x)
-        assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ != "LinearFunctionBackward"
-        assert torch.equal(y, F.linear(x, linear.weight))
-
-
 def test_loss_at_init_is_close_to_log_vocab_size():
     model = tiny(vocab_size=256, block_size=64)
     idx = torch.randint(0, 256, (8, 64))

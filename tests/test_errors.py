@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+import common
+
 from conftest import ROOT, TINY, records, run_script, train_det
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
@@ -113,13 +115,9 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("values, message", [
     ({"n_head": 0}, "n_head=0: must be >= 1"),
     ({"vocab_size": -1}, "vocab_size=-1: must be >= 1"),
-    ({"ffn_hidden": "abc"}, "ffn_hidden='abc': must be None or an int"),
-    ({"n_layer": 2.5}, "n_layer=2.5: must be an int"),
-    ({"tie_embeddings": "yes"}, "tie_embeddings='yes': must be a bool"),
-    ({"rope_theta": float("inf")}, "rope_theta=inf: must be a finite float"),
-    ({"norm_eps": 0}, "norm_eps=0.0: must be > 0"),
+    ({"norm_eps": 0.0}, "norm_eps=0.0: must be > 0"),
 ])
-def test_every_config_refuses_a_bad_shared_value_with_the_same_message(model_type, values, message):
+def test_every_config_refuses_a_bad_shared_shape_with_the_same_message(model_type, values, message):
     """A model built from Python meets the check the scripts print: one ValueError naming field, value and range."""
     module = __import__(f"model_{model_type}")
     with pytest.raises(ValueError) as error:
@@ -127,24 +125,44 @@ def test_every_config_refuses_a_bad_shared_value_with_the_same_message(model_typ
     assert str(error.value) == message
 
 
+@pytest.mark.parametrize("model_type", ["det", "eve", "free", "btrans"])
+@pytest.mark.parametrize("values, message", [
+    ({"ffn_hidden": "abc"}, "ffn_hidden='abc': must be None or an int"),
+    ({"n_layer": 2.5}, "n_layer=2.5: must be an int"),
+    ({"tie_embeddings": "yes"}, "tie_embeddings='yes': must be a bool"),
+    ({"rope_theta": float("inf")}, "rope_theta=inf: must be a finite float"),
+])
+def test_every_model_value_of_the_wrong_type_is_named_where_the_scripts_build_a_model(model_type, values, message):
+    """common.typed_values, which build_model runs before a Config sees the values: one ValueError naming field,
+    value and type (the scripts print it as one line)."""
+    with pytest.raises(ValueError) as error:
+        common.typed_values(model_type, values)
+    assert str(error.value) == message
+
+
 @pytest.mark.parametrize("model_type, values, message", [
     ("free", {"latent_bits": 30}, "latent_bits=30: must be in 1..20"),
-    ("free", {"kappa_bits": -1}, "kappa_bits=-1.0: must be >= 0"),
+    ("free", {"kappa_bits": -1.0}, "kappa_bits=-1.0: must be >= 0"),
     ("eve", {"latent_dim": 0}, "latent_dim=0: must be >= 1"),
     ("eve", {"kl_beta": -0.5}, "kl_beta=-0.5: must be >= 0"),
     ("eve", {"mu2_band": (0.1,)}, "each must be a pair (low, high)"),
     ("eve", {"homeostat_ema": 1.0}, "homeostat_ema=1.0 in [0, 1)"),
-    ("btrans", {"prior_sigma": 0}, "prior_sigma=0.0 must be > 0"),
-    ("btrans", {"sigma": float("nan")}, "sigma=nan: must be a finite float"),
+    ("btrans", {"prior_sigma": 0.0}, "prior_sigma=0.0 must be > 0"),
 ])
 def test_a_model_value_out_of_its_range_is_named(model_type, values, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         __import__(f"model_{model_type}").Config(**values)
 
 
+def test_a_nan_model_value_is_named_before_a_config_sees_it():
+    with pytest.raises(ValueError, match=re.escape("sigma=nan: must be a finite float")):
+        common.typed_values("btrans", {"sigma": float("nan")})
+
+
 def test_a_config_from_json_takes_lists_for_tuples_and_ints_for_floats():
-    import model_eve
-    config = model_eve.Config(mu2_band=[0.08, 0.145], kl_beta=1)
+    typed = common.typed_values("eve", {"mu2_band": [0.08, 0.145], "kl_beta": 1})
+    assert typed["mu2_band"] == (0.08, 0.145) and type(typed["kl_beta"]) is float
+    config = common.build_model("eve", {**typed, "vocab_size": 50, "n_layer": 2, "n_embd": 32}).config
     assert config.mu2_band == (0.08, 0.145) and type(config.kl_beta) is float
 
 

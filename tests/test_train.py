@@ -1,14 +1,12 @@
 """train.py, sample.py and the configurator, run as a user runs them (subprocesses on a tiny synthetic dataset)."""
 
 import os
-import platform
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, records, run_script, train_det as train
+from conftest import TINY, records, run_script, train_det as train
 
 import common
 
@@ -97,42 +95,3 @@ def test_sample_is_reproducible_with_a_seed(data_root, tmp_path):
     a, b = (run_script("sample.py", f"--out_dir={tmp_path}", "--start=K>", "--seed=3", data_dir=data_root).stdout
             for _ in range(2))
     assert a == b and a.count("K>") == 4
-
-
-STEP_OF_FREES = """
-import ctypes, resource, sys, torch
-sys.path.insert(0, sys.argv[1])
-import common
-if sys.argv[2] == "keep":
-    kept = common.keep_freed_memory()
-else:  # the control: glibc's starting mmap threshold, 128 KiB, held fixed: every large block unmapped when freed
-    kept = ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
-def step():  # a training step's pattern: activations allocated, used for gradients, freed, allocated again next step
-    acts = [torch.ones(n) for n in (2 << 20, 3 << 19, 2 << 20, 5 << 18)]  # 8, 6, 8 and 5 MB
-    grads = [a * 2 for a in reversed(acts)]
-    del acts
-    return sum(float(g.sum()) for g in grads)
-step()
-step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    step()
-print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_kept_freed_memory_is_reused_without_page_faults():
-    """common.keep_freed_memory(), which train.py calls on a CPU: once two steps have touched their memory, the next
-    ones reuse it (0-7,400 faults in 20 steps, measured: a block placed anew now and then). The control, glibc's
-    starting mmap threshold held fixed, faults on every page of the 54 MB every step (13,800 pages a step, 276,640 in
-    20), which shows the count sees what it is meant to. glibc's own adaptive thresholds fall anywhere between the two
-    (measured 9,952 to 275,840, by the number of threads), so they make no control. In child processes: the setting
-    holds for the whole process."""
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip(f"keep_freed_memory sets glibc's malloc, absent here ({platform.libc_ver()[0] or 'no glibc'})")
-    out = {mode: subprocess.run([sys.executable, "-c", STEP_OF_FREES, ROOT, mode], capture_output=True, text=True,
-                                check=True).stdout.split() for mode in ("keep", "unmap")}
-    assert out["keep"][0] == out["unmap"][0] == "True", out
-    pages = 20 * 13_800
-    assert int(out["keep"][1]) < pages // 10, out  # under 10% of the steps' pages
-    assert int(out["unmap"][1]) > pages * 9 // 10, out

@@ -7,7 +7,7 @@
     python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
     python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
     python bench.py --models=det --peer=nanoGPT/model.py ... --profile=True   # and each training step op by op
-    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=d199529   # multiple choice against the past
+    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=HEAD~5   # multiple choice against an older revision
     python bench.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's

@@ -3,11 +3,11 @@
     python bench.py                                            # det, btrans, eve, free at 8 layers, d=256, T=256, B=8
     python bench.py --models=det,free:latent_bits=16,free:latent_bits=16:mapper=dense
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --n_layer=12 --n_embd=768 --block_size=1024 ...
-    python bench.py --models=det --peer=nanogpt --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
+    python bench.py --models=det --peer=nanoGPT/model.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
     python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
     python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
-    python bench.py --models=det --peer=nanogpt ... --profile=True      # and each training step op by op
-    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=d199529   # multiple choice against the past
+    python bench.py --models=det --peer=nanoGPT/model.py ... --profile=True   # and each training step op by op
+    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=HEAD~5   # multiple choice against an older revision
     python bench.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
@@ -16,9 +16,9 @@ Decode times are per generated token at a given context length, with the KV cach
 without (a full forward over the context for every new token); with compile_decode, also with the cached step
 compiled (torch.compile of the model's forward, as sample.py --compile=True), and the seconds its compilation took.
 
---peer=nanogpt adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the round robin
-and a column of each model's tokens/s over the peer's. Its model.py is read from ../shared/peers/nanogpt/model.py
-(MIT), never copied into this repository; --peer=<path> reads another copy. The peer trains with its own
+--peer=<path of a nanoGPT model.py> (git clone https://github.com/karpathy/nanoGPT: nanoGPT/model.py, MIT; never
+copied into this repository) adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the
+round robin and a column of each model's tokens/s over the peer's. The peer trains with its own
 configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models' Linear trains
 through oneDNN on an x86 CPU. It has no KV cache, so its decode columns stay empty. On a CPU every model's process
 keeps its freed memory as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
@@ -76,16 +76,17 @@ compile = False
 profile = False  # also each model's training step op by op (torch.profiler: self time per step of the top ops)
 profile_ops = 15  # ... how many ops per model
 keep_freed_memory = True  # CPU: cpu.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
-compile_decode = False  # also time decoding with the cached step compiled (torch.compile of the model's forward, as sample.py --compile=True)
-peer = ""  # "nanogpt" (../shared/peers/nanogpt/model.py) or the path of a nanoGPT-style model.py to time alongside
+compile_decode = False  # also time decoding with the cached step compiled (as sample.py --compile=True)
+peer = ""  # the path of a nanoGPT-style model.py to time alongside (or "transformers", below)
 one = ""  # internal: benchmark this single spec and print its JSON row
 src = ""  # --peer=transformers: the det run (folder or ckpt.pt) whose weights both models get
 thread_counts = (1, 2)  # --peer=transformers: torch.set_num_threads for each table row (none: the memory table only)
 decode_batches = (1, 16)  # --peer=transformers: sequences decoded at once (16 minds)
 decode_prompt = 64  # --peer=transformers: prompt tokens before decoding
 prefill_tokens = 256  # --peer=transformers: tokens of the prefill measurement
-mc_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "hellaswag",
-                       "hellaswag_val_sample1000.jsonl")  # --peer=transformers: multiple-choice items
+# --peer=transformers: multiple-choice items, a jsonl or the hub's 'hellaswag' (offline: the 1,000-item validation sample
+# under $NANOLATENT_LOCAL_DATA, on which BENCHMARKS.md's items/s were measured)
+mc_file = common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 mc_items = 10
 memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many B-Trans minds (0: not measured)
 memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
@@ -97,14 +98,12 @@ config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
 keeps_freed_memory = keep_freed_memory and device_type == "cpu"  # the setting acts on a CPU's malloc only
 PEER = "peer"  # the spec of the peer's row
-if peer == "nanogpt":
-    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "peers", "nanogpt", "model.py")
 if peer == "transformers" and not src:
     common.die("--peer=transformers needs --src=<a det run>: import one with python convert.py hf --src=... "
                "--out_dir=...")
 if peer and peer != "transformers" and not os.path.isfile(peer):
-    common.die(f"no peer model at {os.path.normpath(peer)}: nanoGPT's model.py is read from "
-               f"../shared/peers/nanogpt/model.py, or pass --peer=<path to a nanoGPT model.py>")
+    common.die(f"no peer model at {os.path.normpath(peer)}: pass --peer=<path to a nanoGPT model.py> (git clone "
+               f"https://github.com/karpathy/nanoGPT, then --peer=nanoGPT/model.py)")
 
 
 def parse_spec(spec):

@@ -21,6 +21,7 @@ import cpu
 
 MODEL_TYPES = ("det", "eve", "free", "btrans")
 GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when tiktoken cannot download GPT-2's BPE
+LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (gpt2/gpt2.tiktoken, hellaswag/..., gsm8k/...)
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
@@ -508,6 +509,15 @@ def data_dir(dataset):
     return os.path.join(root, dataset)
 
 
+def local_data(path, otherwise=""):
+    """$NANOLATENT_LOCAL_DATA/path when that variable names a folder holding it, else `otherwise` (a hub name, or ""
+    for none). For machines without a network: the folder holds local copies of the public files the scripts
+    download (gpt2/gpt2.tiktoken, tinyshakespeare/input.txt, hellaswag/hellaswag_val_sample1000.jsonl, gsm8k/test.jsonl,
+    ...); configs and experiments take their defaults through it, and a user online never needs it."""
+    root = os.environ.get(LOCAL_DATA_ENV)
+    return os.path.join(root, path) if root and os.path.exists(os.path.join(root, path)) else otherwise
+
+
 def load_meta(dataset):
     path = os.path.join(data_dir(dataset), "meta.json")
     if not os.path.exists(path):
@@ -550,19 +560,19 @@ def gpt2_from_file(bpe_file):
 
 
 def gpt2_encoding(bpe_file=None):
-    """GPT-2's BPE: from bpe_file when given, else tiktoken's download, else the file named by $NANOLATENT_GPT2_BPE.
-    Returns (encoding, the local file used or None)."""
+    """GPT-2's BPE: from bpe_file when given, else tiktoken's download, else the file named by $NANOLATENT_GPT2_BPE,
+    else $NANOLATENT_LOCAL_DATA/gpt2/gpt2.tiktoken. Returns (encoding, the local file used or None)."""
     import tiktoken
     if bpe_file:
         return gpt2_from_file(bpe_file), bpe_file
     try:
         return tiktoken.get_encoding("gpt2"), None
     except Exception as e:
-        fallback = os.environ.get(GPT2_BPE_ENV)
+        fallback = os.environ.get(GPT2_BPE_ENV) or local_data(os.path.join("gpt2", "gpt2.tiktoken"))
         if not fallback:
             die(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}). Offline, point to a local "
-                f"gpt2.tiktoken file: --bpe_file=PATH or export {GPT2_BPE_ENV}=PATH "
-                f"(the file is openai/whisper's whisper/assets/gpt2.tiktoken)")
+                f"gpt2.tiktoken file: --bpe_file=PATH, export {GPT2_BPE_ENV}=PATH, or export {LOCAL_DATA_ENV}=DIR "
+                f"with DIR/gpt2/gpt2.tiktoken (the file is openai/whisper's whisper/assets/gpt2.tiktoken)")
         print(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}); using the local file {fallback}")
         return gpt2_from_file(fallback), fallback
 

@@ -38,7 +38,8 @@ import configurator
 import cpu
 
 # ----------------------------------------------------------------------------------------------------------------
-# defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for a 2-core CPU
+# defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
+# quick start: 600 steps of 32 sequences, about 3 minutes on one idle thread; Z already carries where the target sits)
 # I/O
 out_dir = "out"
 eval_interval = 100  # also when checkpoints are saved: a stopped or killed run loses at most this many steps
@@ -54,7 +55,7 @@ wandb_project = "nanolatent"
 wandb_run_name = "run"
 # data
 dataset = "synthetic"
-batch_size = 64  # sequences per micro-batch per process
+batch_size = 32  # sequences per micro-batch per process
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
 # model: model_<model>.py; any field of its Config (n_layer, kappa_bits, sigma, ...) may be set like the keys here
 model = "free"
@@ -62,13 +63,13 @@ init_embeddings = ""  # a .npy (vocab_size, n_embd) matrix copied into a fresh m
 # tied to it): pretrained embeddings, held frozen with freeze_embeddings=True (EVE §1; experiments/eve_paper_protocol)
 # AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 1e-3
-max_iters = 1500
+max_iters = 600
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping
 warmup_iters = 100
-lr_decay_iters = 1500  # usually max_iters; a --max_iters below it, with lr_decay_iters not set, lowers it to max_iters
+lr_decay_iters = 600  # usually max_iters; a --max_iters below it, with lr_decay_iters not set, lowers it to max_iters
 min_lr = 1e-4  # usually learning_rate / 10 (Chinchilla)
 max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the run stops
 # system
@@ -486,6 +487,11 @@ while True:
         log_record(record)
     iter_num += 1
 
+if master and not eval_only:  # what to do with the run next
+    start = ' --start="K>"' if dataset == "synthetic" else ""  # the synthetic task's prompt: a letter and '>'
+    print(f"done. Sample from {out_dir}:\n  python sample.py --out_dir={out_dir}{start} --num_samples=8")
+    if model != "det":  # one draw of the latents for the whole group: what they carry shows as what the group shares
+        print(f"  python sample.py --out_dir={out_dir}{start} --num_samples=8 --latents=shared --latent_seed=1")
 if ddp:
     dist.barrier()  # rank 0 may still be writing a checkpoint: tear down together (gloo can abort otherwise)
     dist.destroy_process_group()

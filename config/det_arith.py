@@ -1,8 +1,9 @@
 # The supervised phase before rlvr.py: a tiny det model on prepare.py's arithmetic lines ("37*12=444").
 # python prepare.py arith && python train.py config/det_arith.py
-# Reached (1500 iters, val loss 1.48; ~10 min at ~0.4 s/iter on a shared 2-core CPU, one thread; 1.51 and 12 min on
-# an idle one with the data of prepare.py's hash-seed-independent order, greedy 0.422 on the first 128), on all 2000 val
-# problems with rlvr.py's prompt "\n37*12=": greedy 0.447, pass@1 0.390 and pass@8 0.466 sampling at T=1. Middling
+# Reached 1500 iters at val loss 1.48-1.61 in our runs (2026-11-23 to 2026-11-24, a 2-core AMD EPYC, one thread,
+# 10-12 min): when the loss jumps (the model learns to add) moves with float rounding, so one run can answer greedy
+# 0.447 of the 2000 val problems (prompt "\n37*12=", pass@1 0.390, pass@8 0.466 at T=1) and another 0.04 of 200
+# (docs/reproductions.md, GRPO). A model that adds is middling
 # by construction: addition greedy 0.87 (pass@1 0.76), multiplication 0.002 (the model has learned its format and
 # number of digits, not the product). Without the leading '\n' the same model gets 0.30 greedy.
 model = "det"

@@ -1,11 +1,10 @@
-# The EVE paper's matched regime (Table 4, §4.5, Fig. 2) at CPU size: GPT-2 BPE on WritingPrompts stories of
-# ../shared/data/writingprompts (the first 100 of its 500 training stories, all 100 test stories), 3 blocks, 5 epochs
+# The EVE paper's matched regime (Table 4, §4.5, Fig. 2) at CPU size: GPT-2 BPE on a 500 + 100-story sample of
+# WritingPrompts (the first 100 of its 500 training stories, all 100 test stories), 3 blocks, 5 epochs
 # over the small data (§4.5), the checkpoint of best validation CE kept (the paper's select_by="ce"). This is EVE's
 # deterministic baseline: the head reads the blocks through the same layer weights as EVE's (§4.1 keeps the head the
 # same in both arms), so the two differ in the feed-forward neurons alone (§3.7; tests/test_eve.py checks it).
-#   python prepare.py text --input=../shared/data/writingprompts/wp_sample_train.jsonl \
-#       --val_input=../shared/data/writingprompts/wp_sample_test.jsonl --fields=prompt,story --max_docs=100 \
-#       --vocab=used --name=wp_sample_cpu --bpe_file=../shared/data/gpt2/gpt2.tiktoken
+#   python prepare.py text --input=wp_train.jsonl --val_input=wp_test.jsonl --fields=prompt,story --max_docs=100 \
+#       --vocab=used --name=wp_sample_cpu       # the jsonl files: docs/reproductions.md, "EVE's matched protocol"
 #   python train.py config/det_wp_sample.py --device=cpu --compile=False
 # --vocab=used keeps the 12,762 GPT-2 ids these stories use, renumbered (vocab_size comes from the dataset): the
 # output layer, most of the FLOPs at n_embd = 128, is 4x smaller than GPT-2's 50,257, so a step of 8 x 256 tokens

@@ -1,7 +1,7 @@
 # GRPO (B-Trans §5.2) on a pretrained chat model: SmolLM2-135M-Instruct imported offline (README, "B-Trans minds on a
 # pretrained model"), full fine-tuning (every weight; the paper fine-tunes LoRA adapters).
-# python rlvr.py config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=../shared/data/gsm8k]
-import os as _os  # configurator keeps no name that starts with '_'
+# python rlvr.py config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=DIR_WITH_GSM8K_JSONL]
+import common as _common  # configurator keeps no name that starts with '_'
 
 init_from = "out-smollm2"
 out_dir = "out-rlvr-smollm2"
@@ -9,9 +9,9 @@ out_dir = "out-rlvr-smollm2"
 # problem (README), so a GSM8K group has no reward to learn from. Held out: the first eval_prompts items; RL prompts:
 # the items past them (HellaSwag's labelled items are its validation split).
 task = "hellaswag"
-# the 1,000 validation items of ../shared/data when they are there (offline), else the hub's HellaSwag
-_local = "../shared/data/hellaswag/hellaswag_val_sample1000.jsonl"
-dataset = _local if _os.path.isfile(_local) else "hellaswag"
+# the hub's HellaSwag; offline, the 1,000-item validation sample under $NANOLATENT_LOCAL_DATA (what the README's
+# numbers were measured on: a random subset of the validation split, so its first items are not the hub's)
+dataset = _common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 train_prompts = "val"
 eval_prompts = 100
 eval_samples = 4

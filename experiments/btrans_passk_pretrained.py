@@ -40,8 +40,11 @@ import tasks
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
-gsm8k = "../shared/data/gsm8k/test.jsonl"
-hellaswag = "../shared/data/hellaswag/hellaswag_val_sample1000.jsonl"
+# '' = GSM8K's test split from the hub (openai/gsm8k); offline, test.jsonl under $NANOLATENT_LOCAL_DATA (the same file)
+gsm8k = common.local_data("gsm8k/test.jsonl")
+# a jsonl or the hub's 'hellaswag' (its validation split); offline, and for docs/pretrained.md's numbers, the 1,000-item
+# validation sample under $NANOLATENT_LOCAL_DATA: a random subset, so its first items are not the hub's
+hellaswag = common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 num_problems = 100  # the first problems of the benchmark (after the max_steps filter)
 max_steps = 0  # gsm8k: keep problems whose reference takes at most this many calculator steps (0: every problem)
 n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
@@ -109,12 +112,20 @@ if from_json:
         report(json.load(f))
     raise SystemExit
 source = gsm8k if benchmark == "gsm8k" else hellaswag
-if not os.path.exists(source):
+if source and not os.path.exists(source) and source != "hellaswag":
     common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "
                f"or HellaSwag's validation jsonl)")
 if benchmark == "gsm8k":
-    with open(source) as f:
-        problems = [p for p in map(json.loads, f) if not max_steps or tasks.gsm8k_steps(p["answer"]) <= max_steps]
+    if source:
+        with open(source) as f:
+            rows = list(map(json.loads, f))
+    else:
+        try:
+            import datasets
+            rows = datasets.load_dataset("openai/gsm8k", "main", split="test")
+        except Exception as e:
+            common.die(f"openai/gsm8k did not load from the hub ({type(e).__name__}): pass --gsm8k=<GSM8K's test.jsonl>")
+    problems = [p for p in rows if not max_steps or tasks.gsm8k_steps(p["answer"]) <= max_steps]
     problems = [{"question": p["question"], "answer": tasks.gsm8k_answer(p["answer"])} for p in problems]
 else:
     problems = [{"question": tasks.lettered_question(ex["context"], ex["choices"]),
@@ -188,7 +199,7 @@ if time_only:
 counts = run(range(len(problems)))
 curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
-record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source), "max_steps": max_steps,
+record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or "openai/gsm8k", "max_steps": max_steps,
           "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
           "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
           **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),

@@ -27,8 +27,10 @@ import common
 import configurator
 
 out_dir = "out-smollm2"
-text_file = "../shared/data/tinystories/tinystories_head_197k.txt"
-text_offset = 100_000  # characters skipped first: later stories than a prompt taken from the file's start
+# held-out text: a plain-text file; '' = TinyStories' validation stories from the hub (offline: the opening 197 KB of
+# TinyStories under $NANOLATENT_LOCAL_DATA, on which docs/pretrained.md's table was measured)
+text_file = common.local_data("tinystories/tinystories_head_197k.txt")
+text_offset = 100_000  # characters skipped first: later stories than a prompt taken from the text's start
 num_seqs = 2  # windows of held-out text
 seq_len = 256  # tokens per window
 minds = 3  # minds per setting
@@ -69,13 +71,23 @@ if replot:
         plot(json.load(f))
     raise SystemExit
 
-if not os.path.exists(text_file):
+if text_file and not os.path.exists(text_file):
     common.die(f"{text_file} not found: point --text_file at a plain-text file the model did not see in the prompt")
 det, checkpoint = common.load_model(out_dir, device)
 det.eval()
 encode, _ = common.tokenizer(checkpoint["meta"])
-with open(text_file) as f:
-    ids = encode(f.read()[text_offset:])
+if text_file:
+    with open(text_file) as f:
+        text = f.read()
+else:
+    try:
+        import datasets
+        stories = datasets.load_dataset("roneneldan/TinyStories", split="validation")
+    except Exception as e:
+        common.die(f"TinyStories did not load from the hub ({type(e).__name__}): pass --text_file=<a plain-text file>")
+    text_file = "roneneldan/TinyStories validation"
+    text = "\n\n".join(stories[i]["text"] for i in range(2000))  # ~1.7M characters, more than enough
+ids = encode(text[text_offset:])
 if len(ids) < num_seqs * (seq_len + 1):
     common.die(f"{text_file} has {len(ids)} tokens past text_offset: too few for {num_seqs} x {seq_len + 1}")
 data = torch.tensor(ids[:num_seqs * (seq_len + 1)], device=device).view(num_seqs, seq_len + 1)

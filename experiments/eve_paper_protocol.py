@@ -10,8 +10,8 @@ act as the regulariser the paper reports.
         --extra="--n_head=6 --eval_iters=40 --dtype=bfloat16 --compile=True" --n_embd=384 \
         --eval_tokens=0 --runs_dir=out-eve-paper-gpu                                                           # GPU
 
-Data: WritingPrompts stories of ../shared/data/writingprompts, GPT-2 BPE (config/det_wp_sample.py says how to
-prepare them: wp_sample_cpu, the first 100 training stories in the GPT-2 ids they use; wp_sample, all 500 in the
+Data: a 500 + 100-story sample of WritingPrompts, GPT-2 BPE (docs/reproductions.md and config/det_wp_sample.py say how
+to prepare them: wp_sample_cpu, the first 100 training stories in the GPT-2 ids they use; wp_sample, all 500 in the
 whole vocabulary; the full data set online: `python prepare.py writingprompts`). For each seed it trains
 config/det_wp_sample.py and config/eve_wp_sample.py, which differ in the feed-forward neurons alone (the same 3 blocks,
 widths, head with its layer weights, optimiser, batches and selection: §3.7, §4.1), for `epochs` passes over the
@@ -24,8 +24,7 @@ JSON beside it holds every number of the tables and the figure.
 Embeddings (§1: "frozen GPT-style embeddings"): GPT-2's weights cannot be had offline, so embeddings="smollm2" takes
 SmolLM2-135M-Instruct's token embedding into the dataset's GPT-2 ids, on its first n_embd principal components
 (experiments/smollm2_embedding.py says how), loaded by train.py --init_embeddings and held frozen
-(--freeze_embeddings=True): the tied head is that matrix too. "trained": learned from a random init, as in the
-protocol run before this one.
+(--freeze_embeddings=True): the tied head is that matrix too. "trained": learned from a random init.
 """
 
 import json

@@ -112,8 +112,8 @@ def analyse(kappa, seed):
 
 
 def earlier_runs(path, settings):
-    """The runs an earlier invocation wrote to `path` with the same generation settings, by (kappa, seed): a seed
-    trained in a later session joins the table instead of replacing it, and a run analysed before need not be
+    """The runs another invocation wrote to `path` with the same generation settings, by (kappa, seed): a seed
+    trained at another time joins the table instead of replacing it, and a run analysed before need not be
     trained again to keep its row. Written with other settings: none kept."""
     if not os.path.exists(path):
         return {}

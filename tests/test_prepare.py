@@ -105,15 +105,19 @@ def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_p
 
 
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
-def test_gpt2_falls_back_to_the_environment_variable_when_the_download_fails(tmp_path, monkeypatch):
+def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tmp_path, monkeypatch):
     import tiktoken
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
+    monkeypatch.delenv(common.LOCAL_DATA_ENV, raising=False)
     monkeypatch.setenv(common.GPT2_BPE_ENV, GPT2_BPE)
     encoding, used = common.gpt2_encoding()
     assert used == GPT2_BPE and encoding.encode("Hello world") == [15496, 995]
     monkeypatch.delenv(common.GPT2_BPE_ENV)
     with pytest.raises(SystemExit):
         common.gpt2_encoding()
+    monkeypatch.setenv(common.LOCAL_DATA_ENV, SHARED_DATA)  # the folder of local copies: gpt2/gpt2.tiktoken in it
+    encoding, used = common.gpt2_encoding()
+    assert used == os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken") and encoding.encode("Hello world") == [15496, 995]
 
 
 def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_path):

@@ -283,6 +283,12 @@ def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
     assert all({**values, **model_values}[k] == v for k, v in file_values.items())
 
 
-def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_file(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # ../shared/data seen from here does not exist
+def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_copies(tmp_path, monkeypatch):
+    monkeypatch.delenv(common.LOCAL_DATA_ENV, raising=False)  # a user's machine: no folder of local copies
     assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
+    monkeypatch.setenv(common.LOCAL_DATA_ENV, str(tmp_path))  # set, but without the file: still the hub's
+    assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text("")
+    assert (configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"]
+            == str(tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl"))

@@ -1,0 +1,164 @@
+"""The README and docs/ cannot drift from the code: every `python <script>.py ... --key=value` and
+`python -m experiments.<name> ... --key=value` they show names a key the script accepts, every config file they pass
+exists, and every local link and image resolves. Parsed, never run: the whole check takes well under a second."""
+
+import ast
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+from conftest import ROOT
+
+DOCS = ["README.md", "BENCHMARKS.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+MODEL_SCRIPTS = {"train.py", "sample.py", "evaluate.py"}  # also take any field of the model's Config
+MODELS = ("det", "eve", "free", "btrans")
+NOT_CONFIGURATOR = {"harness.py"}  # lm_eval's own command line
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def module_assignments(tree, before=None):
+    """Names bound at a module's top level (above line `before`), as configurator.apply(globals()) sees them."""
+    names = set()
+    for node in tree.body:
+        if before is not None and node.lineno >= before:
+            break
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name) and not name.id.startswith("_") and not name.id.isupper():
+                    names.add(name.id)
+    return names
+
+
+def script_keys(path):
+    """The --key names a script's configurator accepts: its public module-level names bound above its first
+    configurator.apply call (the defaults), parsed from the source."""
+    source = read(path)
+    tree = ast.parse(source)
+    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "apply" and isinstance(n.func.value, ast.Name) and n.func.value.id == "configurator"]
+    assert calls, f"{path} has no configurator.apply call"
+    top = [node for node in tree.body if node.lineno <= min(calls) <= (node.end_lineno or node.lineno)]
+    return module_assignments(tree, before=top[0].lineno if top else min(calls))
+
+
+def config_fields(model):
+    """The init fields of model_<model>.py's Config dataclass, parsed from the source."""
+    tree = ast.parse(read(f"model_{model}.py"))
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    return {n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def code_spans(text):
+    """Fenced code blocks (continuation lines joined) and inline code spans of a markdown text."""
+    spans = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+        spans += block.replace("\\\n", " ").splitlines()
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
+    spans += re.findall(r"`([^`\n]+)`", prose)
+    return spans
+
+
+def commands(text):
+    """(script, [arguments]) for every python command of a markdown text: script is 'x.py' or 'experiments.x'."""
+    found = []
+    for span in code_spans(text):
+        for part in re.split(r"&&|;|\|(?!\|)", span):
+            try:
+                words = shlex.split(part, comments=True)
+            except ValueError:  # an unbalanced quote in prose: not a command
+                continue
+            for i, word in enumerate(words):
+                if word in ("python", "python3", "torchrun"):
+                    rest = words[i + 1:]
+                    if rest[:1] == ["-m"] and len(rest) > 1 and rest[1].startswith("experiments."):
+                        found.append((rest[1], rest[2:]))
+                    else:
+                        scripts = [j for j, w in enumerate(rest) if w.endswith(".py") and "/" not in w]
+                        if scripts and (word == "torchrun" or scripts[0] == 0):
+                            found.append((rest[scripts[0]], rest[scripts[0] + 1:]))
+                    break
+    return found
+
+
+def all_commands():
+    return [(doc, script, args) for doc in DOCS for script, args in commands(read(doc))]
+
+
+def test_the_docs_show_commands_of_every_kind():
+    scripts = {script for _, script, _ in all_commands()}
+    assert {"train.py", "sample.py", "evaluate.py", "prepare.py", "convert.py", "rlvr.py", "bench.py",
+            "experiments.free_synthetic"} <= scripts
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_documented_command_passes_keys_its_script_accepts(doc):
+    fields = {m: config_fields(m) for m in MODELS}
+    problems = []
+    for script, args in commands(read(doc)):
+        if script in NOT_CONFIGURATOR:
+            continue
+        path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
+        if not os.path.isfile(os.path.join(ROOT, path)):
+            problems.append(f"{script}: no such script")
+            continue
+        keys = script_keys(path)
+        given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+        if script in MODEL_SCRIPTS:  # the model's Config fields too: the named model's, else any of the four
+            named = given.get("model")
+            keys |= fields[named] if named in fields else set().union(*fields.values())
+        if script == "rlvr.py":  # the policy is always B-Trans
+            keys |= fields["btrans"]
+        for key in given:
+            if key not in keys:
+                problems.append(f"{script} --{key}: not a key of {path}")
+        for arg in args:
+            if arg.startswith("config/") and arg.endswith(".py") and not os.path.isfile(os.path.join(ROOT, arg)):
+                problems.append(f"{script} {arg}: no such config file")
+    assert not problems, f"{doc}:\n" + "\n".join(problems)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    heading = re.sub(r"[`*_]", lambda m: "_" if m.group() == "_" else "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
+
+
+def anchors(path):
+    text = re.sub(r"^```.*?^```", "", read(path), flags=re.S | re.M)
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_local_link_and_image_resolves(doc):
+    text = re.sub(r"^```.*?^```", "", read(doc), flags=re.S | re.M)
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+        if not os.path.exists(os.path.join(ROOT, resolved)):
+            problems.append(f"{target}: {resolved} does not exist")
+        elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
+            problems.append(f"{target}: no heading #{anchor} in {resolved}")
+    assert not problems, f"{doc}:\n" + "\n".join(problems)
+
+
+def test_the_parser_reads_keys_continuations_and_inline_commands():
+    text = ("Run `python train.py --max_iters=300` first.\n\n```sh\npython -m experiments.eve_vs_det \\\n"
+            "    --device=cuda   # a GPU\nOMP_NUM_THREADS=1 python bench.py --peer=x.py && python sample.py --out_dir=out\n"
+            "torchrun --standalone --nproc_per_node=8 train.py config/free_1b5.py --fsdp=True\n```\n")
+    assert commands(text) == [("experiments.eve_vs_det", ["--device=cuda"]), ("bench.py", ["--peer=x.py"]),
+                              ("sample.py", ["--out_dir=out"]), ("train.py", ["config/free_1b5.py", "--fsdp=True"]),
+                              ("train.py", ["--max_iters=300"])]
+    assert {"max_iters", "out_dir", "dataset"} <= script_keys("train.py") and "config" not in script_keys("train.py")
+    assert "kappa_bits" in config_fields("free") and "sigma" in config_fields("btrans")
+    assert slug("B-Trans Pass@K on SmolLM2 (§5.1)") == "b-trans-passk-on-smollm2-51"

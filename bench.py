@@ -53,9 +53,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import common
 import configurator
 import cpu
+import llama
+import multiple_choice
+import tokendata
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -86,7 +90,7 @@ decode_prompt = 64  # --peer=transformers: prompt tokens before decoding
 prefill_tokens = 256  # --peer=transformers: tokens of the prefill measurement
 # --peer=transformers: multiple-choice items, a jsonl or the hub's 'hellaswag' (offline: the 1,000-item validation sample
 # under $NANOLATENT_LOCAL_DATA, on which BENCHMARKS.md's items/s were measured)
-mc_file = common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
+mc_file = tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 mc_items = 10
 memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many B-Trans minds (0: not measured)
 memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
@@ -243,21 +247,19 @@ def transformers_peer(run):
     does) timed in turns, at every thread count: decode ms per token at each batch, prefill tokens/s and HellaSwag
     items/s. Each figure is the best of `repeats` turns; the two models alternate within a turn."""
     import transformers
-    import convert
-    import evaluate
-    checkpoint = common.load_checkpoint(run)
-    cfg, state = convert.det_state(checkpoint, common.checkpoint_path(run))
-    det = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
-    fast = common.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through cpu.onednn_linears
-    hf_cfg = transformers.LlamaConfig(**convert.hf_config(cfg, "float32", None, None))
+    checkpoint = ckpt.load_checkpoint(run)
+    cfg, state = llama.det_state(checkpoint, ckpt.checkpoint_path(run))
+    det = ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
+    fast = ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through cpu.onednn_linears
+    hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
-                                              convert.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
+                                              llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    encode, _ = common.tokenizer(checkpoint["meta"])
-    examples = evaluate.load_mc_examples(mc_file, mc_items)
-    items = [[evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]] for ex in examples]
+    encode, _ = tokendata.tokenizer(checkpoint["meta"])
+    examples = multiple_choice.load_mc_examples(mc_file, mc_items)
+    items = [[multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]] for ex in examples]
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (max(decode_batches), decode_prompt), generator=g)
     long_prompt = torch.randint(0, cfg.vocab_size, (1, prefill_tokens), generator=g)
@@ -300,7 +302,7 @@ def transformers_peer(run):
 
     def det_mc(net=det):
         for pairs in items:
-            evaluate.score_choices(net, pairs, 1, g)
+            multiple_choice.score_choices(net, pairs, 1, g)
 
     def hf_mc():  # all choices of an item in one forward over context + choice, as lm-evaluation-harness does
         for pairs in items:
@@ -366,10 +368,9 @@ def sample_memory(run):
     """sample.py's peak resident memory (a fresh process, one thread) when `memory_minds` B-Trans minds of the run
     decode `memory_new_tokens` tokens each from a `decode_prompt`-token prompt: the user's path, load included."""
     import tempfile
-    import evaluate
-    checkpoint = common.load_checkpoint(run)
-    encode, decode = common.tokenizer(checkpoint["meta"])
-    text = " ".join(ex["context"] for ex in evaluate.load_mc_examples(mc_file, 50))
+    checkpoint = ckpt.load_checkpoint(run)
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
+    text = " ".join(ex["context"] for ex in multiple_choice.load_mc_examples(mc_file, 50))
     prompt = decode(encode(text)[:decode_prompt])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in checkpoint["model"].values()}
     weights_mib = sum(storages.values()) / 2**20  # a tied head shares the embedding's storage: counted once
@@ -400,10 +401,12 @@ def mc_history(run):
     F.linear, and through oneDNN as evaluate.py runs on a CPU), the same items and draws, in turns, best of
     `repeats`, at every thread count; and each one's largest |score - the revision's score|."""
     import tempfile
-    import evaluate
     here = os.path.dirname(os.path.abspath(__file__))
-    source = subprocess.run(["git", "show", f"{mc_baseline}:evaluate.py"], cwd=here, capture_output=True, text=True)
-    if source.returncode:
+    for name in ("multiple_choice.py", "evaluate.py"):  # where score_choices lives, or lived before multiple_choice.py
+        source = subprocess.run(["git", "show", f"{mc_baseline}:{name}"], cwd=here, capture_output=True, text=True)
+        if not source.returncode:
+            break
+    else:
         common.die(f"--mc_baseline={mc_baseline}: git show found no evaluate.py there ({source.stderr.strip()})")
     with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
         f.write(source.stdout)
@@ -411,30 +414,30 @@ def mc_history(run):
         spec = importlib.util.spec_from_file_location(f"evaluate_{mc_baseline}", f.name)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-    checkpoint = common.load_checkpoint(run)
-    encode, _ = common.tokenizer(checkpoint["meta"])
+    checkpoint = ckpt.load_checkpoint(run)
+    encode, _ = tokendata.tokenizer(checkpoint["meta"])
     print(f"\nmultiple choice, {run}: evaluate.py's score_choices at {mc_baseline} against today's; best of {repeats}")
     print("model | passes | items | threads | contender | items/s | x the revision | max |score - revision's|")
     for model_spec in mc_passes.split(","):
         model_type, passes = model_spec.split(":")
-        net, fast = (common.load_model(run, "cpu", model_type, checkpoint=checkpoint,
+        net, fast = (ckpt.load_model(run, "cpu", model_type, checkpoint=checkpoint,
                                        **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
                      for _ in range(2))  # fast: inside cpu.onednn_linears throughout, as evaluate.py runs
-        mixture = evaluate.mixture_for(net, "auto")
+        mixture = multiple_choice.mixture_for(net, "auto")
         n_items = mc_items if model_type == "det" else max(1, mc_items // 3)
-        items = [[evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
-                 for ex in evaluate.load_mc_examples(mc_file, n_items)]
-        contenders = [(mc_baseline, old, net), ("today, F.linear", evaluate, net),
-                      ("today, oneDNN (evaluate.py's default)", evaluate, fast)]
+        items = [[multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
+                 for ex in multiple_choice.load_mc_examples(mc_file, n_items)]
+        contenders = [(mc_baseline, old, net), ("today, F.linear", multiple_choice, net),
+                      ("today, oneDNN (evaluate.py's default)", multiple_choice, fast)]
         with torch.no_grad(), cpu.onednn_linears(fast):
-            evaluate.score_choices(fast, items[0], 1, None)  # each weight packed at its first call: not timed
+            multiple_choice.score_choices(fast, items[0], 1, None)  # each weight packed at its first call: not timed
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 best, scores = {}, {}
                 for _ in range(repeats):
                     for name, module, model in contenders:
                         t0 = time.perf_counter()
-                        scores[name] = [module.score_choices(model, pairs, int(passes), evaluate.example_generator(
+                        scores[name] = [module.score_choices(model, pairs, int(passes), multiple_choice.example_generator(
                             model, 1, i), mixture=mixture)[0] for i, pairs in enumerate(items)]
                         dt = time.perf_counter() - t0
                         best[name] = min(dt, best.get(name, dt))

@@ -1,5 +1,5 @@
-"""What the scripts share: picking a model file, checkpoints, prepared data and tokenizers. Model files never import
-this module; they stay self-contained."""
+"""What every script shares: one-line errors, seeded draws, devices and dtypes, run records, picking and building a
+model file, and planning a run's memory. Model files never import this module; they stay self-contained."""
 
 import contextlib
 import dataclasses
@@ -7,10 +7,8 @@ import importlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -20,9 +18,6 @@ import torch
 import cpu
 
 MODEL_TYPES = ("det", "eve", "free", "btrans")
-GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when tiktoken cannot download GPT-2's BPE
-LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (gpt2/gpt2.tiktoken, hellaswag/..., gsm8k/...)
-GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
 # Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
@@ -164,75 +159,6 @@ def check_device(device):
         cpu.cpu_threads()
 
 
-_locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
-
-
-def lock_out_dir(out_dir, who):
-    """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
-    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
-    that holds the lock already (convert.main called twice in one process) keeps it."""
-    import fcntl
-    if os.path.realpath(out_dir) in _locks:
-        return
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        f = open(os.path.join(out_dir, ".lock"), "a+")
-    except OSError as e:
-        die(f"cannot write to out_dir {out_dir}: {e.strerror or e}; choose a writable --out_dir")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        die(f"{out_dir} is in use by {holder}: wait for it to finish, or choose another --out_dir")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{who} (pid {os.getpid()})")
-    f.flush()
-    _locks[os.path.realpath(out_dir)] = f
-    # Only the lock holder writes temporary files here, so any left now are from a writer killed mid-write
-    # (kill -9 during a checkpoint save): nobody will rename them, and a checkpoint's is as large as the model.
-    stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]
-    for name in stale:
-        os.remove(os.path.join(out_dir, name))
-    if stale:
-        print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
-              f"{', '.join(sorted(stale))}")
-
-
-def release_out_dir(out_dir):
-    """Give back lock_out_dir's lock before the process ends: for a writer called as a function (convert.main in
-    a notebook or a test), so the process can go on while another writes there."""
-    lock = _locks.pop(os.path.realpath(out_dir), None)
-    if lock is not None:
-        lock.close()  # closing the file releases the flock
-
-
-RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
-
-
-def refuse_existing_run(out_dir, overwrite, resumable=False):
-    """The guard of every script that writes a run into out_dir (train.py from scratch, rlvr.py, convert.py hf and
-    gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
-    before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
-    held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
-    if held and not overwrite:
-        die(f"{out_dir} already holds a run ({held[0]}): "
-            f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
-            f"with --overwrite=True")
-
-
-def refuse_nonempty_dir(dst, overwrite, what="--dst"):
-    """The guard of a writer whose output is a whole folder of someone else's format (convert.py to_hf): a file, or
-    a folder that holds anything, is written into only with --overwrite=True."""
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        die(f"{what}={dst} is a file: give a folder to write into")
-    held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []
-    if held and not overwrite:
-        die(f"{what}={dst} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): choose an empty or "
-            f"new folder, or write into it anyway with --overwrite=True")
-
-
 class Stop:
     """SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's preemption) during a training loop: the handler only notes
     the signal, and the loop, between two whole steps, saves and exits (stopping inside an optimizer step would
@@ -311,31 +237,6 @@ def transformer_blocks(model):
     return [m for m in model.modules() if type(m).__name__.endswith("Block")]
 
 
-def saved_shapes(model_type, model_values):
-    """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in build_model(model_type, model_values).state_dict().items()}
-
-
-def resume_config(model_type, saved, overrides, out_dir):
-    """A resumed run keeps its architecture: the model overrides given with init_from=resume apply when they leave
-    every saved tensor's shape unchanged (kappa_bits, sigma, kl_beta, block_size, mapper, ...), and stop the run
-    with one line when they would not (n_layer, n_embd, latent_bits, ...)."""
-    changed = {k: v for k, v in overrides.items() if saved.get(k) != v}
-    if not changed:
-        return dict(saved)
-    merged = {**saved, **changed}
-    before, after = saved_shapes(model_type, saved), saved_shapes(model_type, merged)
-    if before != after:
-        key = next(k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k))
-        die(f"resuming {out_dir} with {', '.join(f'{k}={v!r}' for k, v in changed.items())} would change the shape "
-            f"of the saved {key} ({before.get(key)} -> {after.get(key)}); drop that override, or train from scratch "
-            f"into another out_dir")
-    print(f"resuming with the model overrides {', '.join(f'{k}={v!r}' for k, v in changed.items())} (was "
-          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}): no saved tensor changes shape")
-    return merged
-
-
 def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2):
     """(bytes of weights, gradients and AdamW state, bytes of activations, blocks) per process for a model built on
     the meta device. fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter,
@@ -403,272 +304,6 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
           "blocks FSDP gathers, the CUDA context and allocator slack (a few GiB)")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def save_checkpoint(checkpoint, path):
-    """Write to a temporary file of this process, then rename: a crash mid-write never leaves a truncated checkpoint
-    behind, and two writers never share a temporary file. A write that fails removes its temporary file and stops
-    with one line; the previous checkpoint is untouched."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk (torch's writer raises RuntimeError), a read-only folder
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:200]
-        die(f"could not write {path}: {reason}{free_space(path)}; free some space or choose another out_dir "
-            f"(the previous checkpoint there, if any, is unchanged)")
-    except BaseException:  # interrupted (a second Ctrl-C): no half-written file is left behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def checkpoint_path(path):
-    return os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-
-
-def load_checkpoint(path, device="cpu"):
-    """A checkpoint's dict. Tensors are memory-mapped, not read: asking a checkpoint its model type and config costs
-    next to nothing, and a model built from it reads each tensor once."""
-    path = checkpoint_path(str(path))
-    if not os.path.exists(path):
-        die(f"no checkpoint at {path}: train one first (python train.py ...) or point to an existing ckpt.pt")
-    if os.path.getsize(path) == 0:
-        die(f"checkpoint {path} is empty (a crash before its first write?): retrain, or use another out_dir")
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=True)
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        die(f"checkpoint {path} is unreadable ({type(e).__name__}{': ' + reason if reason else ''}); "
-            f"it may be truncated or not a nanolatent checkpoint: retrain, or resume from another out_dir")
-    if not isinstance(checkpoint, dict) or not {"model_type", "model_config", "meta"} <= set(checkpoint):
-        die(f"{path} is a torch file but not a nanolatent checkpoint (no model_type, model_config and meta): "
-            f"point to a ckpt.pt that train.py, rlvr.py or convert.py wrote")
-    return checkpoint
-
-
-def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides):
-    """Model from a checkpoint (read from path unless given), optionally into another model type (a det checkpoint
-    into btrans, say). Config fields the target lacks are dropped; parameters new in the target (B-Trans offsets)
-    keep their init."""
-    checkpoint = checkpoint or load_checkpoint(path, device)
-    source_type = checkpoint["model_type"]
-    model_type = model_type or source_type
-    fields = config_fields(model_type)
-    model_values = {k: v for k, v in checkpoint["model_config"].items() if k in fields}
-    model_values.update(overrides)
-    model = build_model(model_type, model_values)
-    try:
-        missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
-    except RuntimeError as e:  # a tensor of another shape: the overrides or the data changed the architecture
-        die(f"checkpoint {checkpoint_path(str(path))} does not fit the {model_type} model asked for: "
-            f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}")
-    if unexpected or (missing and model_type == source_type):
-        die(f"checkpoint {checkpoint_path(str(path))} ({source_type}) does not fit a {model_type} model: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if missing:
-        # One line with a count: a 30-layer model has 61 B-Trans offsets, which listed in full fill a screen.
-        print(f"loaded a {source_type} checkpoint into {model_type}; {len(missing)} new parameters keep their init "
-              f"({missing[0]}{f' ... {missing[-1]}' if len(missing) > 1 else ''})")
-    return model.to(device), checkpoint
-
-
-def train_if_missing(out_dir, *train_args):
-    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
-    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        root = os.path.dirname(os.path.abspath(__file__))
-        subprocess.run([sys.executable, os.path.join(root, "train.py"), *train_args, f"--out_dir={out_dir}"],
-                       check=True)
-
-
 def repeat_latents(latents, n):
     """Share one draw of latents (batch 1) across n sequences: repeat dim 0 of the tensor (None: nothing to share)."""
     return None if latents is None else latents.expand(n, *latents.shape[1:]).contiguous()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# data and tokenizers
-
-# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
-HUB_DATASETS = {
-    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
-    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation"),
-    "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
-                        val=None),
-}
-
-
-
-def data_dir(dataset):
-    """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
-    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-    return os.path.join(root, dataset)
-
-
-def local_data(path, otherwise=""):
-    """$NANOLATENT_LOCAL_DATA/path when that variable names a folder holding it, else `otherwise` (a hub name, or ""
-    for none). For machines without a network: the folder holds local copies of the public files the scripts
-    download (gpt2/gpt2.tiktoken, tinyshakespeare/input.txt, hellaswag/hellaswag_val_sample1000.jsonl, gsm8k/test.jsonl,
-    ...); configs and experiments take their defaults through it, and a user online never needs it."""
-    root = os.environ.get(LOCAL_DATA_ENV)
-    return os.path.join(root, path) if root and os.path.exists(os.path.join(root, path)) else otherwise
-
-
-def load_meta(dataset):
-    path = os.path.join(data_dir(dataset), "meta.json")
-    if not os.path.exists(path):
-        named = dataset in ("synthetic", "arith", *HUB_DATASETS)  # the names prepare.py makes on its own
-        how = (f"`python prepare.py {dataset}`" if named else
-               f"`python prepare.py text --input=FILE --name={dataset}` on a local .txt or .jsonl")
-        die(f"dataset {dataset!r} is not prepared ({path} is missing): run {how}")
-    with open(path) as f:
-        return json.load(f)
-
-
-def load_tokens(dataset, split, meta):
-    path = os.path.join(data_dir(dataset), f"{split}.bin")
-    if not os.path.exists(path):
-        die(f"{path} is missing: run `python prepare.py {dataset}` again")
-    if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
-        die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that holds "
-            f"tokens")
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-
-
-_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-BYTE_LEVEL = {**{b: chr(b) for b in _PRINTABLE},
-              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}}
-
-
-def byte_level(token):
-    """GPT-2's byte-level spelling of a token's bytes (its encoder.py bytes_to_unicode, the keys of encoder.json and
-    the strings of a byte-level BPE's vocab and merges, SmolLM2's GGUF vocabulary included): printable bytes stand
-    for themselves, the others for chr(256), chr(257), ... in order."""
-    return "".join(map(BYTE_LEVEL.__getitem__, token))
-
-
-def gpt2_from_file(bpe_file):
-    import tiktoken
-    import tiktoken.load
-    ranks = tiktoken.load.load_tiktoken_bpe(bpe_file)
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
-
-
-def gpt2_encoding(bpe_file=None):
-    """GPT-2's BPE: from bpe_file when given, else tiktoken's download, else the file named by $NANOLATENT_GPT2_BPE,
-    else $NANOLATENT_LOCAL_DATA/gpt2/gpt2.tiktoken. Returns (encoding, the local file used or None)."""
-    import tiktoken
-    if bpe_file:
-        return gpt2_from_file(bpe_file), bpe_file
-    try:
-        return tiktoken.get_encoding("gpt2"), None
-    except Exception as e:
-        fallback = os.environ.get(GPT2_BPE_ENV) or local_data(os.path.join("gpt2", "gpt2.tiktoken"))
-        if not fallback:
-            die(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}). Offline, point to a local "
-                f"gpt2.tiktoken file: --bpe_file=PATH, export {GPT2_BPE_ENV}=PATH, or export {LOCAL_DATA_ENV}=DIR "
-                f"with DIR/gpt2/gpt2.tiktoken (the file is openai/whisper's whisper/assets/gpt2.tiktoken)")
-        print(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}); using the local file {fallback}")
-        return gpt2_from_file(fallback), fallback
-
-
-def hf_tokenizer(path):
-    """A Hugging Face tokenizer.json (a pretrained model's own BPE, recorded by convert.py or prepare.py), read with
-    the tokenizers package: an optional dependency, imported only here."""
-    if not os.path.exists(path):
-        die(f"tokenizer file {path} not found (checkpoints and datasets record it by absolute path): put it back, "
-            f"or run convert.py or prepare.py --tokenizer=... again")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        die("a Hugging Face tokenizer needs the tokenizers package: pip install tokenizers")
-    return Tokenizer.from_file(path)
-
-
-def chat_template(meta):
-    """The chat template of a run with a Hugging Face tokenizer, or None: chat_template.jinja beside its tokenizer.json
-    (transformers 5, convert.py gguf), else tokenizer_config.json's chat_template (older saves)."""
-    if meta.get("tokenizer") != "hf":
-        return None
-    folder = os.path.dirname(meta["tokenizer_file"])
-    if os.path.exists(os.path.join(folder, "chat_template.jinja")):
-        with open(os.path.join(folder, "chat_template.jinja")) as f:
-            return f.read()
-    template = hf_json(meta, "tokenizer_config.json").get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
-
-
-def hf_json(meta, name):
-    """A JSON file kept beside the run's tokenizer.json (tokenizer_config.json, generation_config.json), or {}."""
-    path = os.path.join(os.path.dirname(meta["tokenizer_file"]), name) if meta.get("tokenizer") == "hf" else ""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def chat_prompt(meta, text):
-    """text as one user message in the run's chat template, ending where the assistant's answer starts: what an
-    Instruct model was trained on. Rendered as transformers' apply_chat_template renders it (jinja2 in a sandbox,
-    trim_blocks and lstrip_blocks, the special tokens as variables)."""
-    template = chat_template(meta)
-    if template is None:
-        die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
-            "tokenizer_config.json, beside its tokenizer.json): prompt it with plain --start, or import an Instruct "
-            "model with convert.py hf or gguf")
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.globals["raise_exception"] = raise_exception
-    config = hf_json(meta, "tokenizer_config.json")
-    specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
-                if name.endswith("_token") and token is not None}
-    try:
-        return env.from_string(template).render(messages=[{"role": "user", "content": text}],
-                                                add_generation_prompt=True, **specials)
-    except jinja2.exceptions.TemplateError as e:
-        die(f"the run's chat template failed on --start: {e}")
-
-
-def tokenizer(meta):
-    """(encode, decode) for a prepared dataset's meta.json."""
-    if meta["tokenizer"] == "hf":  # no special tokens added, as lm-evaluation-harness encodes for causal LMs
-        tok = hf_tokenizer(meta["tokenizer_file"])
-        return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
-    if meta["tokenizer"] == "char":
-        stoi = {ch: i for i, ch in enumerate(meta["chars"])}
-
-        def encode(text):
-            missing = sorted(set(text) - set(stoi))
-            if missing:
-                die(f"characters {missing!r} are not in this dataset's vocabulary; use only: {''.join(meta['chars'])!r}")
-            return [stoi[ch] for ch in text]
-        return encode, lambda ids: "".join(meta["chars"][i] for i in ids)
-    bpe_file = meta.get("bpe_file")  # recorded by prepare.py when it used a local file
-    encoding, _ = gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
-    encode = lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"})
-    if "token_ids" not in meta:
-        return encode, encoding.decode
-    token_ids = meta["token_ids"]  # prepare.py --vocab=used: id i is GPT-2's token_ids[i]
-    index = {t: i for i, t in enumerate(token_ids)}
-
-    def encode_used(text):
-        ids = encode(text)
-        missing = [t for t in ids if t not in index]
-        if missing:
-            die(f"{len(missing)} of the {len(ids)} tokens of {text[:40]!r} ({encoding.decode(missing[:5])!r}...) "
-                f"are not in this dataset's vocabulary (prepare.py --vocab=used keeps the {len(token_ids):,} ids its "
-                f"text uses); use words from the dataset, or prepare it with --vocab=full")
-        return [index[t] for t in ids]
-    return encode_used, lambda ids: encoding.decode([token_ids[i] for i in ids])

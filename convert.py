@@ -22,15 +22,17 @@ gguf are imported only where used; transformers is not needed at all (the tests 
 implementation). Neither way replaces a run or a folder that holds something unless --overwrite=True.
 """
 
-import dataclasses
 import json
 import os
 import shutil
 
 import torch
 
+import ckpt
 import common
 import configurator
+import llama
+import tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama checkpoint -> out_dir), or to_hf (out_dir -> dst)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
@@ -39,18 +41,6 @@ dst = ""  # to_hf: the folder to write
 overwrite = False  # hf, gguf: replace the run in out_dir; to_hf: write into a dst that is not empty
 block_size = 0  # hf, gguf: the context length (RoPE tables, KV cache); 0 = the checkpoint's own
 
-# One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
-LAYER_NAMES = [
-    ("attn.wq.weight", "self_attn.q_proj.weight"),
-    ("attn.wk.weight", "self_attn.k_proj.weight"),
-    ("attn.wv.weight", "self_attn.v_proj.weight"),
-    ("attn.wo.weight", "self_attn.o_proj.weight"),
-    ("mlp.w1.weight", "mlp.gate_proj.weight"),  # SwiGLU: w2(silu(w1 x) * w3 x) = down(silu(gate x) * up x)
-    ("mlp.w3.weight", "mlp.up_proj.weight"),
-    ("mlp.w2.weight", "mlp.down_proj.weight"),
-    ("attn_norm.weight", "input_layernorm.weight"),
-    ("mlp_norm.weight", "post_attention_layernorm.weight"),
-]
 # What a hub download fetches: the weights in safetensors, the config and the tokenizer, nothing else (no .bin
 # duplicates, no original/ consolidated files).
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
@@ -61,16 +51,6 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # keep it in tokenizer_config.json, copied with the tokenizer), and the sampling defaults as generation_config.json.
 CHAT_FILES = ["chat_template.jinja", "generation_config.json"]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def weight_names(n_layer, tied):
-    """(ours, Hugging Face's) for every tensor of a det model; a tied head is the embedding, stored once."""
-    names = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm_f.weight", "model.norm.weight")]
-    if not tied:
-        names.append(("lm_head.weight", "lm_head.weight"))
-    for i in range(n_layer):
-        names += [(f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in LAYER_NAMES]
-    return names
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -179,7 +159,7 @@ def state_from_hf(tensors, model):
     cfg = model.config
     expected = model.state_dict()
     state = {}
-    for ours, theirs in weight_names(cfg.n_layer, cfg.tie_embeddings):
+    for ours, theirs in llama.weight_names(cfg.n_layer, cfg.tie_embeddings):
         if theirs not in tensors:
             common.die(f"the checkpoint has no tensor {theirs} (config.json: {cfg.n_layer} layers, "
                        f"tie_word_embeddings={str(cfg.tie_embeddings).lower()})")
@@ -220,7 +200,7 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
     for name in TOKENIZER_FILES + CHAT_FILES:  # tokenizer.json for us; the others for to_hf and --chat, if they exist
         if os.path.exists(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    save_import(out_dir, model, state, {"init_from": "hf", "src": hub_or_dir, "hf_config": hf})
+    save_import(out_dir, model, state, {"init_from": "hf", "src": hub_or_dir, "llama.hf_config": hf})
 
 
 def save_import(out_dir, model, state, config):
@@ -229,11 +209,11 @@ def save_import(out_dir, model, state, config):
     meta = {"tokenizer": "hf", "tokenizer_file": os.path.abspath(os.path.join(out_dir, "tokenizer.json")),
             "vocab_size": values["vocab_size"]}
     # train.py's checkpoint format, without an optimizer: sample.py, evaluate.py and rlvr.py's --init_from read it.
-    # "config" says where the weights came from; to_hf takes the special token ids back from hf_config.
+    # "config" says where the weights came from; to_hf takes the special token ids back from llama.hf_config.
     checkpoint = {"model_type": "det", "model_config": values, "model": state, "config": config, "meta": meta,
                   "iter_num": 0, "best_val_loss": float("inf")}
     path = os.path.join(out_dir, "ckpt.pt")
-    common.save_checkpoint(checkpoint, path)
+    ckpt.save_checkpoint(checkpoint, path)
     dtype = DTYPES.get(state["tok_emb.weight"].dtype, str(state["tok_emb.weight"].dtype))
     print(f"wrote {path}: {model.num_params() / 1e6:.1f}M parameters in {dtype}, {values['n_layer']} layers, "
           f"{values['n_head']}/{values['n_kv_head']} heads, {'tied' if values['tie_embeddings'] else 'untied'} "
@@ -410,7 +390,7 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in hf.items() if k.endswith("_token_id")}, f, indent=2)
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
-    save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "hf_config": hf,
+    save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "llama.hf_config": hf,
                                         "gguf_types": kinds})
     template = "kept" if "tokenizer.chat_template" in metadata else "absent"
     print(f"dequantized {len(reader.tensors)} tensors ({', '.join(kinds)}) to float32; tokenizer.ggml.pre="
@@ -419,57 +399,6 @@ def import_gguf(gguf_file, out_dir, block_size=0):
 
 # ----------------------------------------------------------------------------------------------------------------
 # ours -> Hugging Face
-
-
-def hf_config(cfg, dtype, bos_token_id, eos_token_id):
-    """config.json of LlamaForCausalLM for a det Config. rope_theta is written twice: at the top level, where
-    transformers 4 reads it, and under rope_parameters, where transformers 5 does."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.block_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": dtype,
-    }
-
-
-def det_state(checkpoint, path):
-    """The det model inside a checkpoint: (det Config, state_dict). A B-Trans checkpoint is one when its noise is
-    off (sigma 0 everywhere, or noise_mode 'mean') and its mu offsets are 0: there is no offset in a Llama."""
-    model_type, values, state = checkpoint["model_type"], checkpoint["model_config"], checkpoint["model"]
-    if model_type == "btrans":
-        sigmas = values.get("sigma_per_layer") or [values["sigma"]]
-        if values.get("noise_mode") != "mean" and (values.get("learn_sigma") or max(sigmas) > 0):
-            common.die(f"{path} is a B-Trans population (sigma={values['sigma']}, noise_mode="
-                       f"{values.get('noise_mode')}): a Hugging Face Llama is one model; export its det checkpoint, "
-                       f"or one with sigma=0")
-        offsets = [name for name, t in state.items() if name.endswith(".mu") and t.any()]
-        if offsets:
-            common.die(f"{path} has learned B-Trans offsets ({offsets[0]} is not 0), which a Llama cannot hold")
-        state = {k: v for k, v in state.items() if not k.endswith((".mu", ".log_sigma"))}
-    elif model_type != "det":
-        common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama")
-    if values.get("layer_weights"):
-        common.die(f"{path} was trained with layer_weights=True (EVE's head mixes the blocks' outputs), which a Llama "
-                   f"cannot hold: export a det run without it")
-    module = common.import_model("det")
-    fields = {f.name for f in dataclasses.fields(module.Config)}
-    return module.Config(**{k: v for k, v in values.items() if k in fields}), state
 
 
 def gpt2_tokenizer_json(ranks, path):
@@ -497,8 +426,8 @@ def gpt2_tokenizer_json(ranks, path):
         if len(parts) != 2:
             common.die(f"GPT-2's BPE file makes token {rank} from {len(parts)} parts, not 2: not a byte-pair ranks "
                        f"file (gpt2.tiktoken); point --bpe_file of prepare.py to the original")
-        merges.append((common.byte_level(parts[0]), common.byte_level(parts[1])))
-    tok = Tokenizer(models.BPE(vocab={common.byte_level(t): r for t, r in ranks.items()}, merges=merges))
+        merges.append((tokendata.byte_level(parts[0]), tokendata.byte_level(parts[1])))
+    tok = Tokenizer(models.BPE(vocab={tokendata.byte_level(t): r for t, r in ranks.items()}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split: words, numbers, spaces
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -511,7 +440,7 @@ def tokenizer_files(meta, dst):
     local file its meta records, else tiktoken's); for a char run, one line on what the user must supply."""
     if meta["tokenizer"] == "hf":
         tokenizer_file = meta["tokenizer_file"]
-        common.hf_tokenizer(tokenizer_file)  # one clear line if it is gone
+        tokendata.hf_tokenizer(tokenizer_file)  # one clear line if it is gone
         shutil.copyfile(tokenizer_file, os.path.join(dst, "tokenizer.json"))
         folder = os.path.dirname(tokenizer_file)
         for name in TOKENIZER_FILES[1:]:
@@ -523,7 +452,7 @@ def tokenizer_files(meta, dst):
         print(f"copied the tokenizer: {tokenizer_file}")
     elif meta["tokenizer"] == "gpt2":
         bpe_file = meta.get("bpe_file")
-        encoding, used = common.gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
+        encoding, used = tokendata.gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
         # tiktoken keeps the ranks only as this attribute, whether read from a file or downloaded
         gpt2_tokenizer_json(encoding._mergeable_ranks, os.path.join(dst, "tokenizer.json"))
         # <|endoftext|> is GPT-2's BOS, EOS and padding; lm_eval conditions an empty context on it, as we do.
@@ -555,20 +484,20 @@ def export_hf(out_dir, dst):
     except ImportError:
         common.die("convert.py to_hf writes model.safetensors, which needs the safetensors package: "
                    "pip install safetensors")
-    checkpoint = common.load_checkpoint(out_dir)
-    path = common.checkpoint_path(out_dir)
+    checkpoint = ckpt.load_checkpoint(out_dir)
+    path = ckpt.checkpoint_path(out_dir)
     if "token_ids" in checkpoint["meta"]:
         common.die(f"{path} was trained on prepare.py --vocab=used ids (a renumbered subset of GPT-2's), which no "
                    f"Hugging Face tokenizer reads: export a model trained on a --vocab=full dataset")
-    cfg, state = det_state(checkpoint, path)
-    tensors = {theirs: state[ours].contiguous() for ours, theirs in weight_names(cfg.n_layer, cfg.tie_embeddings)}
+    cfg, state = llama.det_state(checkpoint, path)
+    tensors = {theirs: state[ours].contiguous() for ours, theirs in llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]
-    hf = (checkpoint.get("config") or {}).get("hf_config") or {}  # an imported model keeps its special tokens
+    hf = (checkpoint.get("config") or {}).get("llama.hf_config") or {}  # an imported model keeps its special tokens
     gpt2_eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None
     os.makedirs(dst, exist_ok=True)
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, dtype, hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot)), f,
+        json.dump(llama.hf_config(cfg, dtype, hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot)), f,
                   indent=2)
     print(f"wrote {dst}/config.json and model.safetensors ({len(tensors)} tensors, {dtype}) from {path}")
     tokenizer_files(checkpoint["meta"], dst)
@@ -582,14 +511,14 @@ def main(argv=None):
     if not all(globals()[key] for key in needed):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
     if direction in ("hf", "gguf"):  # a run is written like train.py's: one writer, a trained run never replaced unasked
-        common.lock_out_dir(out_dir, "convert.py")
+        ckpt.lock_out_dir(out_dir, "convert.py")
         try:
-            common.refuse_existing_run(out_dir, overwrite)
+            ckpt.refuse_existing_run(out_dir, overwrite)
             (import_hf if direction == "hf" else import_gguf)(src, out_dir, block_size)
         finally:  # main() may be called as a function: the lock goes with the call, not with the process
-            common.release_out_dir(out_dir)
+            ckpt.release_out_dir(out_dir)
     else:
-        common.refuse_nonempty_dir(dst, overwrite)
+        ckpt.refuse_nonempty_dir(dst, overwrite)
         export_hf(out_dir, dst)
 
 

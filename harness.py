@@ -12,9 +12,9 @@ model_args: out_dir (the run), model ('' or a type to load it into, with its Con
 (M passes), mixture (auto | token | sequence, evaluate.py's --mixture), seed, dtype (float32 | bfloat16 | float16),
 max_gen_toks; --device and --batch_size come from lm_eval's flags.
 
-- loglikelihood: the requests of one document (its choices) are scored together by evaluate.score_choices, tokenized
-  by evaluate.choice_tokens, with M passes whose latents the choices share, drawn from
-  evaluate.example_generator(seed, doc_id): the draws evaluate.py --task=mc gives its example doc_id, so the two agree
+- loglikelihood: the requests of one document (its choices) are scored together by multiple_choice.score_choices, tokenized
+  by multiple_choice.choice_tokens, with M passes whose latents the choices share, drawn from
+  multiple_choice.example_generator(seed, doc_id): the draws evaluate.py --task=mc gives its example doc_id, so the two agree
   item by item. A document's draws depend on nothing else, so the results do not depend on the batch size, on
   --limit or on the other tasks. det (no latents) scores batch_size documents per forward. is_greedy (the acc of
   loglikelihood tasks such as LAMBADA, one request per document) is computed for documents of one request, under the
@@ -35,8 +35,10 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import common
-import evaluate
+import multiple_choice
+import tokendata
 
 try:
     # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
@@ -57,7 +59,7 @@ class NanoLatentLM(LM):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         common.check_device(device)
-        checkpoint = common.load_checkpoint(out_dir)
+        checkpoint = ckpt.load_checkpoint(out_dir)
         fields = common.config_fields(model or checkpoint["model_type"])
         unknown = sorted(set(overrides) - set(fields))
         if unknown:
@@ -65,13 +67,13 @@ class NanoLatentLM(LM):
                        f"{model or checkpoint['model_type']} model")
         if mixture not in ("auto", "token", "sequence"):
             common.die(f"mixture must be auto, token or sequence, got {mixture!r}")
-        self.net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+        self.net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
         self.net.eval()
         self._device = torch.device(device)
         _, self.autocast = common.autocast(device, dtype)
-        self.encode, self.decode = common.tokenizer(checkpoint["meta"])
+        self.encode, self.decode = tokendata.tokenizer(checkpoint["meta"])
         self.passes = 1 if self.net.latent_kind == "none" else int(mc_samples)
-        self.mixture = evaluate.mixture_for(self.net, mixture)
+        self.mixture = multiple_choice.mixture_for(self.net, mixture)
         self.seed, self.max_gen_toks = int(seed), int(max_gen_toks)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # 'auto' is hf's: one document here
         self.eot = eot_token(checkpoint)
@@ -96,10 +98,10 @@ class NanoLatentLM(LM):
         for start in common.progress(range(0, len(groups), step), desc="nanolatent loglikelihood"):
             batch = groups[start:start + step]
             positions = [i for _, members in batch for i in members]
-            pairs = [evaluate.choice_tokens(self.encode, *requests[i].args, eot=self.eot, delimiter="")
+            pairs = [multiple_choice.choice_tokens(self.encode, *requests[i].args, eot=self.eot, delimiter="")
                      for i in positions]
             doc_id = batch[0][0][1]
-            ll, _, _ = evaluate.score_choices(self.net, pairs, self.passes, evaluate.example_generator(
+            ll, _, _ = multiple_choice.score_choices(self.net, pairs, self.passes, multiple_choice.example_generator(
                 self.net, self.seed, doc_id), self.autocast, self.mixture)
             truncated += sum(len(ctx) + len(cont) > self.block_size + 1 for ctx, cont in pairs)
             k = 0
@@ -117,14 +119,14 @@ class NanoLatentLM(LM):
     @torch.no_grad()
     def is_greedy(self, pair, doc_id):
         """Whether every continuation token is the argmax of p̄ (the mean of the passes' softmaxes), on the draws the
-        document was scored with (evaluate.example_latents from the same generator)."""
+        document was scored with (multiple_choice.example_latents from the same generator)."""
         ctx, cont = pair
         seq = (ctx + cont)[-(self.block_size + 1):]
         n = min(len(cont), len(seq) - 1)
         x, y = torch.tensor([seq[:-1]], device=self._device), torch.tensor([seq[1:]], device=self._device)  # (1, L)
-        generator, p_bar = evaluate.example_generator(self.net, self.seed, doc_id), 0
+        generator, p_bar = multiple_choice.example_generator(self.net, self.seed, doc_id), 0
         for _ in range(self.passes):
-            latents = evaluate.example_latents(self.net, [seq[:len(seq) - n]], generator)
+            latents = multiple_choice.example_latents(self.net, [seq[:len(seq) - n]], generator)
             with self.autocast:
                 logits = self.net(x, y, latents=latents)[0]  # (1, L, V), as score_choices calls it
             p_bar = p_bar + F.softmax(logits[0, -n:].float(), dim=-1) / self.passes  # (n, V)
@@ -137,8 +139,8 @@ class NanoLatentLM(LM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.encode(text), prefix_token=self.eot, max_seq_len=self.block_size, context_len=1)]
             doc_id = req.doc_id if req.doc_id is not None else i
-            ll, _, _ = evaluate.score_choices(self.net, [(list(c), list(t)) for c, t in windows], self.passes,
-                                              evaluate.example_generator(self.net, self.seed, doc_id), self.autocast,
+            ll, _, _ = multiple_choice.score_choices(self.net, [(list(c), list(t)) for c, t in windows], self.passes,
+                                              multiple_choice.example_generator(self.net, self.seed, doc_id), self.autocast,
                                               self.mixture)
             out.append(sum(ll))
         return out

@@ -17,6 +17,7 @@ import numpy as np
 import common
 import configurator
 import tasks
+import tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 source = ""  # what to prepare (the first argument): synthetic, arith, text, or a hub name below
@@ -47,8 +48,8 @@ def hf_meta(path):
     if not os.path.isfile(path):
         common.die(f"--tokenizer must be gpt2, char or the path of a tokenizer.json, got {path!r}")
     meta = dict(tokenizer="hf", tokenizer_file=os.path.abspath(path))
-    meta["vocab_size"] = common.hf_tokenizer(meta["tokenizer_file"]).get_vocab_size()
-    return meta, common.tokenizer(meta)[0]
+    meta["vocab_size"] = tokendata.hf_tokenizer(meta["tokenizer_file"]).get_vocab_size()
+    return meta, tokendata.tokenizer(meta)[0]
 
 
 def token_dtype(vocab_size):
@@ -57,7 +58,7 @@ def token_dtype(vocab_size):
 
 def write_dataset(name, splits, meta):
     """splits: {'train': iterable of token arrays, 'val': ...}; streams them to disk, so memory stays bounded."""
-    out = common.data_dir(name)
+    out = tokendata.data_dir(name)
     os.makedirs(out, exist_ok=True)
     meta["dtype"] = token_dtype(meta["vocab_size"])
     for split, chunks in splits.items():
@@ -124,7 +125,7 @@ def gpt2_chunks(docs, encoding, batch=256):
 
 def write_gpt2(out, train_docs, val_docs, **meta):
     """Documents in GPT-2 BPE to data/<out>; with --vocab=used, in the ids the text uses, renumbered from 0."""
-    encoding, local_bpe = common.gpt2_encoding(bpe_file)
+    encoding, local_bpe = tokendata.gpt2_encoding(bpe_file)
     meta.update(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe))
     splits = {"train": gpt2_chunks(train_docs, encoding), "val": gpt2_chunks(val_docs, encoding)}
     if vocab == "used":  # a closed vocabulary for small data: the output layer shrinks to the ids that occur
@@ -203,7 +204,7 @@ def prepare_text():
 
 def prepare_hub():
     datasets = load_datasets()
-    spec = common.HUB_DATASETS[source]
+    spec = tokendata.HUB_DATASETS[source]
 
     def documents(split, limit):
         try:
@@ -227,7 +228,7 @@ def prepare_hub():
 
 
 PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text,
-           **{hub: prepare_hub for hub in common.HUB_DATASETS}}
+           **{hub: prepare_hub for hub in tokendata.HUB_DATASETS}}
 if source not in PREPARE:
     common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
                + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")

@@ -29,9 +29,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import common
 import configurator
 import tasks
+import tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
@@ -243,9 +245,9 @@ def chat_problems(task, dataset, split, max_calc_steps=0):
         if split == "train":
             common.die("hellaswag has labelled validation items only: use --train_prompts=val (the items past the "
                        "held-out ones)")
-        import evaluate
+        import multiple_choice
         return [(tasks.lettered_question(ex["context"], ex["choices"]), tasks.LETTERS[ex["label"]])
-                for ex in evaluate.load_mc_examples(dataset)]
+                for ex in multiple_choice.load_mc_examples(dataset)]
     name = "test" if split == "val" else "train"
     path = os.path.join(dataset, f"{name}.jsonl")
     if os.path.isfile(path):
@@ -264,12 +266,12 @@ def chat_problems(task, dataset, split, max_calc_steps=0):
 
 def chat_task(task, dataset, meta, max_calc_steps=0):
     """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
-    (common.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of the
+    (tokendata.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of the
     question it replies to."""
     labels = {}
 
     def load(split):
-        pairs = [(common.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split, max_calc_steps)]
+        pairs = [(tokendata.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split, max_calc_steps)]
         labels.update(pairs)
         return [p for p, _ in pairs]
     answer = tasks.TASKS[task].answer
@@ -337,22 +339,22 @@ def main():
     # recorded in the checkpoint, where evaluate.py looks for a prepared dataset: a chat task's jsonl is none
     config["dataset"], config["chat_dataset"] = ("", data) if spec.chat else (data, "")
     max_new = max_new_tokens or spec.max_new_tokens
-    common.lock_out_dir(out_dir, "rlvr.py")
-    common.refuse_existing_run(out_dir, overwrite)
+    ckpt.lock_out_dir(out_dir, "rlvr.py")
+    ckpt.refuse_existing_run(out_dir, overwrite)
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
-    net, checkpoint = common.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    net, checkpoint = ckpt.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
     checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
     net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
-    meta = checkpoint["meta"] if spec.chat else common.load_meta(data)  # a chat task: the model's own tokenizer
+    meta = checkpoint["meta"] if spec.chat else tokendata.load_meta(data)  # a chat task: the model's own tokenizer
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
         common.die(f"{init_from} was trained with another tokenizer or vocabulary than dataset {data!r}")
     ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
-    if spec.chat and common.chat_template(meta) is None:
+    if spec.chat and tokendata.chat_template(meta) is None:
         common.die(f"task={task} prompts a chat model in its chat template, and {init_from} has none: import an "
                    f"Instruct model with convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
-    encode, decode = common.tokenizer(meta)
+    encode, decode = tokendata.tokenizer(meta)
     stop_ids = encode("<|im_end|>" if spec.chat else "\n")  # a reply ends at the chat turn's end, a problem at '\n'
     if len(stop_ids) != 1:
         common.die(f"task={task} needs a chat model whose tokenizer has ChatML's <|im_end|> (SmolLM2-Instruct's)")
@@ -386,7 +388,7 @@ def main():
             print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
             common.append_record(metrics_path, {"iter": step, **evals})
             if step > 0:  # train.py's format; RL has no validation loss, so a train.py resume saves at its first eval
-                common.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
                                         "model_type": "btrans", "model_config": common.config_dict(net.config),
                                         "config": config, "meta": meta, "iter_num": step,
                                         "best_val_loss": float("inf")}, os.path.join(out_dir, "ckpt.pt"))

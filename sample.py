@@ -11,9 +11,11 @@ import os
 
 import torch
 
+import ckpt
 import common
 import configurator
 import cpu
+import tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
@@ -41,7 +43,7 @@ def model_fields(values):
     """A Config field may be overridden (--sigma=0.05): the fields of the model the checkpoint is loaded into. The
     checkpoint read here is memory-mapped, so asking it its type costs little and its tensors are read once."""
     global checkpoint
-    checkpoint = common.load_checkpoint(values["out_dir"])
+    checkpoint = ckpt.load_checkpoint(values["out_dir"])
     return common.config_fields(values["model"] or checkpoint["model_type"])
 
 
@@ -61,14 +63,14 @@ if start.startswith("FILE:"):
 if not start:
     common.die("--start is empty: the model needs at least one token to continue (the default is a newline)")
 if chat:
-    start = common.chat_prompt(checkpoint["meta"], start)
+    start = tokendata.chat_prompt(checkpoint["meta"], start)
 
-net, _ = common.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
 checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages (513 MiB for SmolLM2)
 net.eval()
 for p in net.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
     p.data = p.data.to(common.DTYPES[dtype])
-encode, decode = common.tokenizer(checkpoint["meta"])
+encode, decode = tokendata.tokenizer(checkpoint["meta"])
 if minds:
     num_samples, latents = minds, "independent"
 
@@ -103,7 +105,7 @@ try:
 except ValueError as e:
     common.die(str(e))
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
-stop = common.hf_json(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
+stop = tokendata.hf_json(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
 stop = set(stop if isinstance(stop, list) else [stop])
 for row in out.tolist():
     end = next((t + 1 for t in range(prompt.size(1), len(row)) if row[t] in stop), len(row))

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-import common
+import tokendata
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -140,11 +140,11 @@ def load_prompts(task, dataset, split, meta):
     """Every prompt of a split in data order. arith: each line "37*12=444" gives "\\n37*12=": the '\\n' that precedes
     every problem in training marks the first operand's start (without it "37*12=" could be the end of "137*12=").
     letters: the first two characters "K>" of each fixed-length sequence."""
-    data = common.load_tokens(dataset, split, meta)
+    data = tokendata.load_tokens(dataset, split, meta)
     if task == "letters":
         n = meta["doc_len"]
         return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
-    text = common.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
+    text = tokendata.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
     return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
 
 

@@ -33,9 +33,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ckpt
 import common
 import configurator
 import cpu
+import tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -105,7 +107,7 @@ if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(glo
 
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
-        model_config["vocab_size"] = common.load_meta(dataset)["vocab_size"]
+        model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
     common.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
     raise SystemExit(0)
@@ -146,16 +148,16 @@ ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # unde
 resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
 if master:
     if not eval_only:
-        common.lock_out_dir(out_dir, "train.py")
+        ckpt.lock_out_dir(out_dir, "train.py")
     if resume and not os.path.exists(ckpt_file):
         common.die(f"{'eval_only' if eval_only else 'init_from=resume'} reads {ckpt_file}, which does not exist: "
                    f"train first, or point --out_dir at a run")
     if not resume:
-        common.refuse_existing_run(out_dir, overwrite, resumable=True)
+        ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
 
 # data: a flat token stream per split, read through a memmap
-meta = common.load_meta(dataset)
-train_data, val_data = (common.load_tokens(dataset, split, meta) for split in ("train", "val"))
+meta = tokendata.load_meta(dataset)
+train_data, val_data = (tokendata.load_tokens(dataset, split, meta) for split in ("train", "val"))
 TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE = 0, 1, 2  # the streams common.seeded() draws from
 
 
@@ -176,7 +178,7 @@ def get_batch(split, *key):
 
 
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
-checkpoint = common.load_checkpoint(ckpt_file, device) if resume else None  # memory-mapped: tensors read on load
+checkpoint = ckpt.load_checkpoint(ckpt_file, device) if resume else None  # memory-mapped: tensors read on load
 if checkpoint is not None:
     if checkpoint["model_type"] != model:
         common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model={checkpoint['model_type']}")
@@ -186,7 +188,7 @@ if checkpoint is not None:
     if checkpoint["iter_num"] > max_iters and not eval_only:
         common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
-    model_config = common.resume_config(model, checkpoint["model_config"], model_config, out_dir)
+    model_config = ckpt.resume_config(model, checkpoint["model_config"], model_config, out_dir)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "
@@ -249,7 +251,7 @@ def save_checkpoint():
             "iter_num": iter_num, "best_val_loss": best_val_loss}
     if not fsdp:
         if master:
-            common.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
+            ckpt.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
                                    ckpt_file)
         return
     path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
@@ -261,7 +263,7 @@ def save_checkpoint():
     if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        common.save_checkpoint(info, ckpt_file)
+        ckpt.save_checkpoint(info, ckpt_file)
 
 
 def load_checkpoint():

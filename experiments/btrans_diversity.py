@@ -19,8 +19,10 @@ import os
 import numpy as np
 import torch
 
+import ckpt
 import common
 import configurator
+import tokendata
 from tasks import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
@@ -35,10 +37,10 @@ figure = "assets/btrans_diversity.png"
 device = "cpu"
 configurator.apply(globals())
 
-common.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
-det, checkpoint = common.load_model(out_dir, device)
+ckpt.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
+det, checkpoint = ckpt.load_model(out_dir, device)
 det.eval()
-encode, decode = common.tokenizer(checkpoint["meta"])
+encode, decode = tokendata.tokenizer(checkpoint["meta"])
 
 
 @torch.no_grad()
@@ -69,7 +71,7 @@ def run(net, temperature):
 rows = [dict(source="det", setting=f"T={t}", **run(det, t)) for t in temperatures]
 for mode in ("sequence", "token"):
     for sigma in sigmas:
-        minds, _ = common.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode,
+        minds, _ = ckpt.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode,
                                      sigma_scale=sigma_scale)
         rows.append(dict(source="minds" if mode == "sequence" else "token", setting=f"sigma={sigma}, greedy",
                          **run(minds.eval(), 0.0)))

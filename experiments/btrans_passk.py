@@ -24,8 +24,10 @@ import os
 import numpy as np
 import torch
 
+import ckpt
 import common
 import configurator
+import tokendata
 import rlvr
 import tasks
 
@@ -42,17 +44,17 @@ figure = "assets/btrans_passk.png"
 device = "cpu"
 configurator.apply(globals())
 
-common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
-det, checkpoint = common.load_model(sft_dir, device)
+ckpt.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+det, checkpoint = ckpt.load_model(sft_dir, device)
 det.eval()
 spec = tasks.TASKS["arith"]
-meta = common.load_meta(spec.dataset)
-encode, decode = common.tokenizer(meta)
+meta = tokendata.load_meta(spec.dataset)
+encode, decode = tokendata.tokenizer(meta)
 prompts = tasks.load_prompts("arith", spec.dataset, "val", meta)[:num_prompts]
 prompt_ids = [encode(p) for p in prompts]
 
 # the det weights as B-Trans, one wrapper per noise setting; each run sets the spread of every wrapped norm in place
-wrapped = {arm: common.load_model(sft_dir, device, "btrans", checkpoint=checkpoint, sigma_scale=sigma_scale,
+wrapped = {arm: ckpt.load_model(sft_dir, device, "btrans", checkpoint=checkpoint, sigma_scale=sigma_scale,
                                   **overrides)[0].eval()
            for arm, overrides in (("minds", {}), ("minds, no final-norm noise", {"final_norm_noise": False}),
                                   ("token noise", {"noise_mode": "token"}))}

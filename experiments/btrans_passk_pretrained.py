@@ -6,7 +6,7 @@ HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
 
-Each problem is asked in the run's chat template (common.chat_prompt, as sample.py --chat=True), and n answers are
+Each problem is asked in the run's chat template (tokendata.chat_prompt, as sample.py --chat=True), and n answers are
 drawn per problem and seed from three arms at the same decoding budget:
   temperature   the det model at `temperature` (the paper's "high-temperature sampling" baseline),
   minds         n B-Trans minds (one eps each, §4.3; sigma and sigma_scale below) at the same temperature,
@@ -32,19 +32,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import common
 import configurator
 import cpu
-import evaluate
+import multiple_choice
+import tokendata
 import tasks
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
 # '' = GSM8K's test split from the hub (openai/gsm8k); offline, test.jsonl under $NANOLATENT_LOCAL_DATA (the same file)
-gsm8k = common.local_data("gsm8k/test.jsonl")
+gsm8k = tokendata.local_data("gsm8k/test.jsonl")
 # a jsonl or the hub's 'hellaswag' (its validation split); offline, and for docs/pretrained.md's numbers, the 1,000-item
 # validation sample under $NANOLATENT_LOCAL_DATA: a random subset, so its first items are not the hub's
-hellaswag = common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
+hellaswag = tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 num_problems = 100  # the first problems of the benchmark (after the max_steps filter)
 max_steps = 0  # gsm8k: keep problems whose reference takes at most this many calculator steps (0: every problem)
 n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
@@ -130,16 +132,16 @@ if benchmark == "gsm8k":
 else:
     problems = [{"question": tasks.lettered_question(ex["context"], ex["choices"]),
                  "answer": tasks.LETTERS[ex["label"]], "choices": len(ex["choices"])}
-                for ex in evaluate.load_mc_examples(source)]
+                for ex in multiple_choice.load_mc_examples(source)]
 problems = problems[:num_problems]
-det, checkpoint = common.load_model(out_dir, device)
-minds = common.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma=sigma, sigma_scale=sigma_scale)[0]
+det, checkpoint = ckpt.load_model(out_dir, device)
+minds = ckpt.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma=sigma, sigma_scale=sigma_scale)[0]
 det.eval(), minds.eval()
-encode, decode = common.tokenizer(checkpoint["meta"])
+encode, decode = tokendata.tokenizer(checkpoint["meta"])
 end_ids = encode("<|im_end|>")
 if len(end_ids) != 1:
     common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
-prompts = [encode(common.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
+prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
 
 
 def gsm8k_correct(seed, i, population):

@@ -23,13 +23,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import common
 import configurator
+import tokendata
 
 out_dir = "out-smollm2"
 # held-out text: a plain-text file; '' = TinyStories' validation stories from the hub (offline: the opening 197 KB of
 # TinyStories under $NANOLATENT_LOCAL_DATA, on which docs/pretrained.md's table was measured)
-text_file = common.local_data("tinystories/tinystories_head_197k.txt")
+text_file = tokendata.local_data("tinystories/tinystories_head_197k.txt")
 text_offset = 100_000  # characters skipped first: later stories than a prompt taken from the text's start
 num_seqs = 2  # windows of held-out text
 seq_len = 256  # tokens per window
@@ -73,9 +75,9 @@ if replot:
 
 if text_file and not os.path.exists(text_file):
     common.die(f"{text_file} not found: point --text_file at a plain-text file the model did not see in the prompt")
-det, checkpoint = common.load_model(out_dir, device)
+det, checkpoint = ckpt.load_model(out_dir, device)
 det.eval()
-encode, _ = common.tokenizer(checkpoint["meta"])
+encode, _ = tokendata.tokenizer(checkpoint["meta"])
 if text_file:
     with open(text_file) as f:
         text = f.read()
@@ -107,7 +109,7 @@ det_p = det_logp.exp()
 print(f"{out_dir}: det NLL {det_nll:.4f} on {num_seqs} x {seq_len} tokens of {text_file}; {minds} minds per setting")
 
 names = [f"block {i // 2} {('attn', 'mlp')[i % 2]}_norm" for i in range(2 * det.config.n_layer)] + ["norm_f"]
-wrapped = {scale: common.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma_scale=scale)[0].eval()
+wrapped = {scale: ckpt.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma_scale=scale)[0].eval()
            for scale in scales}
 mean_gains = torch.stack([norm.weight.abs().float().mean() for norm in wrapped[scales[0]].norms()])  # (n_norms,)
 print(f"norm gains: mean |w| per norm median {mean_gains.median():.3f}, min {mean_gains.min():.3f} "

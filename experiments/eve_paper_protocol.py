@@ -34,8 +34,10 @@ import sys
 
 import numpy as np
 
+import ckpt
 import common
 import configurator
+import tokendata
 from experiments import smollm2_embedding
 
 configs = {"det": "config/det_wp_sample.py", "eve": "config/eve_wp_sample.py"}
@@ -58,21 +60,21 @@ configurator.apply(globals())
 configurator.require(globals(), choices={"embeddings": ("smollm2", "trained")})
 
 
-meta = common.load_meta(dataset)
+meta = tokendata.load_meta(dataset)
 epoch_iters = meta["train_tokens"] // (batch_size * block_size)  # train.py draws random windows: an epoch's worth
 runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for s in seeds for m in configs}  # trained seed by seed
 print(f"{dataset}: {meta['train_tokens']:,} train tokens = {epoch_iters} steps of {batch_size} x {block_size} per "
       f"epoch; {epochs} epochs, seeds {list(seeds)}, evaluated once per epoch; embeddings: {embeddings}")
 frozen = []
 if embeddings == "smollm2":
-    path = os.path.join(common.data_dir(dataset), f"smollm2_embedding_{n_embd}.npy")
+    path = os.path.join(tokendata.data_dir(dataset), f"smollm2_embedding_{n_embd}.npy")
     matrix, found, kept = smollm2_embedding.embedding(meta, n_embd, embedding_std)
     np.save(path, matrix)
     print(f"SmolLM2-135M embedding: {found:.1%} of the {meta['vocab_size']:,} GPT-2 ids are SmolLM2 tokens; "
           f"{n_embd} principal components keep {kept:.1%} of its variance")
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
-    common.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
+    ckpt.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                             f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                             f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                             f"--device={device}", "--compile=False", *frozen, *extra.split())
@@ -90,11 +92,11 @@ curves, selected, weights, trainable = {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
     records = [r for r in common.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
     curves[key] = [r["val_ce"] for r in records]
-    checkpoint = common.load_checkpoint(out)
+    checkpoint = ckpt.load_checkpoint(out)
     selected[key] = checkpoint["iter_num"] // epoch_iters  # the kept checkpoint's epoch
     logits = checkpoint["model"].get("layer_logits")  # the head's layer weights w_1..w_L, both arms (§4.2)
     weights[key] = None if logits is None else [round(w, 4) for w in logits.float().softmax(0).tolist()]
-    model = common.load_model(out, checkpoint=checkpoint)[0] if key[1] == seeds[0] else None
+    model = ckpt.load_model(out, checkpoint=checkpoint)[0] if key[1] == seeds[0] else None
     if model is not None:
         trainable[key[0]] = sum(p.numel() for p in model.parameters() if p.requires_grad)
 

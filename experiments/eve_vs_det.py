@@ -12,7 +12,7 @@ and the Monte Carlo metrics on a log axis (Fig. 3).
 import subprocess
 import sys
 
-import common
+import ckpt
 import configurator
 
 det_dir = "out-det-shakespeare-char"
@@ -23,8 +23,8 @@ device = "cpu"
 results = "assets/eve_vs_det.json"
 configurator.apply(globals())
 
-common.train_if_missing(det_dir, "config/det_shakespeare_char.py", f"--device={device}")
-common.train_if_missing(eve_dir, "config/eve_shakespeare_char.py", f"--device={device}")
+ckpt.train_if_missing(det_dir, "config/det_shakespeare_char.py", f"--device={device}")
+ckpt.train_if_missing(eve_dir, "config/eve_shakespeare_char.py", f"--device={device}")
 steps = [
     ["evaluate.py", f"--out_dir={det_dir},{eve_dir}", f"--mc_samples={mc_samples}", f"--max_tokens={max_tokens}",
      f"--device={device}", f"--out_json={results}"],

@@ -27,8 +27,10 @@ import sys
 import numpy as np
 import torch
 
+import ckpt
 import common
 import configurator
+import tokendata
 from tasks import letters_answer
 
 kappas = ("1_64", "1_8", "1", "8")  # config/free_synthetic_k<kappa>.py; κ = 1 is config/free_synthetic.py
@@ -89,9 +91,9 @@ def generate(model, latents, encode, decode, seed):
 
 
 def analyse(kappa, seed):
-    model, checkpoint = common.load_model(run_dir(kappa, seed), device)
+    model, checkpoint = ckpt.load_model(run_dir(kappa, seed), device)
     model.eval()
-    encode, decode = common.tokenizer(checkpoint["meta"])
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
     latent_gen = torch.Generator(device).manual_seed(seed)
     # §3.2: the prompt's Z from the encoder on the prompt, each new token's Z uniform; a shared group shares both
     prompt = torch.tensor([encode(letter + ">")], device=device)

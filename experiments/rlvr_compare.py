@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+import ckpt
 import common
 import configurator
 
@@ -49,7 +50,7 @@ device = "cpu"
 configurator.apply(globals())
 
 if rlvr_config == "config/rlvr_arith.py":
-    common.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+    ckpt.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

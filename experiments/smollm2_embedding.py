@@ -19,6 +19,7 @@ import numpy as np
 
 import common
 import configurator
+import tokendata
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored as Q8_0
 
@@ -42,11 +43,11 @@ def read_smollm2():
 def gpt2_rows(meta, table, vocab):
     """The SmolLM2 rows of the dataset's GPT-2 ids (meta's token_ids under --vocab=used, else 0..vocab_size-1):
     (V, 576), and the share of ids that are SmolLM2 tokens as they are."""
-    encoding = common.gpt2_encoding(meta.get("bpe_file"))[0]
+    encoding = tokendata.gpt2_encoding(meta.get("bpe_file"))[0]
     longest = max(map(len, vocab))
     rows, found = [], 0
     for gpt2_id in meta.get("token_ids", range(meta["vocab_size"])):
-        text = common.byte_level(encoding.decode_single_token_bytes(gpt2_id))
+        text = tokendata.byte_level(encoding.decode_single_token_bytes(gpt2_id))
         if text in vocab:
             rows.append(table[vocab[text]])
             found += 1
@@ -83,9 +84,9 @@ if __name__ == "__main__":
     std = 0.05  # per-entry standard deviation of the result
     out = ""  # the .npy to write; '' = data/<dataset>/smollm2_embedding_<width>.npy
     configurator.apply(globals())
-    meta = common.load_meta(dataset)
+    meta = tokendata.load_meta(dataset)
     matrix, found, kept = embedding(meta, width, std)
-    out = out or os.path.join(common.data_dir(dataset), f"smollm2_embedding_{width}.npy")
+    out = out or os.path.join(tokendata.data_dir(dataset), f"smollm2_embedding_{width}.npy")
     np.save(out, matrix)
     print(f"wrote {out} {matrix.shape}: {found:.1%} of the GPT-2 ids are SmolLM2 tokens; {width} principal "
           f"components keep {kept:.1%} of the variance; per-entry std {std}")

@@ -10,7 +10,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")  # ../shared/data: present for CI, not for users
-# offline copies of the public data, as a user without a network would point to theirs (common.local_data); kept when
+# offline copies of the public data, as a user without a network would point to theirs (tokendata.local_data); kept when
 # the caller set it (.ci/run does), and inherited by the scripts the tests run
 os.environ.setdefault("NANOLATENT_LOCAL_DATA", SHARED_DATA)
 sys.path.insert(0, ROOT)

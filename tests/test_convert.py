@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from conftest import run_script  # noqa: E402
 
+import ckpt  # noqa: E402
 import common  # noqa: E402
+import tokendata  # noqa: E402
 import convert  # noqa: E402
 
 TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
@@ -97,7 +99,7 @@ def test_import_gives_the_logits_loss_and_greedy_tokens_of_transformers(tmp_path
                   legacy_config)
     assert (len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1) == bool(max_shard_size)
     convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
-    ours, checkpoint = common.load_model(tmp_path / "ours")
+    ours, checkpoint = ckpt.load_model(tmp_path / "ours")
     ours.eval()
     cfg = ours.config
     assert (cfg.n_kv_head, cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (n_kv_head, rope_theta, rms_norm_eps,
@@ -154,10 +156,10 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     convert.main(["to_hf", f"--out_dir={tmp_path / 'ours'}", f"--dst={tmp_path / 'back'}"])
     for name in (where, "generation_config.json"):  # save_pretrained wrote the generation config
         assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
-    meta = common.load_checkpoint(tmp_path / "ours")["meta"]
+    meta = ckpt.load_checkpoint(tmp_path / "ours")["meta"]
     expected = AutoTokenizer.from_pretrained(tmp_path / "back").apply_chat_template(
         [{"role": "user", "content": "Each mind"}], tokenize=False, add_generation_prompt=True)
-    assert common.chat_prompt(meta, "Each mind") == expected == "<user>Each mind<|endoftext|>\n<assistant>"
+    assert tokendata.chat_prompt(meta, "Each mind") == expected == "<user>Each mind<|endoftext|>\n<assistant>"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def our_checkpoint(path, model_type="det", tie=True, **config):
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
-    common.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(model.config),
+    ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(model.config),
                             "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
                             "meta": {"tokenizer": "char", "chars": [chr(32 + i) for i in range(40)],
                                      "vocab_size": 40}}, os.path.join(path, "ckpt.pt"))
@@ -217,7 +219,7 @@ def test_a_model_on_renumbered_gpt2_ids_is_not_exported(tmp_path, capsys):
     path = tmp_path / "used" / "ckpt.pt"
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["meta"] = {"tokenizer": "gpt2", "vocab_size": 40, "token_ids": list(range(0, 400, 10))}
-    common.save_checkpoint(checkpoint, path)
+    ckpt.save_checkpoint(checkpoint, path)
     assert "--vocab=used" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'used'}", f"--dst={tmp_path / 'x'}")
     assert not os.path.exists(tmp_path / "x")
 
@@ -302,7 +304,7 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
     monkeypatch.setenv("NANOLATENT_DATA", str(tmp_path))
     import tasks
     for split in ("train", "val"):
-        char, bpe = (tasks.load_prompts("arith", name, split, common.load_meta(name)) for name in ("arith_char",
+        char, bpe = (tasks.load_prompts("arith", name, split, tokendata.load_meta(name)) for name in ("arith_char",
                                                                                                   "arith_bpe"))
         assert bpe == char and len(char) == {"train": 300, "val": 40}[split]
 
@@ -354,7 +356,7 @@ def test_broken_or_foreign_weights_are_refused_in_one_line(tmp_path, tokenizer_f
 
 def test_a_missing_tokenizer_file_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        common.tokenizer({"tokenizer": "hf", "tokenizer_file": "/nonexistent/tokenizer.json"})
+        tokendata.tokenizer({"tokenizer": "hf", "tokenizer_file": "/nonexistent/tokenizer.json"})
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "/nonexistent/tokenizer.json not found" in err
 
@@ -373,7 +375,7 @@ def test_a_hub_id_goes_through_snapshot_download(tmp_path, tokenizer_file, monke
     convert.main(["hf", "--src=HuggingFaceTB/SmolLM2-135M", f"--out_dir={tmp_path / 'ours'}"])
     (repo_id, patterns), = calls
     assert repo_id == "HuggingFaceTB/SmolLM2-135M" and {"config.json", "tokenizer.json"} <= set(patterns)
-    assert common.load_checkpoint(tmp_path / "ours")["config"]["src"] == "HuggingFaceTB/SmolLM2-135M"
+    assert ckpt.load_checkpoint(tmp_path / "ours")["config"]["src"] == "HuggingFaceTB/SmolLM2-135M"
 
     def offline(repo_id, allow_patterns):
         raise ConnectionError("no route to huggingface.co")
@@ -401,15 +403,15 @@ def test_a_checkpoint_from_before_tie_embeddings_loads_tied(tmp_path):
     ours = our_checkpoint(tmp_path / "run")
     checkpoint = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     del checkpoint["model_config"]["tie_embeddings"]
-    common.save_checkpoint(checkpoint, tmp_path / "run" / "ckpt.pt")
-    model, _ = common.load_model(tmp_path / "run")
+    ckpt.save_checkpoint(checkpoint, tmp_path / "run" / "ckpt.pt")
+    model, _ = ckpt.load_model(tmp_path / "run")
     assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.lm_head.weight, ours.lm_head.weight)
 
 
 def test_a_det_checkpoint_loaded_as_btrans_counts_its_new_parameters_in_one_line(tmp_path, capsys):
     det = our_checkpoint(tmp_path / "run")
     capsys.readouterr()
-    btrans, _ = common.load_model(tmp_path / "run", model_type="btrans")
+    btrans, _ = ckpt.load_model(tmp_path / "run", model_type="btrans")
     new = [name for name in btrans.state_dict() if name not in det.state_dict()]
     assert len(new) == 5 and all(name.endswith(".mu") for name in new)  # 2 norms per block x 2 blocks + the final one
     assert capsys.readouterr().out == (f"loaded a det checkpoint into btrans; 5 new parameters keep their init "

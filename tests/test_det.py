@@ -1,6 +1,5 @@
 """model_det.py: the baseline's invariants, checked against independent computations."""
 
-import importlib
 import math
 
 import pytest

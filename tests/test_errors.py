@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import ckpt
 import common
 
 from conftest import ROOT, TINY, records, run_script, train_det
@@ -305,8 +306,7 @@ def assert_checkpoint_at(folder, iter_num):
     """A checkpoint that loads into its model at the expected step, and no temporary file beside it."""
     checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
     assert checkpoint["iter_num"] == iter_num
-    import common
-    common.load_model(folder / "ckpt.pt", checkpoint=checkpoint)
+    ckpt.load_model(folder / "ckpt.pt", checkpoint=checkpoint)
     assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
 
 

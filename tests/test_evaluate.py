@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from conftest import SHARED_DATA, TINY, run_script
 
+import ckpt
 import common
 import evaluate
+import multiple_choice
 import tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
@@ -195,9 +197,9 @@ def test_choice_scores_equal_a_direct_per_choice_forward(model_type, passes):
     net = tiny(model_type, **({"sigma": 0.5} if model_type == "btrans" else {}))
     context = "the cat sat on the"
     choices = ["mat.", "moon", "a"]
-    pairs = [evaluate.choice_tokens(encode, context, c) for c in choices]
+    pairs = [multiple_choice.choice_tokens(encode, context, c) for c in choices]
     assert pairs[0] == (encode(context), encode(" mat."))
-    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, passes, torch.Generator().manual_seed(7))
+    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, passes, torch.Generator().manual_seed(7))
     for (ctx, cont), got in zip(pairs, ll):
         gen = torch.Generator().manual_seed(7)  # the choices of an example share the latents of each pass
         latents = [net.sample_latents(1, gen) for _ in range(passes)]
@@ -207,8 +209,8 @@ def test_choice_scores_equal_a_direct_per_choice_forward(model_type, passes):
 
 def test_long_contexts_are_left_truncated_to_the_block_size():
     net = tiny("det")
-    pairs = [evaluate.choice_tokens(encode, "a long context " * 4, c) for c in ("yes", "no")]  # 60 + tokens > 24
-    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, 1, None)
+    pairs = [multiple_choice.choice_tokens(encode, "a long context " * 4, c) for c in ("yes", "no")]  # 60 + tokens > 24
+    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, 1, None)
     assert truncated and n_tokens == [5, 4]  # "  yes": the context's trailing space moved onto the continuation
     assert ll[0] == pytest.approx(direct_loglik(net, *pairs[0], [None]), abs=1e-4)
 
@@ -220,7 +222,7 @@ def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
                 {"context": "x: y", "choices": ["zz", "y y y y"], "label": 1}]
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(json.dumps(e) for e in examples) + "\n")
-    loaded = evaluate.load_mc_examples(str(path))
+    loaded = multiple_choice.load_mc_examples(str(path))
     assert loaded == examples
     out = evaluate.evaluate_mc(net, loaded, encode, decode, 1, None)
     hits = {"acc": 0, "acc_char": 0, "acc_completion": 0}
@@ -243,7 +245,7 @@ HELLASWAG = os.path.join(SHARED_DATA, "hellaswag", "hellaswag_val_sample1000.jso
 
 @pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} (../shared/data)")
 def test_hellaswag_preprocessing_follows_the_harness_on_the_shared_sample():
-    examples = evaluate.load_mc_examples(HELLASWAG)
+    examples = multiple_choice.load_mc_examples(HELLASWAG)
     assert len(examples) == 1000 and all(len(e["choices"]) == 4 for e in examples)
     first = examples[0]  # ActivityNet: ctx_a + " " + ctx_b capitalized, after "activity_label: "
     assert first["context"] == ("Pole vault: Pole vault is a sport where you run with a pole and stop and swing your "
@@ -339,7 +341,7 @@ def test_script_writes_json_whose_nll_is_the_models_cross_entropy_on_the_same_wi
                 "epistemic_ratio", "cond_var", "flip_rate", "cvar_nll", "tokens", "passes", "stats/ce"}
     assert expected <= set(r)
     assert r["mi"] == 0.0 and r["flip_rate"] == 0.0 and r["passes"] == 1
-    net, checkpoint = common.load_model(det_ckpt)
+    net, checkpoint = ckpt.load_model(det_ckpt)
     data = np.fromfile(data_root / "synthetic" / "val.bin", dtype=np.uint16)
     x, y = windows(data, [0, 67, 134, 201, 268], 66)  # ceil(300 / 66) = 5 whole sequences
     assert r["tokens"] == 5 * 66
@@ -364,16 +366,16 @@ def test_missing_checkpoint_is_one_clear_error(data_root, tmp_path):
 def test_choice_tokens_follow_the_harness_encode_pair():
     """lm-evaluation-harness _encode_pair: trailing whitespace of the context moves onto the continuation; an empty
     context conditions on the end-of-text token, or is refused when the tokenizer has none."""
-    assert evaluate.choice_tokens(encode, "the cat ", "sat") == (encode("the cat"), encode("  sat"))
-    assert evaluate.choice_tokens(encode, "", "sat", eot=0) == ([0], encode(" sat"))
+    assert multiple_choice.choice_tokens(encode, "the cat ", "sat") == (encode("the cat"), encode("  sat"))
+    assert multiple_choice.choice_tokens(encode, "", "sat", eot=0) == ([0], encode(" sat"))
 
 
 def test_acc_char_divides_by_the_characters_actually_scored():
     """A choice cut to its tail by the context window is normalised by the tail's length, as it is scored."""
     net = tiny("det")
     examples = [{"context": "ab", "choices": ["c" * 30, "d"], "label": 0}]  # 30 + 1 characters > block_size 24
-    pairs = [evaluate.choice_tokens(encode, ex["context"], c) for ex in examples for c in ex["choices"]]
-    ll, n_tokens, truncated = evaluate.score_choices(net, pairs, 1, None)
+    pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for ex in examples for c in ex["choices"]]
+    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, 1, None)
     out = evaluate.evaluate_mc(net, examples, encode, decode, 1, None)
     chars = [n_tokens[0], 2]  # the char tokenizer: a token is a character; " d" is two
     expected = max(range(2), key=lambda i: ll[i] / chars[i]) == 0
@@ -383,8 +385,8 @@ def test_acc_char_divides_by_the_characters_actually_scored():
 def test_sequence_mixture_is_the_likelihood_of_a_frozen_mind():
     """mixture='sequence': log mean_m prod_t p_m(y_t) over minds shared by the choices (B-Trans Eq. 3)."""
     net = tiny("btrans", sigma=0.5)
-    pairs = [evaluate.choice_tokens(encode, "the cat sat on the", c) for c in ("mat.", "moon")]
-    ll, _, _ = evaluate.score_choices(net, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
+    pairs = [multiple_choice.choice_tokens(encode, "the cat sat on the", c) for c in ("mat.", "moon")]
+    ll, _, _ = multiple_choice.score_choices(net, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
     for (ctx, cont), got in zip(pairs, ll):
         gen = torch.Generator().manual_seed(7)
         per_mind = [direct_loglik(net, ctx, cont, [net.sample_latents(1, gen)]) for _ in range(3)]
@@ -395,9 +397,9 @@ def test_free_choices_take_the_context_z_from_the_encoder_on_the_context_alone()
     """The choices' codes at context positions are the encoder's on the context (never on context + choice), the
     same for every choice; the choice positions get uniform codes, also shared."""
     net = tiny("free", latent_bits=4)
-    pairs = [evaluate.choice_tokens(encode, "the cat sat", c) for c in ("on", "under the")]
+    pairs = [multiple_choice.choice_tokens(encode, "the cat sat", c) for c in ("on", "under the")]
     contexts = [ctx for ctx, _ in pairs]
-    codes = evaluate.example_latents(net, contexts, torch.Generator().manual_seed(3))
+    codes = multiple_choice.example_latents(net, contexts, torch.Generator().manual_seed(3))
     expected = net.sample_latents(1, torch.Generator().manual_seed(3), prompt=torch.tensor([contexts[0]]))
     assert torch.equal(codes, expected.expand(2, -1))
 
@@ -414,5 +416,5 @@ def test_hub_sets_load_through_datasets_in_their_hub_schema(name, doc, expected,
     import datasets
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda path, config, split: calls.append(path) or [doc])
-    assert evaluate.load_mc_examples(name) == [expected]
-    assert calls == [evaluate.HF_TASKS[name][0]] and evaluate.HF_TASKS["piqa"][0] == "baber/piqa"
+    assert multiple_choice.load_mc_examples(name) == [expected]
+    assert calls == [multiple_choice.HF_TASKS[name][0]] and multiple_choice.HF_TASKS["piqa"][0] == "baber/piqa"

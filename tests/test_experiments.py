@@ -11,8 +11,9 @@ import torch
 
 from conftest import SHARED_DATA, TINY, records, run_script
 
-import common
+import ckpt
 import tasks
+import tokendata
 from experiments import smollm2_embedding
 
 GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
@@ -57,7 +58,7 @@ def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp
                "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
     evals = [r for r in records(out) if "val_ce" in r and r["iter"] > 0]
     best = min(evals, key=lambda r: r[f"val_{select_by}"])
-    checkpoint = common.load_checkpoint(out / "ckpt.pt")
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == best["iter"]
     assert checkpoint["best_val_loss"] == pytest.approx(best[f"val_{select_by}"])
     assert any(r["val_ce"] != r["val_loss"] for r in evals)
@@ -76,14 +77,14 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
     run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
                f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
                data_dir=data_root)
-    checkpoint = common.load_checkpoint(out / "ckpt.pt")
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == 6 and checkpoint["model_config"]["freeze_embeddings"] is True
     assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
     assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
     # a resumed run keeps it frozen: the flag comes back with the model's config
     run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
                "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
-    checkpoint = common.load_checkpoint(out / "ckpt.pt")
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == 9
     assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
 
@@ -102,8 +103,8 @@ def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root,
 def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
     with open(os.path.join(GPT2_DIR, "encoder.json")) as f:
         encoder = json.load(f)
-    encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spelled = {common.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
+    encoding = tokendata.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
+    spelled = {tokendata.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
     assert spelled == encoder
 
 
@@ -112,8 +113,8 @@ def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
 def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_tokens():
     table, vocab = smollm2_embedding.read_smollm2()
     assert table.shape == (49152, 576) and vocab["<|endoftext|>"] == 0
-    encoding = common.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spell = [common.byte_level(encoding.decode_single_token_bytes(i)) for i in range(50257)]
+    encoding = tokendata.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
+    spell = [tokendata.byte_level(encoding.decode_single_token_bytes(i)) for i in range(50257)]
     shared = [i for i in range(1000, 50257) if spell[i] in vocab][:6]
     other = next(i for i in range(1000, 50257) if spell[i] not in vocab)
     meta = {"tokenizer": "gpt2", "vocab_size": 7, "token_ids": shared + [other],

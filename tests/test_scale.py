@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, TINY, run_script
 
+import ckpt
 import common
 
 # an evaluation and a checkpoint every 3 steps; 2 micro-batches per step, one per process on 2 processes
@@ -96,7 +97,7 @@ def test_readme_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det_r
         snippet = re.search(r"^python - <<'PY'\n(.*?)^PY\n", f.read(), re.S | re.M).group(1)
     shutil.copytree(det_runs / "fsdp", tmp_path / "out")
     run_script(sys.executable, "-c", snippet, cwd=tmp_path, data_dir=tmp_path)
-    model, checkpoint = common.load_model(tmp_path / "out-export")
+    model, checkpoint = ckpt.load_model(tmp_path / "out-export")
     assert checkpoint["iter_num"] == 6 and "optimizer" not in checkpoint
     assert_same_weights(model.state_dict(), sharded_weights(det_runs / "fsdp", tmp_path)["model"])
 

@@ -1,4 +1,4 @@
-"""evaluate.score_choices puts every pass and choice of an example in one batch and, for det and B-Trans minds,
+"""multiple_choice.score_choices puts every pass and choice of an example in one batch and, for det and B-Trans minds,
 reads the choices' shared context from a KV cache: its scores equal a straightforward computation, one pass and one
 choice at a time, each a forward over the whole sequence, for all four models and both mixtures."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-import evaluate
+import multiple_choice
 
 TINY = dict(vocab_size=50, block_size=24, n_layer=2, n_embd=32, n_head=4, n_kv_head=2)
 
@@ -22,7 +22,7 @@ def reference(net, pairs, n_passes, generator, mixture):
     contexts = [seq[:len(seq) - n] for seq, n in zip(seqs, n_cont)]
     per_pass = []  # [pass][choice] -> log p of each continuation token, (n,)
     for _ in range(n_passes):
-        latents = evaluate.example_latents(net, contexts, generator)
+        latents = multiple_choice.example_latents(net, contexts, generator)
         row = []
         for i, (seq, n) in enumerate(zip(seqs, n_cont)):
             lat = None if latents is None else latents[i:i + 1]
@@ -49,7 +49,7 @@ def reference(net, pairs, n_passes, generator, mixture):
 @pytest.mark.parametrize("logits_per_forward", [2 ** 25, 1])  # all passes in one forward, or one pass at a time
 def test_batched_scores_equal_the_one_by_one_reference(model_type, extra, n_passes, mixture, logits_per_forward,
                                                        monkeypatch):
-    monkeypatch.setattr(evaluate, "MC_LOGITS", logits_per_forward)
+    monkeypatch.setattr(multiple_choice, "MC_LOGITS", logits_per_forward)
     torch.manual_seed(0)
     net = common.build_model(model_type, {**TINY, **extra}).eval()
     tok = lambda *n: torch.randint(0, 50, n).tolist()
@@ -61,7 +61,7 @@ def test_batched_scores_equal_the_one_by_one_reference(model_type, extra, n_pass
     ]
     for pairs in examples:
         want, want_n = reference(net, pairs, n_passes, torch.Generator().manual_seed(5), mixture)
-        got, got_n, truncated = evaluate.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(5),
+        got, got_n, truncated = multiple_choice.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(5),
                                                        mixture=mixture)
         assert got_n == want_n
         assert truncated == any(len(c) + len(d) > TINY["block_size"] + 1 for c, d in pairs)
@@ -81,5 +81,5 @@ def test_det_and_minds_read_the_context_from_the_cache_once_per_pass(monkeypatch
                                                                     forward(idx, *a, **k))[1])
         context = list(range(10))
         pairs = [(context, [11, 12]), (context, [13]), (context, [14, 15, 16])]
-        evaluate.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(0))
+        multiple_choice.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(0))
     assert calls == [("det", (1, 9)), ("det", (3, 3)), ("btrans", (3, 9)), ("btrans", (9, 3)), ("eve", (6, 12))]

@@ -3,11 +3,11 @@
 import os
 import sys
 
-import pytest
 import torch
 
 from conftest import TINY, records, run_script, train_det as train
 
+import ckpt
 import common
 
 
@@ -43,7 +43,7 @@ def test_missing_data_prints_the_prepare_command(tmp_path):
 
 def test_checkpoint_round_trip_gives_identical_logits(data_root, tmp_path):
     train(data_root, tmp_path, "--max_iters=3", "--eval_interval=3")
-    model, checkpoint = common.load_model(tmp_path)
+    model, checkpoint = ckpt.load_model(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in checkpoint["model"])
     fresh = common.build_model("det", checkpoint["model_config"])
     fresh.load_state_dict(checkpoint["model"])

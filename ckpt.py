@@ -1,0 +1,185 @@
+"""Checkpoints and run folders: one writer per out_dir, atomic saves, a run refused unless asked to be replaced,
+and a model loaded from a checkpoint (into its own type or another)."""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+import common
+from common import die, free_space
+
+
+_locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
+
+
+def lock_out_dir(out_dir, who):
+    """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
+    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
+    that holds the lock already (convert.main called twice in one process) keeps it."""
+    import fcntl
+    if os.path.realpath(out_dir) in _locks:
+        return
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, ".lock"), "a+")
+    except OSError as e:
+        die(f"cannot write to out_dir {out_dir}: {e.strerror or e}; choose a writable --out_dir")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        die(f"{out_dir} is in use by {holder}: wait for it to finish, or choose another --out_dir")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{who} (pid {os.getpid()})")
+    f.flush()
+    _locks[os.path.realpath(out_dir)] = f
+    # Only the lock holder writes temporary files here, so any left now are from a writer killed mid-write
+    # (kill -9 during a checkpoint save): nobody will rename them, and a checkpoint's is as large as the model.
+    stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]
+    for name in stale:
+        os.remove(os.path.join(out_dir, name))
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
+              f"{', '.join(sorted(stale))}")
+
+
+def release_out_dir(out_dir):
+    """Give back lock_out_dir's lock before the process ends: for a writer called as a function (convert.main in
+    a notebook or a test), so the process can go on while another writes there."""
+    lock = _locks.pop(os.path.realpath(out_dir), None)
+    if lock is not None:
+        lock.close()  # closing the file releases the flock
+
+
+RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
+
+
+def refuse_existing_run(out_dir, overwrite, resumable=False):
+    """The guard of every script that writes a run into out_dir (train.py from scratch, rlvr.py, convert.py hf and
+    gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
+    before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
+    held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    if held and not overwrite:
+        die(f"{out_dir} already holds a run ({held[0]}): "
+            f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
+            f"with --overwrite=True")
+
+
+def refuse_nonempty_dir(dst, overwrite, what="--dst"):
+    """The guard of a writer whose output is a whole folder of someone else's format (convert.py to_hf): a file, or
+    a folder that holds anything, is written into only with --overwrite=True."""
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        die(f"{what}={dst} is a file: give a folder to write into")
+    held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []
+    if held and not overwrite:
+        die(f"{what}={dst} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): choose an empty or "
+            f"new folder, or write into it anyway with --overwrite=True")
+
+
+def saved_shapes(model_type, model_values):
+    """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in common.build_model(model_type, model_values).state_dict().items()}
+
+
+def resume_config(model_type, saved, overrides, out_dir):
+    """A resumed run keeps its architecture: the model overrides given with init_from=resume apply when they leave
+    every saved tensor's shape unchanged (kappa_bits, sigma, kl_beta, block_size, mapper, ...), and stop the run
+    with one line when they would not (n_layer, n_embd, latent_bits, ...)."""
+    changed = {k: v for k, v in overrides.items() if saved.get(k) != v}
+    if not changed:
+        return dict(saved)
+    merged = {**saved, **changed}
+    before, after = saved_shapes(model_type, saved), saved_shapes(model_type, merged)
+    if before != after:
+        key = next(k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k))
+        die(f"resuming {out_dir} with {', '.join(f'{k}={v!r}' for k, v in changed.items())} would change the shape "
+            f"of the saved {key} ({before.get(key)} -> {after.get(key)}); drop that override, or train from scratch "
+            f"into another out_dir")
+    print(f"resuming with the model overrides {', '.join(f'{k}={v!r}' for k, v in changed.items())} (was "
+          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}): no saved tensor changes shape")
+    return merged
+
+
+def save_checkpoint(checkpoint, path):
+    """Write to a temporary file of this process, then rename: a crash mid-write never leaves a truncated checkpoint
+    behind, and two writers never share a temporary file. A write that fails removes its temporary file and stops
+    with one line; the previous checkpoint is untouched."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk (torch's writer raises RuntimeError), a read-only folder
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:200]
+        die(f"could not write {path}: {reason}{free_space(path)}; free some space or choose another out_dir "
+            f"(the previous checkpoint there, if any, is unchanged)")
+    except BaseException:  # interrupted (a second Ctrl-C): no half-written file is left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def checkpoint_path(path):
+    return os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+
+
+def load_checkpoint(path, device="cpu"):
+    """A checkpoint's dict. Tensors are memory-mapped, not read: asking a checkpoint its model type and config costs
+    next to nothing, and a model built from it reads each tensor once."""
+    path = checkpoint_path(str(path))
+    if not os.path.exists(path):
+        die(f"no checkpoint at {path}: train one first (python train.py ...) or point to an existing ckpt.pt")
+    if os.path.getsize(path) == 0:
+        die(f"checkpoint {path} is empty (a crash before its first write?): retrain, or use another out_dir")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        die(f"checkpoint {path} is unreadable ({type(e).__name__}{': ' + reason if reason else ''}); "
+            f"it may be truncated or not a nanolatent checkpoint: retrain, or resume from another out_dir")
+    if not isinstance(checkpoint, dict) or not {"model_type", "model_config", "meta"} <= set(checkpoint):
+        die(f"{path} is a torch file but not a nanolatent checkpoint (no model_type, model_config and meta): "
+            f"point to a ckpt.pt that train.py, rlvr.py or convert.py wrote")
+    return checkpoint
+
+
+def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides):
+    """Model from a checkpoint (read from path unless given), optionally into another model type (a det checkpoint
+    into btrans, say). Config fields the target lacks are dropped; parameters new in the target (B-Trans offsets)
+    keep their init."""
+    checkpoint = checkpoint or load_checkpoint(path, device)
+    source_type = checkpoint["model_type"]
+    model_type = model_type or source_type
+    fields = common.config_fields(model_type)
+    model_values = {k: v for k, v in checkpoint["model_config"].items() if k in fields}
+    model_values.update(overrides)
+    model = common.build_model(model_type, model_values)
+    try:
+        missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    except RuntimeError as e:  # a tensor of another shape: the overrides or the data changed the architecture
+        die(f"checkpoint {checkpoint_path(str(path))} does not fit the {model_type} model asked for: "
+            f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}")
+    if unexpected or (missing and model_type == source_type):
+        die(f"checkpoint {checkpoint_path(str(path))} ({source_type}) does not fit a {model_type} model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if missing:
+        # One line with a count: a 30-layer model has 61 B-Trans offsets, which listed in full fill a screen.
+        print(f"loaded a {source_type} checkpoint into {model_type}; {len(missing)} new parameters keep their init "
+              f"({missing[0]}{f' ... {missing[-1]}' if len(missing) > 1 else ''})")
+    return model.to(device), checkpoint
+
+
+def train_if_missing(out_dir, *train_args):
+    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
+    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        root = os.path.dirname(os.path.abspath(__file__))
+        subprocess.run([sys.executable, os.path.join(root, "train.py"), *train_args, f"--out_dir={out_dir}"],
+                       check=True)

@@ -1,0 +1,80 @@
+"""The det model as a Llama: Hugging Face's tensor names and config.json for a det checkpoint, and the det model
+inside a checkpoint (convert.py's conversions, bench.py's transformers peer)."""
+
+import dataclasses
+
+import common
+
+# One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
+LAYER_NAMES = [
+    ("attn.wq.weight", "self_attn.q_proj.weight"),
+    ("attn.wk.weight", "self_attn.k_proj.weight"),
+    ("attn.wv.weight", "self_attn.v_proj.weight"),
+    ("attn.wo.weight", "self_attn.o_proj.weight"),
+    ("mlp.w1.weight", "mlp.gate_proj.weight"),  # SwiGLU: w2(silu(w1 x) * w3 x) = down(silu(gate x) * up x)
+    ("mlp.w3.weight", "mlp.up_proj.weight"),
+    ("mlp.w2.weight", "mlp.down_proj.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("mlp_norm.weight", "post_attention_layernorm.weight"),
+]
+
+
+def weight_names(n_layer, tied):
+    """(ours, Hugging Face's) for every tensor of a det model; a tied head is the embedding, stored once."""
+    names = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm_f.weight", "model.norm.weight")]
+    if not tied:
+        names.append(("lm_head.weight", "lm_head.weight"))
+    for i in range(n_layer):
+        names += [(f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in LAYER_NAMES]
+    return names
+
+
+def hf_config(cfg, dtype, bos_token_id, eos_token_id):
+    """config.json of LlamaForCausalLM for a det Config. rope_theta is written twice: at the top level, where
+    transformers 4 reads it, and under rope_parameters, where transformers 5 does."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": dtype,
+    }
+
+
+def det_state(checkpoint, path):
+    """The det model inside a checkpoint: (det Config, state_dict). A B-Trans checkpoint is one when its noise is
+    off (sigma 0 everywhere, or noise_mode 'mean') and its mu offsets are 0: there is no offset in a Llama."""
+    model_type, values, state = checkpoint["model_type"], checkpoint["model_config"], checkpoint["model"]
+    if model_type == "btrans":
+        sigmas = values.get("sigma_per_layer") or [values["sigma"]]
+        if values.get("noise_mode") != "mean" and (values.get("learn_sigma") or max(sigmas) > 0):
+            common.die(f"{path} is a B-Trans population (sigma={values['sigma']}, noise_mode="
+                       f"{values.get('noise_mode')}): a Hugging Face Llama is one model; export its det checkpoint, "
+                       f"or one with sigma=0")
+        offsets = [name for name, t in state.items() if name.endswith(".mu") and t.any()]
+        if offsets:
+            common.die(f"{path} has learned B-Trans offsets ({offsets[0]} is not 0), which a Llama cannot hold")
+        state = {k: v for k, v in state.items() if not k.endswith((".mu", ".log_sigma"))}
+    elif model_type != "det":
+        common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama")
+    if values.get("layer_weights"):
+        common.die(f"{path} was trained with layer_weights=True (EVE's head mixes the blocks' outputs), which a Llama "
+                   f"cannot hold: export a det run without it")
+    module = common.import_model("det")
+    fields = {f.name for f in dataclasses.fields(module.Config)}
+    return module.Config(**{k: v for k, v in values.items() if k in fields}), state

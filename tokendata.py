@@ -1,0 +1,199 @@
+"""Prepared datasets (data/<name>/{train,val}.bin and meta.json) and their tokenizers: characters, GPT-2's BPE, a
+pretrained model's tokenizer.json and chat template; offline copies of public files through NANOLATENT_LOCAL_DATA."""
+
+import json
+import os
+
+import numpy as np
+
+from common import die
+
+GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when tiktoken cannot download GPT-2's BPE
+
+
+LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (gpt2/gpt2.tiktoken, hellaswag/..., gsm8k/...)
+
+
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
+HUB_DATASETS = {
+    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
+    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation"),
+    "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
+                        val=None),
+}
+
+
+def data_dir(dataset):
+    """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
+    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    return os.path.join(root, dataset)
+
+
+def local_data(path, otherwise=""):
+    """$NANOLATENT_LOCAL_DATA/path when that variable names a folder holding it, else `otherwise` (a hub name, or ""
+    for none). For machines without a network: the folder holds local copies of the public files the scripts
+    download (gpt2/gpt2.tiktoken, tinyshakespeare/input.txt, hellaswag/hellaswag_val_sample1000.jsonl, gsm8k/test.jsonl,
+    ...); configs and experiments take their defaults through it, and a user online never needs it."""
+    root = os.environ.get(LOCAL_DATA_ENV)
+    return os.path.join(root, path) if root and os.path.exists(os.path.join(root, path)) else otherwise
+
+
+def load_meta(dataset):
+    path = os.path.join(data_dir(dataset), "meta.json")
+    if not os.path.exists(path):
+        named = dataset in ("synthetic", "arith", *HUB_DATASETS)  # the names prepare.py makes on its own
+        how = (f"`python prepare.py {dataset}`" if named else
+               f"`python prepare.py text --input=FILE --name={dataset}` on a local .txt or .jsonl")
+        die(f"dataset {dataset!r} is not prepared ({path} is missing): run {how}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_tokens(dataset, split, meta):
+    path = os.path.join(data_dir(dataset), f"{split}.bin")
+    if not os.path.exists(path):
+        die(f"{path} is missing: run `python prepare.py {dataset}` again")
+    if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
+        die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that holds "
+            f"tokens")
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+
+
+BYTE_LEVEL = {**{b: chr(b) for b in _PRINTABLE},
+              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}}
+
+
+def byte_level(token):
+    """GPT-2's byte-level spelling of a token's bytes (its encoder.py bytes_to_unicode, the keys of encoder.json and
+    the strings of a byte-level BPE's vocab and merges, SmolLM2's GGUF vocabulary included): printable bytes stand
+    for themselves, the others for chr(256), chr(257), ... in order."""
+    return "".join(map(BYTE_LEVEL.__getitem__, token))
+
+
+def gpt2_from_file(bpe_file):
+    import tiktoken
+    import tiktoken.load
+    ranks = tiktoken.load.load_tiktoken_bpe(bpe_file)
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def gpt2_encoding(bpe_file=None):
+    """GPT-2's BPE: from bpe_file when given, else tiktoken's download, else the file named by $NANOLATENT_GPT2_BPE,
+    else $NANOLATENT_LOCAL_DATA/gpt2/gpt2.tiktoken. Returns (encoding, the local file used or None)."""
+    import tiktoken
+    if bpe_file:
+        return gpt2_from_file(bpe_file), bpe_file
+    try:
+        return tiktoken.get_encoding("gpt2"), None
+    except Exception as e:
+        fallback = os.environ.get(GPT2_BPE_ENV) or local_data(os.path.join("gpt2", "gpt2.tiktoken"))
+        if not fallback:
+            die(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}). Offline, point to a local "
+                f"gpt2.tiktoken file: --bpe_file=PATH, export {GPT2_BPE_ENV}=PATH, or export {LOCAL_DATA_ENV}=DIR "
+                f"with DIR/gpt2/gpt2.tiktoken (the file is openai/whisper's whisper/assets/gpt2.tiktoken)")
+        print(f"tiktoken could not download GPT-2's BPE ({type(e).__name__}); using the local file {fallback}")
+        return gpt2_from_file(fallback), fallback
+
+
+def hf_tokenizer(path):
+    """A Hugging Face tokenizer.json (a pretrained model's own BPE, recorded by convert.py or prepare.py), read with
+    the tokenizers package: an optional dependency, imported only here."""
+    if not os.path.exists(path):
+        die(f"tokenizer file {path} not found (checkpoints and datasets record it by absolute path): put it back, "
+            f"or run convert.py or prepare.py --tokenizer=... again")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        die("a Hugging Face tokenizer needs the tokenizers package: pip install tokenizers")
+    return Tokenizer.from_file(path)
+
+
+def chat_template(meta):
+    """The chat template of a run with a Hugging Face tokenizer, or None: chat_template.jinja beside its tokenizer.json
+    (transformers 5, convert.py gguf), else tokenizer_config.json's chat_template (older saves)."""
+    if meta.get("tokenizer") != "hf":
+        return None
+    folder = os.path.dirname(meta["tokenizer_file"])
+    if os.path.exists(os.path.join(folder, "chat_template.jinja")):
+        with open(os.path.join(folder, "chat_template.jinja")) as f:
+            return f.read()
+    template = hf_json(meta, "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def hf_json(meta, name):
+    """A JSON file kept beside the run's tokenizer.json (tokenizer_config.json, generation_config.json), or {}."""
+    path = os.path.join(os.path.dirname(meta["tokenizer_file"]), name) if meta.get("tokenizer") == "hf" else ""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def chat_prompt(meta, text):
+    """text as one user message in the run's chat template, ending where the assistant's answer starts: what an
+    Instruct model was trained on. Rendered as transformers' apply_chat_template renders it (jinja2 in a sandbox,
+    trim_blocks and lstrip_blocks, the special tokens as variables)."""
+    template = chat_template(meta)
+    if template is None:
+        die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
+            "tokenizer_config.json, beside its tokenizer.json): prompt it with plain --start, or import an Instruct "
+            "model with convert.py hf or gguf")
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    config = hf_json(meta, "tokenizer_config.json")
+    specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
+                if name.endswith("_token") and token is not None}
+    try:
+        return env.from_string(template).render(messages=[{"role": "user", "content": text}],
+                                                add_generation_prompt=True, **specials)
+    except jinja2.exceptions.TemplateError as e:
+        die(f"the run's chat template failed on --start: {e}")
+
+
+def tokenizer(meta):
+    """(encode, decode) for a prepared dataset's meta.json."""
+    if meta["tokenizer"] == "hf":  # no special tokens added, as lm-evaluation-harness encodes for causal LMs
+        tok = hf_tokenizer(meta["tokenizer_file"])
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
+    if meta["tokenizer"] == "char":
+        stoi = {ch: i for i, ch in enumerate(meta["chars"])}
+
+        def encode(text):
+            missing = sorted(set(text) - set(stoi))
+            if missing:
+                die(f"characters {missing!r} are not in this dataset's vocabulary; use only: {''.join(meta['chars'])!r}")
+            return [stoi[ch] for ch in text]
+        return encode, lambda ids: "".join(meta["chars"][i] for i in ids)
+    bpe_file = meta.get("bpe_file")  # recorded by prepare.py when it used a local file
+    encoding, _ = gpt2_encoding(bpe_file if bpe_file and os.path.exists(bpe_file) else None)
+    encode = lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"})
+    if "token_ids" not in meta:
+        return encode, encoding.decode
+    token_ids = meta["token_ids"]  # prepare.py --vocab=used: id i is GPT-2's token_ids[i]
+    index = {t: i for i, t in enumerate(token_ids)}
+
+    def encode_used(text):
+        ids = encode(text)
+        missing = [t for t in ids if t not in index]
+        if missing:
+            die(f"{len(missing)} of the {len(ids)} tokens of {text[:40]!r} ({encoding.decode(missing[:5])!r}...) "
+                f"are not in this dataset's vocabulary (prepare.py --vocab=used keeps the {len(token_ids):,} ids its "
+                f"text uses); use words from the dataset, or prepare it with --vocab=full")
+        return [index[t] for t in ids]
+    return encode_used, lambda ids: encoding.decode([token_ids[i] for i in ids])

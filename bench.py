@@ -19,8 +19,8 @@ compiled (torch.compile of the model's forward, as sample.py --compile=True), an
 --peer=<path of a nanoGPT model.py> (git clone https://github.com/karpathy/nanoGPT: nanoGPT/model.py, MIT; never
 copied into this repository) adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the
 round robin and a column of each model's tokens/s over the peer's. The peer trains with its own
-configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models' Linear trains
-through oneDNN on an x86 CPU. It has no KV cache, so its decode columns stay empty. On a CPU every model's process
+configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models train through
+cpu.training_kernels on a CPU (oneDNN's products on x86; --cpu_kernels=False: the plain model files). It has no KV cache, so its decode columns stay empty. On a CPU every model's process
 keeps its freed memory as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
 
 --peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
@@ -36,7 +36,7 @@ evaluate.py's score_choices of that revision on the same items and draws: today'
 --linears=True times, at det's shapes for the given sizes (rows of batch_size * block_size tokens), the three matrix
 products of each Linear in a training step: x W^T, the input's gradient g W and the weight's gradient g^T x, by
 torch's GEMM (F.linear's: MKL on x86) and by oneDNN (torch.ops.mkldnn), in turns, best of `steps` calls after
-`warmup`. The model files' LinearFunction takes the faster kernel for each product on our CPU (BENCHMARKS.md).
+`warmup`. cpu.LinearFunction takes the faster kernel for each product on our CPU (BENCHMARKS.md).
 """
 
 import ast
@@ -79,6 +79,7 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 compile = False
 profile = False  # also each model's training step op by op (torch.profiler: self time per step of the top ops)
 profile_ops = 15  # ... how many ops per model
+cpu_kernels = True  # CPU training: cpu.training_kernels on our models, as train.py applies them (False: plain files)
 keep_freed_memory = True  # CPU: cpu.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
 compile_decode = False  # also time decoding with the cached step compiled (as sample.py --compile=True)
 peer = ""  # the path of a nanoGPT-style model.py to time alongside (or "transformers", below)
@@ -153,6 +154,8 @@ def bench_train(model_type, overrides):
     model = build(model_type, overrides, block_size)
     with contextlib.redirect_stdout(io.StringIO()):  # the peer's prints its parameter groups
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+    if device_type == "cpu" and cpu_kernels and not compile and model_type != PEER:
+        cpu.training_kernels(model)
     train_model = torch.compile(model) if compile else model
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
@@ -522,7 +525,8 @@ contexts = decode_contexts
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
       f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else "")
-      + ("; freed memory kept (cpu.keep_freed_memory)" if keeps_freed_memory else ""))
+      + ("; freed memory kept (cpu.keep_freed_memory)" if keeps_freed_memory else "")
+      + ("; cpu.training_kernels" if device_type == "cpu" and cpu_kernels and not compile else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det", "flop x det"]
 header += ["tok/s x peer"] if peer_row else []
 header += ["MFU", "peak MiB"] + [f"dec@{c} ms" for c in contexts] + [f"nocache@{c} ms" for c in contexts]

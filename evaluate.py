@@ -76,7 +76,7 @@ ngram = 4  # n of distinct-n
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
-onednn = True  # CPU float32: matmuls through oneDNN (common.onednn_linears): faster, float rounding apart
+onednn = True  # CPU float32 and bfloat16: matmuls through oneDNN (common.onednn_linears): faster, rounding apart
 # ----------------------------------------------------------------------------------------------------------------
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
@@ -530,8 +530,9 @@ def load_net(path, checkpoint):
 
 def matmuls(net):
     """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (common.onednn_linears: a
-    no-op elsewhere), torch's own kernels with --onednn=False (bit for bit what the model's forward computes)."""
-    return common.onednn_linears(net) if onednn else nullcontext()
+    no-op elsewhere), packed in --dtype, the dtype autocast runs them in; torch's own kernels with --onednn=False
+    (bit for bit what the model's forward computes)."""
+    return common.onednn_linears(net, common.DTYPES[dtype]) if onednn else nullcontext()
 
 
 def dataset_for(checkpoints):

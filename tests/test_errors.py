@@ -498,6 +498,17 @@ def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, traine
     assert "lm:" not in proc.stdout  # refused before the evaluation started
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("onednn", [True, False])
+def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
+                                                                                         data_root):
+    """--dtype=bfloat16/float16 on a CPU: through oneDNN (bfloat16 weights packed for it; float16, which it lacks
+    here, through autocast's kernels) or torch's own kernels, the nll is float32's to the dtype's rounding."""
+    nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
+        "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
+    assert nll(f"--dtype={dtype}", f"--onednn={onednn}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
+
+
 def test_prepare_without_a_source_says_which_there_are(tmp_path):
     assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
 

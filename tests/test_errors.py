@@ -104,6 +104,8 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "seed negative": ([FRESH, "--seed=-1"], "--seed must be >= 0"),
     "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], "past --max_iters=3"),
     "val split empty": ([FRESH, "--dataset=no_val"], "val.bin is empty"),
+    "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
+                                    "n_layer=100000 is more than train.py builds (at most 1,024"),
 }
 if not torch.cuda.is_available():
     TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], "has no CUDA GPU")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,8 +105,18 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "seed negative": ([FRESH, "--seed=-1"], "--seed must be >= 0"),
     "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], "past --max_iters=3"),
     "val split empty": ([FRESH, "--dataset=no_val"], "val.bin is empty"),
+    "init_embeddings a text file named .npy": ([FRESH, "--init_embeddings={tmp}/notes.npy"],
+                                               "init_embeddings={tmp}/notes.npy is not a .npy array"),
+    "init_embeddings an .npz archive": ([FRESH, "--init_embeddings={tmp}/emb.npz"], "holds a .npz archive, not numbers"),
+    "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], "holds an array of <U5, not numbers"),
+    "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], "is a folder"),
     "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
                                     "n_layer=100000 is more than train.py builds (at most 1,024"),
+    "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
+                                                "--out_dir={run}/ckpt.pt is a file (a checkpoint): out_dir is the "
+                                                "run's folder, --out_dir={run}"),
+    "out_dir the checkpoint's path, eval_only": (["--eval_only=True", "--out_dir={run}/ckpt.pt"],
+                                                 "out_dir is the run's folder, --out_dir={run}"),
 }
 if not torch.cuda.is_available():
     TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], "has no CUDA GPU")
@@ -170,9 +181,12 @@ def test_train_mistake_is_one_line_and_changes_nothing(case, run, tmp_path, data
     write(tmp_path / "nan_theta.py", "rope_theta = float('nan')\n")
     write(tmp_path / "nan_kappa.py", "kappa_bits = float('nan')\n")
     write(tmp_path / "nan_lr.py", "learning_rate = float('nan')\n")
+    write(tmp_path / "notes.npy", "my embeddings, to do\n")
+    np.savez(tmp_path / "emb.npz", emb=np.zeros((3, 32), dtype=np.float32))
+    np.save(tmp_path / "words.npy", np.array(["alpha", "beta"]))
     before = snapshot(run)
-    proc = train_det(data_root, run, *[a.format(tmp=tmp_path) for a in args], check=False)
-    assert_one_line_error(proc, phrase)
+    proc = train_det(data_root, run, *[a.format(tmp=tmp_path, run=run) for a in args], check=False)
+    assert_one_line_error(proc, phrase.format(tmp=tmp_path, run=run))
     assert snapshot(run) == before
     assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
 
@@ -270,6 +284,19 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
     lines = proc.stdout.splitlines()  # the first lines come before the first evaluation's
     assert lines.index(next(l for l in lines if l.startswith("evaluating at iter 0"))) < \
         lines.index(next(l for l in lines if l.startswith("iter 0/6 eval")))
+
+
+@pytest.mark.parametrize("refusal, phrase", [
+    (["--dataset=mystuff"], "dataset 'mystuff' is not prepared"),
+    (["--batch_size=1000000"], "GiB activations at batch_size=1000000"),
+])
+def test_the_lr_decay_note_comes_after_the_checks_not_above_a_refusal(data_root, tmp_path, refusal, phrase):
+    """A quick look (--max_iters below lr_decay_iters, which is not set) prints lr_decay_iters = max_iters when it
+    trains; a run refused for another reason prints only its one line."""
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+                      "--max_iters=6", *refusal, data_dir=data_root, check=False)
+    assert_one_line_error(proc, phrase)
+    assert proc.stdout == ""
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -671,6 +671,9 @@ if __name__ == "__main__":
                                   "mixture": ("auto", "token", "sequence")},
                          within={"cvar_alpha": "(0, 1]"})
     common.check_device(device)
+    if out_items and task != "mc":  # else the run would end with no file and no word
+        common.die(f"--out_items={out_items} writes the items of --task=mc, and --task={task} has none: add "
+                   f"--task=mc --mc_file=..., or drop --out_items")
     if out_json:  # checked before the evaluation, which can take an hour, not after it
         folder = os.path.dirname(os.path.abspath(out_json))
         if os.path.isdir(out_json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):

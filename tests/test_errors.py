@@ -465,6 +465,18 @@ def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
                           phrase)
 
 
+@pytest.mark.parametrize("content, phrase", [
+    ("caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3: invalid continuation byte)"),
+    (None, "is a folder"),
+])
+def test_sample_prompt_file_that_is_not_utf8_text_is_one_line(content, phrase, trained, data_root, tmp_path):
+    path = tmp_path / "latin1.txt" if content is not None else tmp_path
+    if content is not None:
+        path.write_bytes(content)
+    proc = run_script("sample.py", f"--out_dir={trained}", f"--start=FILE:{path}", data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--start=FILE:{path} {phrase}")
+
+
 def test_sample_reads_the_prompt_as_text_even_when_it_looks_like_a_number(trained, data_root):
     proc = run_script("sample.py", f"--out_dir={trained}", "--start=K>", "--num_samples=1", data_dir=data_root)
     assert proc.stdout.startswith("K>")
@@ -527,6 +539,14 @@ def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, traine
     assert "lm:" not in proc.stdout  # refused before the evaluation started
 
 
+def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_path):
+    proc = run_script("evaluate.py", f"--out_dir={trained}", f"--out_items={tmp_path / 'items.jsonl'}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--out_items={tmp_path / 'items.jsonl'} writes the items of --task=mc, and "
+                          "--task=lm has none")
+    assert "lm:" not in proc.stdout and not (tmp_path / "items.jsonl").exists()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("onednn", [True, False])
 def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
@@ -536,6 +556,26 @@ def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its
     nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
         "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
     assert nll(f"--dtype={dtype}", f"--onednn={onednn}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
+
+
+def test_prepare_input_that_is_a_folder_says_so(tmp_path):
+    proc = run_script("prepare.py", "text", f"--input={tmp_path}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, f"input '{tmp_path}' is a folder: give one .txt or .jsonl file inside it")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("src, phrase", [
+    ("{tmp}", "--src={tmp} is a folder: pass the path of a .gguf file in it"),
+    ("{tmp}/half.gguf", "half.gguf"),  # not a readable GGUF, or no gguf package to read it: refused either way
+])
+def test_a_refused_gguf_import_leaves_no_trace(src, phrase, data_root, tmp_path):
+    write(tmp_path / "half.gguf", "GGUF cut short")
+    out = tmp_path / "new" / "run"
+    proc = run_script("convert.py", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, phrase.format(tmp=tmp_path))
+    assert not (tmp_path / "new").exists()  # not even a folder holding a .lock
 
 
 def test_prepare_without_a_source_says_which_there_are(tmp_path):

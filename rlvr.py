@@ -442,7 +442,7 @@ def main():
             common.append_record(metrics_path, {"iter": step, **evals})
             if step > 0 and saved != step:
                 save(step)
-            if stop:  # before a GRPO step, which can take minutes
+            if stop and step < max_steps:  # before a GRPO step, which can take minutes (after the last: done)
                 save_and_stop(step)
         if step == max_steps:
             break

@@ -21,6 +21,7 @@ def lock_out_dir(out_dir, who):
     it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
     that holds the lock already (convert.main called twice in one process) keeps it."""
     import fcntl
+    refuse_file_out_dir(out_dir)
     if os.path.realpath(out_dir) in _locks:
         return
     try:
@@ -47,6 +48,14 @@ def lock_out_dir(out_dir, who):
     if stale:
         print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
               f"{', '.join(sorted(stale))}")
+
+
+def refuse_file_out_dir(out_dir):
+    """out_dir names a run's folder; the path of its ckpt.pt (which sample.py and evaluate.py take) is one line
+    naming the folder, not a message about out_dir/ckpt.pt/ckpt.pt."""
+    if os.path.isfile(out_dir):
+        die(f"--out_dir={out_dir} is a file{' (a checkpoint)' if out_dir.endswith('.pt') else ''}: out_dir is the "
+            f"run's folder, --out_dir={os.path.dirname(out_dir) or '.'}")
 
 
 def release_out_dir(out_dir):
@@ -84,8 +93,7 @@ def refuse_nonempty_dir(dst, overwrite, what="--dst"):
 
 def saved_shapes(model_type, model_values):
     """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in common.build_model(model_type, model_values).state_dict().items()}
+    return {k: tuple(v.shape) for k, v in common.meta_model(model_type, model_values).state_dict().items()}
 
 
 def resume_config(model_type, saved, overrides, out_dir):

@@ -356,6 +356,9 @@ def gguf_tokenizer(metadata, path):
 
 
 def import_gguf(gguf_file, out_dir, block_size=0):
+    if os.path.isdir(gguf_file):
+        common.die(f"--src={gguf_file} is a folder: pass the path of a .gguf file in it (convert.py hf takes a "
+                   f"Hugging Face model folder)")
     if not os.path.isfile(gguf_file):
         common.die(f"--src={gguf_file}: no such file; pass the path of a .gguf file")
     try:
@@ -511,11 +514,19 @@ def main(argv=None):
     if not all(globals()[key] for key in needed):
         common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
     if direction in ("hf", "gguf"):  # a run is written like train.py's: one writer, a trained run never replaced unasked
+        made = os.path.abspath(out_dir)  # the outermost folder the lock creates: a refused import removes it again
+        while not os.path.exists(os.path.dirname(made)):
+            made = os.path.dirname(made)
+        made = None if os.path.exists(made) else made
         ckpt.lock_out_dir(out_dir, "convert.py")
+        imported = False
         try:
             ckpt.refuse_existing_run(out_dir, overwrite)
             (import_hf if direction == "hf" else import_gguf)(src, out_dir, block_size)
+            imported = True
         finally:  # main() may be called as a function: the lock goes with the call, not with the process
+            if made and not imported:  # a refused import leaves no trace, not a folder holding a .lock
+                shutil.rmtree(made, ignore_errors=True)
             ckpt.release_out_dir(out_dir)
     else:
         ckpt.refuse_nonempty_dir(dst, overwrite)

@@ -98,7 +98,7 @@ def training_kernels(model):
 
 
 @contextlib.contextmanager
-def onednn_linears(model):
+def onednn_linears(model, dtype=torch.float32):
     """CPU inference through oneDNN's matrix kernels: inside, every nn.Linear of `model` multiplies by its weight
     reordered into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses) instead
     of torch's default float32 GEMM, which at decoding shapes is slower (BENCHMARKS.md). Results equal F.linear's to
@@ -106,9 +106,17 @@ def onednn_linears(model):
     its plain copy released then unless another module shares it (a tied head): inside, the packed copy is the
     weight, so memory stays that of the model. Inference only: no gradients flow through, and a called Linear's weight
     must not be read or changed inside. On leaving, every module is as before, bit for bit (the reorder is a
-    permutation). On a GPU, in another dtype or without oneDNN, nothing changes."""
+    permutation). On a GPU, for weights that are not float32, or without oneDNN, nothing changes.
+
+    dtype: what the forwards inside run in (evaluate.py --dtype's autocast). bfloat16 packs a bfloat16 copy of each
+    weight and casts the inputs to it, as autocast does for F.linear (faster than autocast's own products where the
+    CPU has bfloat16 instructions: BENCHMARKS.md); the float32 weights stay, so that leaving restores them bit for bit,
+    and memory is 1.5x the model's. float16 (oneDNN has no float16 inner product on CPUs without AVX512-FP16 or
+    AMX-FP16), or bfloat16 where oneDNN lacks it, changes nothing: autocast's own kernels do the products."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not (torch.backends.mkldnn.is_available() and linears and all(
+    supported = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+    if not (torch.backends.mkldnn.is_available() and linears and supported.get(dtype, False) and all(
             m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)):
         yield model
         return
@@ -116,12 +124,13 @@ def onednn_linears(model):
     packed, released = {}, []
 
     def forward(m, x):
-        if m not in packed:
-            packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)  # (out, in), oneDNN's layout
-            if uses[id(m.weight)] == 1:  # nothing else reads it (a Linear never called, like Free's post_sampler, or
-                m.weight.data = m.weight.data.new_empty(0)  # a tied embedding, keeps its plain weight)
-                released.append(m)
-        return onednn_linear(x, packed[m], None if m.bias is None else m.bias.detach())
+        if m not in packed:  # (out, in), oneDNN's layout
+            packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype), None)
+            if uses[id(m.weight)] == 1 and dtype == torch.float32:  # nothing else reads it (a Linear never called,
+                m.weight.data = m.weight.data.new_empty(0)  # like Free's post_sampler, or a tied embedding, keeps
+                released.append(m)  # its plain weight)
+        bias = None if m.bias is None else m.bias.detach().to(dtype)
+        return onednn_linear(x.to(dtype), packed[m], bias)
 
     for m in linears:
         m.forward = types.MethodType(forward, m)

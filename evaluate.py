@@ -80,7 +80,7 @@ ngram = 4  # n of distinct-n
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
-onednn = True  # CPU float32: matmuls through oneDNN (cpu.onednn_linears): faster, float rounding apart
+onednn = True  # CPU float32 and bfloat16: matmuls through oneDNN (cpu.onednn_linears): faster, rounding apart
 # ----------------------------------------------------------------------------------------------------------------
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
            "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
@@ -336,8 +336,9 @@ def load_net(path, checkpoint):
 
 def matmuls(net):
     """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.onednn_linears: a
-    no-op elsewhere), torch's own kernels with --onednn=False (bit for bit what the model's forward computes)."""
-    return cpu.onednn_linears(net) if onednn else nullcontext()
+    no-op elsewhere), packed in --dtype, the dtype autocast runs them in; torch's own kernels with --onednn=False
+    (bit for bit what the model's forward computes)."""
+    return cpu.onednn_linears(net, common.DTYPES[dtype]) if onednn else nullcontext()
 
 
 def dataset_for(checkpoints):
@@ -476,6 +477,9 @@ if __name__ == "__main__":
                                   "mixture": ("auto", "token", "sequence")},
                          within={"cvar_alpha": "(0, 1]"})
     common.check_device(device)
+    if out_items and task != "mc":  # else the run would end with no file and no word
+        common.die(f"--out_items={out_items} writes the items of --task=mc, and --task={task} has none: add "
+                   f"--task=mc --mc_file=..., or drop --out_items")
     if out_json:  # checked before the evaluation, which can take an hour, not after it
         folder = os.path.dirname(os.path.abspath(out_json))
         if os.path.isdir(out_json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):

@@ -52,11 +52,41 @@ except ImportError as e:
     common.die(f"harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
 
 
+def model_arg(key, value, default, at_least=None, choices=None):
+    """One of --model_args, checked as the scripts check their values: of its default's type (lm_eval passes numbers
+    and true/false typed, anything else as text; Python callers any object), in its range, one line if not."""
+    if type(default) is float and type(value) is int:
+        value = float(value)
+    if type(default) is tuple and type(value) is list:
+        value = tuple(value)
+    if type(default) is int and type(value) is float and value.is_integer():  # lm_eval reads "-1" as -1.0
+        value = int(value)
+    if default is not None and type(value) is not type(default):
+        common.die(f"--model_args {key}={value!r}: {key} must be a{'n' if type(default) is int else ''} "
+                   f"{type(default).__name__} (default {default!r})")
+    if at_least is not None and not value >= at_least:
+        common.die(f"--model_args {key}={value!r}: {key} must be >= {at_least}")
+    if choices is not None and value not in choices:
+        common.die(f"--model_args {key}={value!r}: {key} must be one of {', '.join(choices)}")
+    return value
+
+
 @register_model("nanolatent")
 class NanoLatentLM(LM):
-    def __init__(self, out_dir, model="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
+    def __init__(self, out_dir="", model="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
                  batch_size=1, max_batch_size=None, max_gen_toks=256, **overrides):
         super().__init__()
+        # every value before anything loads: a typo costs one line, not a checkpoint read and a traceback
+        if not out_dir:
+            common.die("--model_args needs out_dir=RUN, the run to evaluate (its folder or a ckpt.pt): "
+                       "--model_args out_dir=out-eve,mc_samples=8")
+        out_dir = model_arg("out_dir", str(out_dir) if type(out_dir) is int else out_dir, "")  # a folder "123"
+        model = model_arg("model", model, "", choices=("", *common.MODEL_TYPES))
+        mc_samples = model_arg("mc_samples", mc_samples, 8, at_least=1)
+        mixture = model_arg("mixture", mixture, "auto", choices=("auto", "token", "sequence"))
+        seed = model_arg("seed", seed, 1337, at_least=0)
+        dtype = model_arg("dtype", dtype, "float32", choices=tuple(common.DTYPES))
+        max_gen_toks = model_arg("max_gen_toks", max_gen_toks, 256, at_least=1)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         common.check_device(device)
         checkpoint = ckpt.load_checkpoint(out_dir)
@@ -65,16 +95,15 @@ class NanoLatentLM(LM):
         if unknown:
             common.die(f"model_args {', '.join(unknown)}: not an argument of nanolatent nor a Config field of the "
                        f"{model or checkpoint['model_type']} model")
-        if mixture not in ("auto", "token", "sequence"):
-            common.die(f"mixture must be auto, token or sequence, got {mixture!r}")
+        overrides = {k: model_arg(k, v, fields[k]) for k, v in overrides.items()}
         self.net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
         self.net.eval()
         self._device = torch.device(device)
         _, self.autocast = common.autocast(device, dtype)
         self.encode, self.decode = tokendata.tokenizer(checkpoint["meta"])
-        self.passes = 1 if self.net.latent_kind == "none" else int(mc_samples)
+        self.passes = 1 if self.net.latent_kind == "none" else mc_samples
         self.mixture = multiple_choice.mixture_for(self.net, mixture)
-        self.seed, self.max_gen_toks = int(seed), int(max_gen_toks)
+        self.seed, self.max_gen_toks = seed, max_gen_toks
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # 'auto' is hf's: one document here
         self.eot = eot_token(checkpoint)
         self.block_size = self.net.config.block_size

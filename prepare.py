@@ -152,6 +152,9 @@ def load_datasets():
 
 def load_local_documents(path, fields):
     """Documents of a local file: a .txt is one document, a .jsonl one per line (its `fields` joined)."""
+    if os.path.isdir(path):
+        common.die(f"input {path!r} is a folder: give one .txt or .jsonl file inside it (prepare.py reads one file, "
+                   f"and --val_input=FILE a second)")
     if not os.path.isfile(path):
         common.die(f"input file {path!r} not found")
     if not path.endswith((".jsonl", ".txt")):

@@ -9,6 +9,11 @@ test-time RL with a majority-vote reward (§5.3), at CPU scale:
     python rlvr.py config/rlvr_synthetic.py                             # the letters task (Free Transformer §4.1)
     python -m experiments.rlvr_compare                                  # temperature vs minds vs token, 3 seeds
     python rlvr.py config/rlvr_smollm2.py                               # a pretrained chat model (SmolLM2)
+    python rlvr.py config/rlvr_smollm2.py --init_from=resume            # go on after Ctrl-C, SIGTERM or a crash
+
+Ctrl-C or SIGTERM lets the current step finish, saves it and says how to continue: the same command with
+--init_from=resume, which goes on from the saved step as if never stopped (the same prompts, rollouts and updates:
+every draw derives from (seed, step)). A second signal stops at once; the last checkpoint stays as it is.
 
 A det checkpoint is wrapped plug-and-play into B-Trans (§6.2: mu = 0, so the mean model is the det model). Every
 step draws prompts_per_step prompts and group_size rollouts of each, scores them (a verifier, or agreement with the
@@ -21,6 +26,8 @@ the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale 
 import copy
 import json
 import os
+import signal
+import sys
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -40,7 +47,8 @@ import tokendata
 # I/O
 out_dir = "out-rlvr"
 overwrite = False  # an out_dir that holds a run (a trained model, an earlier rlvr.py run) is replaced only when True
-init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; det is wrapped into B-Trans
+init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; det is wrapped into B-Trans; or
+# 'resume' to continue the rlvr.py run in out_dir (stopped by Ctrl-C, SIGTERM or a crash) with the same command
 log_interval = 1
 eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval steps and after the last
 # task
@@ -340,19 +348,35 @@ def main():
     config["dataset"], config["chat_dataset"] = ("", data) if spec.chat else (data, "")
     max_new = max_new_tokens or spec.max_new_tokens
     ckpt.lock_out_dir(out_dir, "rlvr.py")
-    ckpt.refuse_existing_run(out_dir, overwrite)
+    ckpt_file = os.path.join(out_dir, "ckpt.pt")
+    resume = init_from == "resume"
+    rlvr_run = lambda: "ref_model" in ckpt.load_checkpoint(ckpt_file)  # memory-mapped: asking costs little
+    if resume and not os.path.exists(ckpt_file):
+        common.die(f"init_from=resume continues the rlvr.py run in {out_dir}, and {ckpt_file} does not exist: start "
+                   f"one with --init_from=<a trained model>")
+    if resume and not rlvr_run():
+        common.die(f"init_from=resume continues an rlvr.py run, and {ckpt_file} is a train.py or convert.py "
+                   f"checkpoint: give it as --init_from={out_dir} with another --out_dir")
+    if not resume:
+        ckpt.refuse_existing_run(out_dir, overwrite,
+                                   resumable=not overwrite and os.path.exists(ckpt_file) and rlvr_run())
+    source = ckpt_file if resume else init_from
 
-    # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy as the KL reference
-    net, checkpoint = ckpt.load_model(init_from, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy of the starting model
+    # as the KL reference, which a resumed run reads back from its checkpoint
+    net, checkpoint = ckpt.load_model(source, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
     checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
     net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
     meta = checkpoint["meta"] if spec.chat else tokendata.load_meta(data)  # a chat task: the model's own tokenizer
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
-        common.die(f"{init_from} was trained with another tokenizer or vocabulary than dataset {data!r}")
+        common.die(f"{source} was trained with another tokenizer or vocabulary than dataset {data!r}")
     ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
+    if resume:
+        ref.load_state_dict(checkpoint.pop("ref_model"))
+        config["init_from"] = checkpoint["config"]["init_from"]  # the run's starting model, not 'resume'
     if spec.chat and tokendata.chat_template(meta) is None:
-        common.die(f"task={task} prompts a chat model in its chat template, and {init_from} has none: import an "
+        common.die(f"task={task} prompts a chat model in its chat template, and {source} has none: import an "
                    f"Instruct model with convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
     encode, decode = tokendata.tokenizer(meta)
     stop_ids = encode("<|im_end|>" if spec.chat else "\n")  # a reply ends at the chat turn's end, a problem at '\n'
@@ -361,6 +385,11 @@ def main():
     stop_id = stop_ids[0]
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     optimizer = net.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+    start = checkpoint["iter_num"] if resume else 0
+    if resume:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if start > max_steps:
+            common.die(f"{ckpt_file} is at step {start}, past --max_steps={max_steps}: give a larger --max_steps")
 
     # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
     # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
@@ -375,23 +404,48 @@ def main():
     if len(pool) < prompts_per_step or not eval_set:
         common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
                    f"prompts_per_step={prompts_per_step} (prepare more, or lower eval_prompts)")
-    print(f"rlvr: {task} from {init_from} as B-Trans (sigma={net.config.sigma}), rollout={rollout}, "
+    print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={net.config.sigma}), rollout={rollout}, "
           f"reward={reward}; {prompts_per_step} prompts x {group_size} rollouts per step from "
-          f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts")
+          f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts"
+          + (f"; resuming at step {start}" if resume else ""))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    common.keep_records(metrics_path, before_iter=0)
+    common.keep_records(metrics_path, before_iter=start)  # a resumed run logs its steps again from `start` on
+    stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the current step finishes, is saved, and the run stops
+    saved = start if resume else None  # the step the checkpoint in out_dir holds
 
-    for step in range(max_steps + 1):
+    def save(step):
+        """train.py's format (RL has no validation loss, so a train.py resume saves at its first eval), and the KL
+        reference: a resumed run needs the starting model, which init_from may no longer hold."""
+        nonlocal saved
+        ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                                "ref_model": ref.state_dict(), "model_type": "btrans",
+                                "model_config": common.config_dict(net.config), "config": config, "meta": meta,
+                                "iter_num": step, "best_val_loss": float("inf")}, ckpt_file)
+        saved = step
+
+    def save_and_stop(step):
+        """After a signal, between two steps: the weights and AdamW state of `step` whole steps, saved (unless they
+        are already), and one line on how to go on; exit code 128 + the signal's number, as a shell reports it."""
+        if step > 0 and saved != step:
+            save(step)
+        what = (f"{ckpt_file} holds step {step}; continue with the same command and --init_from=resume"
+                if saved is not None else "no step was done and nothing was written; run the same command to start "
+                                          "again")
+        print(f"stopped by {signal.Signals(stop.signum).name}: {what}", file=sys.stderr)
+        sys.exit(128 + stop.signum)
+
+    for step in range(start, max_steps + 1):
+        if stop:
+            save_and_stop(step)
         if step % eval_interval == 0 or step == max_steps:
             evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
                                      max_new, seed, stop_id)
             print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
             common.append_record(metrics_path, {"iter": step, **evals})
-            if step > 0:  # train.py's format; RL has no validation loss, so a train.py resume saves at its first eval
-                ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "model_type": "btrans", "model_config": common.config_dict(net.config),
-                                        "config": config, "meta": meta, "iter_num": step,
-                                        "best_val_loss": float("inf")}, os.path.join(out_dir, "ckpt.pt"))
+            if step > 0 and saved != step:
+                save(step)
+            if stop and step < max_steps:  # before a GRPO step, which can take minutes (after the last: done)
+                save_and_stop(step)
         if step == max_steps:
             break
         record = grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
@@ -400,7 +454,7 @@ def main():
                   f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "
                   f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {record['step_s'] * 1000:.0f} ms")
             common.append_record(metrics_path, record)
-    print(f"saved {out_dir}/ckpt.pt")
+    print(f"saved {ckpt_file}")
 
 
 if __name__ == "__main__":

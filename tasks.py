@@ -169,9 +169,29 @@ def pass_at_k_curve(correct, n, ks):
 
 def intervals_apart(a, b):
     """+1 when the mean ± std interval of the values a (one per seed) lies wholly above b's, -1 wholly below, 0 when
-    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it)."""
+    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it). Also 0
+    when either side has fewer than two seeds: its std is 0 by construction, not a measured spread, and any two
+    distinct points would be 'apart'."""
+    if min(len(a), len(b)) < 2:
+        return 0
     (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v))) for v in (a, b))
     return int(ma - sa > mb + sb) - int(ma + sa < mb - sb)
+
+
+def mean_std(values, digits=3, sign=""):
+    """'mean ± std' of the values (one per seed) for a table; the mean alone for one seed, whose std of 0 says
+    nothing. sign='+' prints the mean's sign (a change)."""
+    mean = f"{float(np.mean(values)):{sign}.{digits}f}"
+    return mean if len(values) < 2 else f"{mean} ± {float(np.std(values)):.{digits}f}"
+
+
+def one_seed_note(seeds):
+    """The line a study prints under a table of fewer than two seeds, saying why it shows no spread and calls no
+    difference; '' otherwise."""
+    if len(seeds) >= 2:
+        return ""
+    return (f"one seed ({', '.join(map(str, seeds))}): no spread over seeds, so no ± and no interval test (nothing is "
+            f"marked *); give two or more seeds, --seeds=1,2,3, for them")
 
 
 def majority_answer(answers):

@@ -93,15 +93,20 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
+MAX_LAYERS = 1024  # every layer is a Python module, built even to plan a run (meta device): ~2 ms and ~33 KB each
+if model_config.get("n_layer", 0) > MAX_LAYERS:
+    common.die(f"n_layer={model_config['n_layer']} is more than train.py builds (at most {MAX_LAYERS:,}; the deepest "
+               f"Transformers trained have about 1,000): lower n_layer")
 common.check_device(device)
 if device == "cpu":
     cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
 sys.stdout.reconfigure(line_buffering=True)  # every line as it is printed, also into a log file (nohup ... > log)
 stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the loop saves the current step and exits
+decay_note = None  # printed once every check has passed, not above a refusal
 if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(globals()):
     # a quick look (--max_iters=300) should decay its learning rate as the full run does, not stop at its peak
-    print(f"lr_decay_iters = max_iters = {max_iters} (was {lr_decay_iters}): the cosine decay ends with the run; "
-          f"set --lr_decay_iters to keep another value")
+    decay_note = (f"lr_decay_iters = max_iters = {max_iters} (was {lr_decay_iters}): the cosine decay ends with the "
+                  f"run; set --lr_decay_iters to keep another value")
     lr_decay_iters = config["lr_decay_iters"] = max_iters
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -147,6 +152,7 @@ if wandb_log and master:
 ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
 resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
 if master:
+    common.refuse_file_out_dir(out_dir)
     if not eval_only:
         ckpt.lock_out_dir(out_dir, "train.py")
     if resume and not os.path.exists(ckpt_file):
@@ -207,9 +213,19 @@ common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 raw_model = common.build_model(model, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
-    if not os.path.exists(init_embeddings):
-        common.die(f"init_embeddings={init_embeddings} does not exist: give a .npy of shape (vocab_size, n_embd)")
-    embedding = torch.from_numpy(np.load(init_embeddings))
+    if not os.path.isfile(init_embeddings):
+        what = "is a folder" if os.path.isdir(init_embeddings) else "does not exist"
+        common.die(f"init_embeddings={init_embeddings} {what}: give a .npy of shape (vocab_size, n_embd)")
+    try:
+        array = np.load(init_embeddings)  # allow_pickle=False: a file that is not an array is refused, never run
+    except (ValueError, OSError, EOFError) as e:
+        common.die(f"init_embeddings={init_embeddings} is not a .npy array ({str(e).splitlines()[0][:120]}): give "
+                   f"one of shape (vocab_size, n_embd), written by numpy.save")
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":  # an .npz archive, strings, objects
+        common.die(f"init_embeddings={init_embeddings} holds "
+                   f"{'a .npz archive' if not isinstance(array, np.ndarray) else f'an array of {array.dtype}'}, not "
+                   f"numbers: give a .npy of shape (vocab_size, n_embd), written by numpy.save")
+    embedding = torch.from_numpy(array)
     if embedding.shape != raw_model.tok_emb.weight.shape:
         common.die(f"init_embeddings={init_embeddings} holds a {tuple(embedding.shape)} matrix, the model's embedding "
                    f"is {tuple(raw_model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
@@ -290,6 +306,8 @@ if checkpoint is not None:
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
+    if decay_note and not eval_only:
+        print(decay_note)
     print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
           + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))

@@ -82,7 +82,7 @@ for arm, sigma in runs:
     counts = [correct_counts(arm, sigma, seed) for seed in seeds]
     curves[arm, sigma] = np.array([list(tasks.pass_at_k_curve(c, n, all_k).values()) for c in counts])
     print(f"{arm}{'' if arm == 'temperature' else f', sigma={sigma:g}'}: pass@1 "
-          f"{curves[arm, sigma][:, 0].mean():.3f} ± {curves[arm, sigma][:, 0].std():.3f}", flush=True)
+          f"{tasks.mean_std(curves[arm, sigma][:, 0])}", flush=True)
 
 
 def label(arm, sigma):
@@ -97,8 +97,9 @@ print("|---|" + "---|" * len(ks))
 for key, c in curves.items():
     marks = ["*" if key != ("temperature", 0.0) and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else ""
              for k in ks]
-    print(f"| {label(*key)} | " + " | ".join(f"{c[:, k - 1].mean():.3f} ± {c[:, k - 1].std():.3f}{m}"
-                                               for k, m in zip(ks, marks)) + " |")
+    print(f"| {label(*key)} | " + " | ".join(f"{tasks.mean_std(c[:, k - 1])}{m}" for k, m in zip(ks, marks)) + " |")
+if tasks.one_seed_note(seeds):
+    print(f"\n{tasks.one_seed_note(seeds)}")
 os.makedirs(os.path.dirname(json_out), exist_ok=True)
 with open(json_out, "w") as f:
     json.dump({"sft_dir": sft_dir, "num_prompts": len(prompts), "n": n, "temperature": temperature,

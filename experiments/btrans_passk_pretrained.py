@@ -83,10 +83,12 @@ def report(run):
     print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
     print("|---|" + "---|" * len(ks))
     for arm, c in curves.items():
-        cells = [f"{c[:, k - 1].mean():.3f} ± {c[:, k - 1].std():.3f}"
+        cells = [tasks.mean_std(c[:, k - 1])
                  + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
                  for k in ks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
+    if tasks.one_seed_note(run["seeds"]):
+        print(f"\n{tasks.one_seed_note(run['seeds'])}")
     plt = common.pyplot("the table is above; the figure")
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, c in curves.items():

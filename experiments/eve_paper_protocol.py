@@ -37,6 +37,7 @@ import numpy as np
 import ckpt
 import common
 import configurator
+import tasks
 import tokendata
 from experiments import smollm2_embedding
 
@@ -130,8 +131,11 @@ print(f"\nmean ± std over seeds {list(seeds)}; {tokens:,} test tokens; CE, PPL,
 print("| model | " + " | ".join(name for name, _, _ in columns) + " | selected epoch |")
 print("|---|" + "---|" * (len(columns) + 1))
 for m in configs:
-    cells = [f"{mean:.4f} ± {std:.4f}" for mean, std in summary["mean_std"][m].values()]
+    cells = [f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "")  # one seed's std is 0, not a spread
+             for mean, std in summary["mean_std"][m].values()]
     print(f"| {m.upper()} | " + " | ".join(cells) + f" | {', '.join(str(selected[m, s]) for s in seeds)} |")
+if tasks.one_seed_note(seeds):
+    print(f"\n{tasks.one_seed_note(seeds)}")
 
 print("\nvalidation CE per epoch (mean over seeds)\n")
 print("| model | " + " | ".join(f"epoch {e}" for e in range(1, n_epochs + 1)) + " |")

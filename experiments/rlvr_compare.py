@@ -27,6 +27,7 @@ import numpy as np
 import ckpt
 import common
 import configurator
+import tasks
 
 rlvr_config = "config/rlvr_arith.py"  # rlvr.py's config: task, data, held-out split; the settings below override it
 sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
@@ -113,9 +114,11 @@ for mode, rows in summary.items():
     for _, key in paired:
         first, last = ("reward first", "reward last") if key == "reward" else (f"{key} before", f"{key} after")
         a, b = np.array([r[first] for r in rows]), np.array([r[last] for r in rows])
-        cells.append(f"{a.mean():.3f} -> {b.mean():.3f} ({np.mean(b - a):+.3f} ± {np.std(b - a):.3f})")
+        cells.append(f"{a.mean():.3f} -> {b.mean():.3f} ({tasks.mean_std(b - a, sign='+')})")
     cells += [f"{np.mean([r[key] for r in rows]):.3f}" for key in single]
     print(f"| {mode} | " + " | ".join(cells) + " |")
+if tasks.one_seed_note(seeds):
+    print(f"\n{tasks.one_seed_note(seeds)}")
 
 data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)

@@ -130,6 +130,34 @@ def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model
     torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
+def test_onednn_linears_under_autocast_give_autocasts_logits_and_restore_the_model(model_type, dtype):
+    """evaluate.py --dtype=bfloat16/float16 on a CPU: inside cpu.onednn_linears(model, dtype) and autocast, the
+    logits are autocast's own to the dtype's rounding. bfloat16 runs through oneDNN where it has the kernels (its
+    packed copies beside the float32 weights); float16, which oneDNN lacks on CPUs without AVX512-FP16, through
+    autocast's kernels, every module left as it is. On leaving, the float32 model is as before, bit for bit."""
+    torch.manual_seed(0)
+    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
+    x = torch.randint(0, 64, (3, 20))
+    latents = model.sample_latents(3, torch.Generator().manual_seed(1))
+    packs = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+             torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}[dtype]
+    linear = model.blocks[0].attn.wq
+    with torch.no_grad():
+        before = model(x, x, latents=latents)[0]
+        with torch.autocast("cpu", dtype=dtype):
+            plain = model(x, x, latents=latents)[0]
+        with cpu.onednn_linears(model, dtype), torch.autocast("cpu", dtype=dtype):
+            inside = model(x, x, latents=latents)[0]
+            assert ("forward" in vars(linear)) == packs and linear.weight.dtype == torch.float32
+        after = model(x, x, latents=latents)[0]
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(after, before)
+    torch.testing.assert_close(inside.float(), plain.float(), rtol=0.05, atol=0.05)
+
+
 STEP_OF_FREES = """
 import ctypes, resource, sys, torch
 sys.path.insert(0, sys.argv[1])

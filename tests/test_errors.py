@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,6 +108,18 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "seed negative": ([FRESH, "--seed=-1"], "--seed must be >= 0"),
     "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], "past --max_iters=3"),
     "val split empty": ([FRESH, "--dataset=no_val"], "val.bin is empty"),
+    "init_embeddings a text file named .npy": ([FRESH, "--init_embeddings={tmp}/notes.npy"],
+                                               "init_embeddings={tmp}/notes.npy is not a .npy array"),
+    "init_embeddings an .npz archive": ([FRESH, "--init_embeddings={tmp}/emb.npz"], "holds a .npz archive, not numbers"),
+    "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], "holds an array of <U5, not numbers"),
+    "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], "is a folder"),
+    "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
+                                    "n_layer=100000 is more than train.py builds (at most 1,024"),
+    "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
+                                                "--out_dir={run}/ckpt.pt is a file (a checkpoint): out_dir is the "
+                                                "run's folder, --out_dir={run}"),
+    "out_dir the checkpoint's path, eval_only": (["--eval_only=True", "--out_dir={run}/ckpt.pt"],
+                                                 "out_dir is the run's folder, --out_dir={run}"),
 }
 if not torch.cuda.is_available():
     TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], "has no CUDA GPU")
@@ -187,9 +200,12 @@ def test_train_mistake_is_one_line_and_changes_nothing(case, run, tmp_path, data
     write(tmp_path / "nan_theta.py", "rope_theta = float('nan')\n")
     write(tmp_path / "nan_kappa.py", "kappa_bits = float('nan')\n")
     write(tmp_path / "nan_lr.py", "learning_rate = float('nan')\n")
+    write(tmp_path / "notes.npy", "my embeddings, to do\n")
+    np.savez(tmp_path / "emb.npz", emb=np.zeros((3, 32), dtype=np.float32))
+    np.save(tmp_path / "words.npy", np.array(["alpha", "beta"]))
     before = snapshot(run)
-    proc = train_det(data_root, run, *[a.format(tmp=tmp_path) for a in args], check=False)
-    assert_one_line_error(proc, phrase)
+    proc = train_det(data_root, run, *[a.format(tmp=tmp_path, run=run) for a in args], check=False)
+    assert_one_line_error(proc, phrase.format(tmp=tmp_path, run=run))
     assert snapshot(run) == before
     assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
 
@@ -287,6 +303,19 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
     lines = proc.stdout.splitlines()  # the first lines come before the first evaluation's
     assert lines.index(next(l for l in lines if l.startswith("evaluating at iter 0"))) < \
         lines.index(next(l for l in lines if l.startswith("iter 0/6 eval")))
+
+
+@pytest.mark.parametrize("refusal, phrase", [
+    (["--dataset=mystuff"], "dataset 'mystuff' is not prepared"),
+    (["--batch_size=1000000"], "GiB activations at batch_size=1000000"),
+])
+def test_the_lr_decay_note_comes_after_the_checks_not_above_a_refusal(data_root, tmp_path, refusal, phrase):
+    """A quick look (--max_iters below lr_decay_iters, which is not set) prints lr_decay_iters = max_iters when it
+    trains; a run refused for another reason prints only its one line."""
+    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+                      "--max_iters=6", *refusal, data_dir=data_root, check=False)
+    assert_one_line_error(proc, phrase)
+    assert proc.stdout == ""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -454,6 +483,18 @@ def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
                           phrase)
 
 
+@pytest.mark.parametrize("content, phrase", [
+    ("caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3: invalid continuation byte)"),
+    (None, "is a folder"),
+])
+def test_sample_prompt_file_that_is_not_utf8_text_is_one_line(content, phrase, trained, data_root, tmp_path):
+    path = tmp_path / "latin1.txt" if content is not None else tmp_path
+    if content is not None:
+        path.write_bytes(content)
+    proc = run_script("sample.py", f"--out_dir={trained}", f"--start=FILE:{path}", data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--start=FILE:{path} {phrase}")
+
+
 def test_sample_reads_the_prompt_as_text_even_when_it_looks_like_a_number(trained, data_root):
     proc = run_script("sample.py", f"--out_dir={trained}", "--start=K>", "--num_samples=1", data_dir=data_root)
     assert proc.stdout.startswith("K>")
@@ -514,6 +555,45 @@ def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, traine
     proc = run_script("evaluate.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase)
     assert "lm:" not in proc.stdout  # refused before the evaluation started
+
+
+def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_path):
+    proc = run_script("evaluate.py", f"--out_dir={trained}", f"--out_items={tmp_path / 'items.jsonl'}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--out_items={tmp_path / 'items.jsonl'} writes the items of --task=mc, and "
+                          "--task=lm has none")
+    assert "lm:" not in proc.stdout and not (tmp_path / "items.jsonl").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("onednn", [True, False])
+def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
+                                                                                         data_root):
+    """--dtype=bfloat16/float16 on a CPU: through oneDNN (bfloat16 weights packed for it; float16, which it lacks
+    here, through autocast's kernels) or torch's own kernels, the nll is float32's to the dtype's rounding."""
+    nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
+        "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
+    assert nll(f"--dtype={dtype}", f"--onednn={onednn}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
+
+
+def test_prepare_input_that_is_a_folder_says_so(tmp_path):
+    proc = run_script("prepare.py", "text", f"--input={tmp_path}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, f"input '{tmp_path}' is a folder: give one .txt or .jsonl file inside it")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("src, phrase", [
+    ("{tmp}", "--src={tmp} is a folder: pass the path of a .gguf file in it"),
+    ("{tmp}/half.gguf", "half.gguf"),  # not a readable GGUF, or no gguf package to read it: refused either way
+])
+def test_a_refused_gguf_import_leaves_no_trace(src, phrase, data_root, tmp_path):
+    write(tmp_path / "half.gguf", "GGUF cut short")
+    out = tmp_path / "new" / "run"
+    proc = run_script("convert.py", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, phrase.format(tmp=tmp_path))
+    assert not (tmp_path / "new").exists()  # not even a folder holding a .lock
 
 
 def test_prepare_without_a_source_says_which_there_are(tmp_path):

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -40,6 +41,32 @@ def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_interv
     assert tasks.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
     assert tasks.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
     assert tasks.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
+
+
+def test_one_seed_calls_no_difference_and_prints_no_spread():
+    """A single seed's std is 0 by construction: its 'interval' is a point, and two distinct points are not evidence
+    of a difference. No call, no ± in the cell, and a line saying why."""
+    assert tasks.intervals_apart([0.9], [0.1]) == 0 and tasks.intervals_apart([0.9, 0.9], [0.1]) == 0
+    assert tasks.mean_std([0.25]) == "0.250" and tasks.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
+    assert tasks.mean_std([0.05], sign="+") == "+0.050"
+    assert "no interval test" in tasks.one_seed_note((1,)) and tasks.one_seed_note((1, 2)) == ""
+
+
+def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_path):
+    """btrans_passk_pretrained --from_json on a one-seed record whose minds beat temperature by far: printed
+    before, '± 0.000*' in every cell; now the means alone, no star, and the reason."""
+    record = {"out_dir": "out-smollm2", "benchmark": "hellaswag", "max_steps": 0, "num_problems": 4, "n": 16,
+              "temperature": 1.0, "sigma": 0.03, "sigma_scale": "gain", "seeds": [1],
+              "pass_at_k_per_seed": {"temperature": [[0.1] * 16], "minds": [[0.9] * 16],
+                                     "greedy minds": [[0.5] * 16]}}
+    path = tmp_path / "one_seed.json"
+    path.write_text(json.dumps(record))
+    proc = run_script(sys.executable, "-m", "experiments.btrans_passk_pretrained", "--from_json=True", f"--json_out={path}",
+                      data_dir=tmp_path, check=False)
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert table[2] == "| minds | " + " | ".join(["0.900"] * 5) + " |", proc.stdout + proc.stderr
+    assert not any("*" in line or "±" in line for line in table)
+    assert tasks.one_seed_note([1]) in proc.stdout
 
 
 def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():

@@ -274,11 +274,17 @@ def test_a_gguf_model_det_cannot_compute_is_refused_naming_the_key(tmp_path, cap
     assert not (tmp_path / "ours" / "ckpt.pt").exists()
 
 
-def test_a_missing_or_foreign_file_is_one_line(tmp_path, capsys):
+def test_a_missing_or_foreign_file_is_one_line_and_leaves_no_trace(tmp_path, capsys):
     assert "no such file" in refusal(capsys, "gguf", f"--src={tmp_path / 'none.gguf'}", f"--out_dir={tmp_path / 'o'}")
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
     assert "is not a readable GGUF file" in refusal(capsys, "gguf", f"--src={tmp_path / 'x.gguf'}",
                                                     f"--out_dir={tmp_path / 'o'}")
+    write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), "gpt2", types={"emb": Q.F16, "attn": Q.F16, "mlp": Q.F16})
+    whole = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "half.gguf").write_bytes(whole[:len(whole) // 2])  # a download cut short
+    assert "half.gguf" in refusal(capsys, "gguf", f"--src={tmp_path / 'half.gguf'}", f"--out_dir={tmp_path / 'o'}")
+    assert "is a folder" in refusal(capsys, "gguf", f"--src={tmp_path}", f"--out_dir={tmp_path / 'o'}")
+    assert not (tmp_path / "o").exists()  # no new out_dir holding only a .lock
 
 
 # ----------------------------------------------------------------------------------------------------------------

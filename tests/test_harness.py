@@ -263,6 +263,43 @@ def test_generation_fixes_each_requests_latents_and_repeats_draw_new_minds(stoch
     assert lm.generate_until([req] * 4) == texts
 
 
+@pytest.mark.parametrize("args, message", [
+    ({"mc_samples": "abc"}, "--model_args mc_samples='abc': mc_samples must be an int (default 8)"),
+    ({"mc_samples": 0}, "--model_args mc_samples=0: mc_samples must be >= 1"),
+    ({"mc_samples": -2.0}, "--model_args mc_samples=-2: mc_samples must be >= 1"),  # lm_eval reads "-2" as -2.0
+    ({"mixture": "best"}, "--model_args mixture='best': mixture must be one of auto, token, sequence"),
+    ({"dtype": "float64"}, "--model_args dtype='float64': dtype must be one of float32, bfloat16, float16"),
+    ({"seed": "x"}, "--model_args seed='x': seed must be an int (default 1337)"),
+    ({"max_gen_toks": 0}, "--model_args max_gen_toks=0: max_gen_toks must be >= 1"),
+    ({"model": "gpt"}, "--model_args model='gpt': model must be one of , det, eve, free, btrans"),
+    ({"sigma": "abc", "model": "btrans"}, "--model_args sigma='abc': sigma must be a float (default"),
+    ({"out_dir": ""}, "--model_args needs out_dir=RUN"),
+])
+def test_a_bad_model_arg_is_one_line_before_the_model_loads(stochastic, capsys, monkeypatch, args, message):
+    """--model_args arrive as lm_eval parses them (numbers and true/false typed, the rest text) or as a Python
+    caller passes them; each is checked like a script's value, before the model is built."""
+    root, runs, _, _ = stochastic
+    harness = needs_lm_eval()
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        harness.NanoLatentLM(**{"out_dir": runs["eve"], **args}, device="cpu")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
+
+
+def test_the_command_line_without_out_dir_says_what_to_give(stochastic, tmp_path):
+    """lm_eval calls the model with the arguments it was given: out_dir missing was a TypeError."""
+    needs_lm_eval()
+    root, runs, _, _ = stochastic
+    proc = run_script("harness.py", "--model", "nanolatent", "--model_args", "mc_samples=2", "--tasks", "mc",
+                      "--include_path", root, "--device", "cpu", data_dir=root, check=False)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("20")]  # lm_eval's log lines: dated
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors == ["error: --model_args needs out_dir=RUN, the run to evaluate (its folder or a ckpt.pt): "
+                      "--model_args out_dir=out-eve,mc_samples=8"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # evaluate.py --out_items
 

@@ -6,6 +6,9 @@ import glob
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -246,12 +249,71 @@ def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(ari
     assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
     assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"
     assert checkpoint["config"]["dataset"] == "arith" and checkpoint["config"]["rollout"] == "minds"
-    assert set(checkpoint) == {"model", "optimizer", "model_type", "model_config", "config", "meta", "iter_num",
-                               "best_val_loss"}
+    assert set(checkpoint) == {"model", "optimizer", "ref_model", "model_type", "model_config", "config", "meta",
+                               "iter_num", "best_val_loss"}
     logged = records(tmp_path)
     assert [r["iter"] for r in logged if "reward" in r] == [0, 1]
     assert [r["iter"] for r in logged if "eval_pass@1" in r] == [0, 2]
     assert all(0.0 <= r["reward"] <= 1.0 and r["distinct"] <= 3 for r in logged if "reward" in r)
+
+
+SIGTERM_MID_ROLLOUT = """
+import os, signal, torch
+_multinomial, calls = torch.multinomial, [0]
+def multinomial(*args, **kwargs):  # SIGTERM while a rollout draws its tokens: at the 60th token drawn (step 4)
+    calls[0] += 1
+    if calls[0] == 60:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _multinomial(*args, **kwargs)
+torch.multinomial = multinomial
+"""
+
+
+def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards_of_an_uninterrupted_one(
+        arith_ckpt, tmp_path):
+    """TTRL rewards (agreement with the group's majority) give this barely trained model's groups a learning signal,
+    so the weights move at every step. Stopped by SIGTERM in a rollout, the run finishes that step, saves it and says
+    how to go on; the same command with --init_from=resume then ends where the uninterrupted run ends."""
+    root, det_out = arith_ckpt
+    args = ["--max_steps=12", "--eval_interval=5", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
+            "--group_size=4", "--sigma=0.1", "--learning_rate=1e-3", "--reward=ttrl", "--device=cpu"]
+    run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path / 'whole'}", *args, data_dir=root)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SIGTERM_MID_ROLLOUT)
+    env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "hook")}
+    stopped = tmp_path / "stopped"
+    proc = subprocess.run([sys.executable, "rlvr.py", f"--init_from={det_out}", f"--out_dir={stopped}", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.splitlines() == [f"stopped by SIGTERM: {stopped / 'ckpt.pt'} holds step 5; continue with the "
+                                        f"same command and --init_from=resume"]
+    assert "step 4/12: reward" in proc.stdout and "step 5/12: reward" not in proc.stdout  # step 4 was finished
+    assert torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"] == 5
+    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={stopped}", *args, data_dir=root)
+    assert "resuming at step 5" in proc.stdout
+    whole, resumed = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "whole", stopped))
+    assert resumed["iter_num"] == whole["iter_num"] == 12
+    assert resumed["config"]["init_from"] == str(det_out)
+    moved = [k for k in whole["model"] if not torch.equal(whole["model"][k], whole["ref_model"][k])]
+    assert len(moved) > 5  # the updates changed the weights: the equality below is not that of an idle run
+    for key in whole["model"]:
+        torch.testing.assert_close(resumed["model"][key], whole["model"][key], rtol=1e-5, atol=1e-6)
+    logged = lambda d: [{k: v for k, v in r.items() if k != "step_s"} for r in records(d)]  # all but the timing
+    assert [r["iter"] for r in logged(stopped) if "reward" in r] == list(range(12))
+    assert [r.get("reward") for r in logged(stopped)] == [r.get("reward") for r in logged(tmp_path / "whole")]
+    for mine, theirs in zip(logged(stopped), logged(tmp_path / "whole"), strict=True):  # kl, loss, evals, ...
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("existing, message", [
+    (None, "does not exist: start one with --init_from=<a trained model>"),
+    ("det", "is a train.py or convert.py checkpoint: give it as --init_from="),
+])
+def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path, existing, message):
+    root, det_out = arith_ckpt
+    out = det_out if existing else tmp_path / "none"
+    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
 def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatch):

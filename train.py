@@ -152,7 +152,7 @@ if wandb_log and master:
 ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
 resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
 if master:
-    common.refuse_file_out_dir(out_dir)
+    ckpt.refuse_file_out_dir(out_dir)
     if not eval_only:
         ckpt.lock_out_dir(out_dir, "train.py")
     if resume and not os.path.exists(ckpt_file):

@@ -1,7 +1,7 @@
 # GRPO (B-Trans §5.2) on a pretrained chat model: SmolLM2-135M-Instruct imported offline (README, "B-Trans minds on a
 # pretrained model"), full fine-tuning (every weight; the paper fine-tunes LoRA adapters).
 # python rlvr.py config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=DIR_WITH_GSM8K_JSONL]
-import common as _common  # configurator keeps no name that starts with '_'
+import tokendata as _tokendata  # configurator keeps no name that starts with '_'
 
 init_from = "out-smollm2"
 out_dir = "out-rlvr-smollm2"
@@ -11,7 +11,7 @@ out_dir = "out-rlvr-smollm2"
 task = "hellaswag"
 # the hub's HellaSwag; offline, the 1,000-item validation sample under $NANOLATENT_LOCAL_DATA (what the README's
 # numbers were measured on: a random subset of the validation split, so its first items are not the hub's)
-dataset = _common.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
+dataset = _tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
 train_prompts = "val"
 eval_prompts = 100
 eval_samples = 4

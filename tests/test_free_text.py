@@ -44,7 +44,8 @@ def test_free_text_writes_a_run_per_model_and_seed_with_every_number_of_the_tabl
         assert r["kappa_bits"] in (0.125, 2.0) and r["tokens"] == 4096
         for key in ("ce_prior", "ce_posterior", "neg_elbo", "iw_1", "iw_16", "iw_64", "kl_bits"):
             assert math.isfinite(r[key]), key
-        assert isinstance(r["at_floor"], bool)
+        assert r["floor"] in ("under", "at", "above") and isinstance(r["z_ignored"], bool)
+        assert r["best_bound"] == min(r["ce_prior"], r["iw_64"])
         for condition in ("full", "prompt"):
             for measure in ("same_chars", "same_speaker"):
                 steer = r[f"steer_{condition}_{measure}"]

@@ -49,7 +49,8 @@ kappas = ("1_8", "1_2", "2")  # config/free_text_k<kappa>.py; κ = 1/2 is config
 seeds = (1, 2, 3)
 runs_dir = "out-free-text"  # each run in runs_dir/<det or k<kappa>>_s<seed>
 parallel = 1  # training runs at once
-max_tokens = 8192  # held-out characters scored by evaluate.py (its first windows of block_size)
+max_tokens = 8192  # held-out tokens scored by evaluate.py (its first windows of block_size)
+eval_batch = 0  # windows per evaluate.py batch; 0 = all in one (the draws nest across K); on GPUs at 124M: 8
 iw_samples = (1, 16, 64)  # K of the importance-weighted bound
 prompt = "\n\n"  # a speech has just ended: in the play a speaker's name follows
 temperature = 1.0
@@ -64,8 +65,8 @@ configurator.apply(globals())
 KAPPA_BITS = {"1_8": 1 / 8, "1_2": 1 / 2, "2": 2.0}
 if set(kappas) - set(KAPPA_BITS):
     common.die(f"--kappas takes some of {','.join(KAPPA_BITS)} (the config files there are), got {','.join(kappas)}")
-MODELS = ("det", *(f"k{k}" for k in kappas))
-Z_IGNORED = 0.01  # nats: a posterior CE this close to the prior-Z CE says the decoder reads nothing from Z  # a run's name: det or k<kappa>
+MODELS = ("det", *(f"k{k}" for k in kappas))  # a run's name: det or k<kappa>
+Z_IGNORED = 0.01  # nats: a posterior CE this close to the prior-Z CE says the decoder reads nothing from Z
 SPEAKER = re.compile(r"^[A-Z][A-Za-z']*(?: [A-Z][A-Za-z']*){0,3}:$", re.M)  # "ROMEO:", "First Citizen:"
 
 
@@ -89,7 +90,8 @@ def train_missing():
         if len(running) == parallel:
             running.pop(0).wait()
         print(" ".join(cmd))
-        running.append(subprocess.Popen(cmd, stdout=open(os.path.join(out, "train.log"), "w"), stderr=subprocess.STDOUT))
+        log = open(os.path.join(out, "train.log"), "w")
+        running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     for process in running:
         process.wait()
     if any(not os.path.exists(os.path.join(run_dir(m, s), "ckpt.pt")) for m in MODELS for s in seeds):
@@ -98,12 +100,13 @@ def train_missing():
 
 def evaluate(K):
     """evaluate.py on every run of this invocation side by side (the same windows, each run's draws from the same
-    seed), with all windows in one batch (batch_size >= the windows): the K draws of the bound then nest across the
-    K (the same first draws), and the prior-Z CE is one draw per window (--mc_samples=1). -> {run_dir: result}"""
+    seed), by default with all windows in one batch (batch_size >= the windows): the K draws of the bound then nest
+    across the K (the same first draws). The prior-Z CE is one draw per window (--mc_samples=1). -> {run_dir: result}"""
     path = os.path.join(runs_dir, f"eval_iw{K}.json")
     out_dirs = ",".join(run_dir(m, s) for s in seeds for m in MODELS)
     cmd = [sys.executable, "evaluate.py", f"--out_dir={out_dirs}", f"--max_tokens={max_tokens}",
-           f"--batch_size={max_tokens}", "--mc_samples=1", f"--iw_samples={K}", f"--device={device}", f"--out_json={path}"]
+           f"--batch_size={eval_batch or max_tokens}", "--mc_samples=1", f"--iw_samples={K}", f"--device={device}",
+           f"--out_json={path}"]
     print(" ".join(cmd))
     with open(os.path.join(runs_dir, f"eval_iw{K}.log"), "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
@@ -261,6 +264,7 @@ train_missing()
 data = os.path.splitext(figure)[0] + ".json"  # every number of the tables and the figure, beside it
 settings = {"prompt": prompt, "temperature": temperature, "groups": groups, "group_size": group_size,
             "references": references, "per_reference": per_reference, "max_tokens": max_tokens,
+            "eval_batch": eval_batch,
             "iw_samples": list(iw_samples), "train_args": train_args}
 dataset = common.load_checkpoint(run_dir("det", seeds[0]))["config"]["dataset"]
 meta = common.load_meta(dataset)
@@ -289,8 +293,8 @@ for m, rs in by_model.items():
         continue
     price = [r["best_bound"] - det_ce[r["seed"]] for r in rs if r["seed"] in det_ce]
     floors = " / ".join(str(sum(r["floor"] == f for r in rs)) for f in ("under", "at", "above"))
-    print(f"| {label(m)} | {len(rs)} | {spread([r['ce_prior'] for r in rs])} | {spread([r['ce_posterior'] for r in rs])} "
-          f"| {spread([r['neg_elbo'] for r in rs])} | "
+    print(f"| {label(m)} | {len(rs)} | {spread([r['ce_prior'] for r in rs])} "
+          f"| {spread([r['ce_posterior'] for r in rs])} | {spread([r['neg_elbo'] for r in rs])} | "
           + " | ".join(spread([r.get(f"iw_{K}", float("nan")) for r in rs]) for K in (1, 16, 64))
           + f" | {spread([r['kl_bits'] for r in rs])} | {floors} | {sum(r['z_ignored'] for r in rs)} of {len(rs)} "
           f"| {spread(price)} |")

@@ -28,8 +28,7 @@ generations' mean line length, distinct-4 of the pooled characters and the mean 
 of `references` passages of the held-out text that start a speech (as the prompt does), generations with Z pinned from
 the encoder on the passage, either the whole Z of the passage (sample.py --latents=posterior) or only the prompt's,
 compared with that passage's own continuation (characters equal position by position; the Jaccard overlap of the
-character 4-gram sets) and
-with the other passages': matched minus mismatched is what pinning moves toward the reference.
+character 4-gram sets) and with the other passages': matched minus mismatched is what pinning moves toward it.
 The numbers go to the JSON beside --figure; runs already in that file with the same settings stay in it, so seeds
 trained at different times make one table.
 """

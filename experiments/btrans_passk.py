@@ -27,9 +27,9 @@ import torch
 import ckpt
 import common
 import configurator
-import tokendata
-import rlvr
+import grpo
 import tasks
+import tokendata
 
 sft_dir = "out-det-arith"
 num_prompts = 128  # the first val problems
@@ -69,7 +69,7 @@ def correct_counts(arm, sigma, seed):
         norm.fixed_sigma = sigma
     T = 0.0 if arm == "greedy minds" else temperature
     tokens, latents = (torch.Generator(device).manual_seed(common.seed_of(seed, i)) for i in range(2))
-    completions, _ = rlvr.rollouts(net, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
+    completions, _ = grpo.rollouts(net, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
     ok = [spec.verify(p, decode(c)) for p, c in zip(np.repeat(prompts, n), completions.tolist())]
     return np.array(ok).reshape(len(prompts), n).sum(1)
 

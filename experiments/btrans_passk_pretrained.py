@@ -37,8 +37,8 @@ import common
 import configurator
 import cpu
 import multiple_choice
-import tokendata
 import tasks
+import tokendata
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)

@@ -20,8 +20,8 @@ from conftest import run_script  # noqa: E402
 
 import ckpt  # noqa: E402
 import common  # noqa: E402
-import tokendata  # noqa: E402
 import convert  # noqa: E402
+import tokendata  # noqa: E402
 
 TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
     f"The {a} model reads the {b} and writes a {c}. Each mind of the {a} model sees the same {b}, yet writes its "

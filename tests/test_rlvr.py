@@ -18,9 +18,10 @@ from conftest import ROOT, records, run_script, train_det
 import ckpt
 import common
 import configurator
-import tokendata
+import grpo
 import rlvr
 import tasks
+import tokendata
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=32, vocab_size=14)
 
@@ -36,7 +37,7 @@ def gen(seed):
 
 def test_group_advantages_match_a_hand_computation():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
-    adv = rlvr.group_advantages(rewards, eps=1e-4)
+    adv = grpo.group_advantages(rewards, eps=1e-4)
     # group 0: mean 1/2, std (Bessel) sqrt(4 * 1/4 / 3); group 1: no signal; group 2: mean 1/4, std 1/2
     s0 = (1 / 3) ** 0.5
     expected = [[0.5 / (s0 + 1e-4), -0.5 / (s0 + 1e-4), -0.5 / (s0 + 1e-4), 0.5 / (s0 + 1e-4)], [0.0] * 4,
@@ -50,7 +51,7 @@ def test_clipped_objective_and_k3_kl_match_a_hand_computation():
     logp = ratios.log()
     ref = torch.log(torch.tensor([[1.5, 0.5], [3.0, 1.1]]))  # pi_ref: equal to pi but at one token (ratio 2)
     mask = torch.tensor([[True, True], [True, False]])  # the last token is past the stop: not scored
-    loss, stats = rlvr.grpo_loss(logp, old, ref, mask, torch.tensor([1.0, -1.0]), clip_eps=0.2, kl_coef=0.5)
+    loss, stats = grpo.grpo_loss(logp, old, ref, mask, torch.tensor([1.0, -1.0]), clip_eps=0.2, kl_coef=0.5)
     # row 0, A = +1: min(1.5, 1.2) = 1.2 and min(0.5, 0.8) = 0.5; row 1, A = -1: min(-1.5, -1.2) = -1.5
     policy = (-(1.2 + 0.5) / 2 + 1.5) / 2
     kl = (0.0 + (2 - math.log(2) - 1)) / 2  # k3 = r - log r - 1, r = pi_ref / pi: 0 in row 0, r = 2 in row 1
@@ -65,7 +66,7 @@ def test_minds_differ_within_a_group_and_each_stays_frozen_through_its_rollout_k
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     prompt, G, L = [3, 7, 1, 5, 13], 4, 12
-    completions, latents = rlvr.rollouts(net, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
+    completions, latents = grpo.rollouts(net, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
     assert latents.shape == (G, net.config.n_norms, 32)
     assert all((latents[i] - latents[j]).abs().max() > 0.5 for i in range(G) for j in range(i))
     assert len({tuple(c) for c in completions.tolist()}) > 1  # one prompt, several answers: the minds differ
@@ -87,21 +88,21 @@ def test_minds_differ_within_a_group_and_each_stays_frozen_through_its_rollout_k
 def test_sigma_zero_minds_rollouts_equal_the_det_models_at_the_same_sampling_seed():
     det = tiny("det")
     prompts = [[3, 7, 13], [4, 5, 6, 13], [8, 13, 9]]  # two lengths: two generate() calls
-    expected, none = rlvr.rollouts(det, prompts, 4, 10, 1.0, gen(3), gen(5))
+    expected, none = grpo.rollouts(det, prompts, 4, 10, 1.0, gen(3), gen(5))
     assert none is None
     for sigma, equal in ((0.0, True), (1.0, False)):
         minds = tiny(sigma=sigma, noise_mode="sequence")
         minds.load_state_dict(det.state_dict(), strict=False)
-        completions, latents = rlvr.rollouts(minds, prompts, 4, 10, 1.0, gen(3), gen(6))
+        completions, latents = grpo.rollouts(minds, prompts, 4, 10, 1.0, gen(3), gen(6))
         assert latents.shape == (12, minds.config.n_norms, 32)
         assert torch.equal(completions, expected) == equal  # sigma > 0: the same token seed, other tokens
 
 
 def test_ttrl_reward_is_agreement_with_the_group_majority_first_seen_wins_and_none_never_wins():
-    assert rlvr.ttrl_rewards(["444", "12", "444", None]) == [1.0, 0.0, 1.0, 0.0]
-    assert rlvr.ttrl_rewards(["12", "444", "444", "12"]) == [1.0, 0.0, 0.0, 1.0]  # a tie: "12" was seen first
-    assert rlvr.ttrl_rewards([None, None, None, "7"]) == [0.0, 0.0, 0.0, 1.0]  # None never votes
-    assert rlvr.ttrl_rewards([None, None]) == [0.0, 0.0]  # nothing parses: no reward at all
+    assert grpo.ttrl_rewards(["444", "12", "444", None]) == [1.0, 0.0, 1.0, 0.0]
+    assert grpo.ttrl_rewards(["12", "444", "444", "12"]) == [1.0, 0.0, 0.0, 1.0]  # a tie: "12" was seen first
+    assert grpo.ttrl_rewards([None, None, None, "7"]) == [0.0, 0.0, 0.0, 1.0]  # None never votes
+    assert grpo.ttrl_rewards([None, None]) == [0.0, 0.0]  # nothing parses: no reward at all
 
 
 def test_arith_verifier_on_edge_cases():
@@ -146,7 +147,7 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
 
 def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_label(tmp_path):
     completions = torch.tensor([[1, 2, 0, 3], [3, 3, 3, 3]])
-    assert rlvr.replies(completions, lambda ids: "".join("|abc"[i] for i in ids), stop_id=0) == ["ab|", "cccc"]
+    assert grpo.replies(completions, lambda ids: "".join("|abc"[i] for i in ids), stop_id=0) == ["ab|", "cccc"]
     items = [{"context": "one", "choices": ["a", "b"], "label": 1},
              {"context": "two", "choices": ["a", "b"], "label": 0}]
     with open(tmp_path / "mc.jsonl", "w") as f:
@@ -162,7 +163,7 @@ def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_l
 
 def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
     completions = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]])
-    mask = rlvr.completion_mask(completions, stop_id=0)
+    mask = grpo.completion_mask(completions, stop_id=0)
     assert mask.tolist() == [[True, True, True, False, False], [True] * 5, [True, False, False, False, False]]
 
 
@@ -171,17 +172,17 @@ def test_one_grpo_step_raises_logprobs_of_positive_advantage_rollouts_and_lowers
     ref = copy.deepcopy(net).requires_grad_(False)
     ref.config.noise_mode = "mean"
     prompt_ids = [[3, 7, 1, 13]] * 4
-    completions, _ = rlvr.rollouts(net, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
-    mask = rlvr.completion_mask(completions, stop_id=0)
-    advantages = rlvr.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).flatten()
+    completions, _ = grpo.rollouts(net, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
+    mask = grpo.completion_mask(completions, stop_id=0)
+    advantages = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).flatten()
 
     def logp():
-        with torch.no_grad(), rlvr.noise_mode(net, "mean"):  # the update's model: the mean offset only (§5)
-            return (rlvr.completion_logprobs(net, prompt_ids, completions) * mask).sum(1)
+        with torch.no_grad(), grpo.noise_mode(net, "mean"):  # the update's model: the mean offset only (§5)
+            return (grpo.completion_logprobs(net, prompt_ids, completions) * mask).sum(1)
 
     before = logp()
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-    stats = rlvr.grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
+    stats = grpo.grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
     change = logp() - before
     assert torch.equal(change > 0, advantages > 0) and change.abs().min() > 1e-5
     assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: net == reference, ratio exactly 1
@@ -194,16 +195,16 @@ def test_a_chunked_update_takes_the_whole_batchs_step():
     net = tiny(sigma=0.3, noise_mode="sequence")
     ref = copy.deepcopy(net).requires_grad_(False)
     prompt_ids = [[3, 7, 1, 13]] * 3 + [[5, 2]] * 3  # two prompt lengths: each chunk pads to its own
-    completions = torch.cat([rlvr.rollouts(net, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
+    completions = torch.cat([grpo.rollouts(net, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
                              for s, ids in enumerate(prompt_ids[::3])])  # (6, 6)
-    mask = rlvr.completion_mask(completions, stop_id=0)
+    mask = grpo.completion_mask(completions, stop_id=0)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
     results = []
     for chunk in (0, 2, 4):
         torch.manual_seed(0)
         net_c = copy.deepcopy(net)
         optimizer = torch.optim.SGD(net_c.parameters(), lr=0.5)  # Adam's first step, g / |g|, would amplify rounding
-        stats = rlvr.grpo_update(net_c, ref, optimizer, prompt_ids, completions, mask, advantages, updates=2,
+        stats = grpo.grpo_update(net_c, ref, optimizer, prompt_ids, completions, mask, advantages, updates=2,
                                  clip_eps=0.2, kl_coef=0.1, grad_clip=1.0, chunk=chunk)
         results.append((torch.cat([p.flatten() for p in net_c.parameters()]), stats))
     (whole, whole_stats), *chunked = results

@@ -20,18 +20,20 @@ compiled (torch.compile of the model's forward, as sample.py --compile=True), an
 copied into this repository) adds nanoGPT's GPT (bias=False, same layers, heads, width, context and vocabulary) to the
 round robin and a column of each model's tokens/s over the peer's. The peer trains with its own
 configure_optimizers and computes as its file does: nn.Linear, torch's default GEMM, where our models train through
-cpu.training_kernels on a CPU (oneDNN's products on x86; --cpu_kernels=False: the plain model files). It has no KV cache, so its decode columns stay empty. On a CPU every model's process
-keeps its freed memory as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
+cpu.training_kernels on a CPU, as train.py does (oneDNN's products on x86; --cpu_kernels=False: the plain model
+files). It has no KV cache, so its decode columns stay empty. On a CPU every model's process keeps its freed memory
+as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
 
 --peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
-ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (evaluate.py's
+ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (multiple_choice's
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
 same greedy tokens. --compile_decode=True adds det's compiled decode step. Then sample.py's peak resident memory, in
 a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each
-(--thread_counts="()": that table alone). --mc_baseline=<git revision> instead times multiple choice against
-evaluate.py's score_choices of that revision on the same items and draws: today's through F.linear and through oneDNN
-(evaluate.py's CPU default), items/s and the largest score difference from the revision's.
+(--thread_counts="()": that table alone). --mc_baseline=<git revision> instead times multiple choice against the
+score_choices of that revision (its multiple_choice.py, or its evaluate.py where it has none) on the same items and
+draws: today's through F.linear and through oneDNN (evaluate.py's CPU default), items/s and the largest score
+difference from the revision's.
 
 --linears=True times, at det's shapes for the given sizes (rows of batch_size * block_size tokens), the three matrix
 products of each Linear in a training step: x W^T, the input's gradient g W and the weight's gradient g^T x, by
@@ -95,7 +97,7 @@ mc_file = tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hell
 mc_items = 10
 memory_minds = 16  # --peer=transformers: sample.py's peak memory with this many B-Trans minds (0: not measured)
 memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prompt-token prompt
-mc_baseline = ""  # --peer=transformers: a git revision whose evaluate.py's score_choices today's is timed against
+mc_baseline = ""  # --peer=transformers: a git revision whose multiple_choice.score_choices today's is timed against
 mc_passes = "det:1,btrans:8"  # ... the models (type:passes; btrans: minds at sigma 0.02, mixture 'sequence')
 linears = False  # instead: the three products of det's Linears in a training step, torch's GEMM against oneDNN
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,12 +402,12 @@ def sample_memory(run):
 
 
 def mc_history(run):
-    """Multiple-choice items/s of evaluate.py's score_choices at git revision `mc_baseline` against today's (through
+    """Multiple-choice items/s of multiple_choice.score_choices at git revision `mc_baseline` against today's (through
     F.linear, and through oneDNN as evaluate.py runs on a CPU), the same items and draws, in turns, best of
     `repeats`, at every thread count; and each one's largest |score - the revision's score|."""
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("multiple_choice.py", "evaluate.py"):  # where score_choices lives, or lived before multiple_choice.py
+    for name in ("multiple_choice.py", "evaluate.py"):  # where the revision's score_choices is
         source = subprocess.run(["git", "show", f"{mc_baseline}:{name}"], cwd=here, capture_output=True, text=True)
         if not source.returncode:
             break
@@ -419,7 +421,7 @@ def mc_history(run):
         spec.loader.exec_module(old)
     checkpoint = ckpt.load_checkpoint(run)
     encode, _ = tokendata.tokenizer(checkpoint["meta"])
-    print(f"\nmultiple choice, {run}: evaluate.py's score_choices at {mc_baseline} against today's; best of {repeats}")
+    print(f"\nmultiple choice, {run}: score_choices at {mc_baseline} against today's; best of {repeats}")
     print("model | passes | items | threads | contender | items/s | x the revision | max |score - revision's|")
     for model_spec in mc_passes.split(","):
         model_type, passes = model_spec.split(":")
@@ -440,8 +442,9 @@ def mc_history(run):
                 for _ in range(repeats):
                     for name, module, model in contenders:
                         t0 = time.perf_counter()
-                        scores[name] = [module.score_choices(model, pairs, int(passes), multiple_choice.example_generator(
-                            model, 1, i), mixture=mixture)[0] for i, pairs in enumerate(items)]
+                        draws = [multiple_choice.example_generator(model, 1, i) for i in range(len(items))]
+                        scores[name] = [module.score_choices(model, pairs, int(passes), g, mixture=mixture)[0]
+                                        for pairs, g in zip(items, draws)]
                         dt = time.perf_counter() - t0
                         best[name] = min(dt, best.get(name, dt))
                 reference = torch.tensor(scores[mc_baseline])

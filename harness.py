@@ -12,11 +12,13 @@ model_args: out_dir (the run), model ('' or a type to load it into, with its Con
 (M passes), mixture (auto | token | sequence, evaluate.py's --mixture), seed, dtype (float32 | bfloat16 | float16),
 max_gen_toks; --device and --batch_size come from lm_eval's flags.
 
-- loglikelihood: the requests of one document (its choices) are scored together by multiple_choice.score_choices, tokenized
-  by multiple_choice.choice_tokens, with M passes whose latents the choices share, drawn from
-  multiple_choice.example_generator(seed, doc_id): the draws evaluate.py --task=mc gives its example doc_id, so the two agree
-  item by item. A document's draws depend on nothing else, so the results do not depend on the batch size, on
-  --limit or on the other tasks. det (no latents) scores batch_size documents per forward. is_greedy (the acc of
+- loglikelihood: the requests of one document (its choices) are scored together by multiple_choice.score_choices,
+  tokenized by multiple_choice.choice_tokens, with M passes whose latents the choices share, drawn from
+  multiple_choice.example_generator(seed, doc_id): the draws evaluate.py --task=mc gives its example doc_id, so the
+  two agree item by item. A document's draws depend on nothing else, so the results do not depend on the batch size,
+  on --limit or on the other tasks. One document per forward, whatever --batch_size: its choices read their shared
+  context from one KV cache, where documents batched together would each be padded to the longest. On a CPU the
+  weights are packed for oneDNN once, for the whole run (cpu.onednn_linears, as evaluate.py). is_greedy (the acc of
   loglikelihood tasks such as LAMBADA, one request per document) is computed for documents of one request, under the
   token mixture p̄; multiple-choice documents, whose metrics never read it, report False. A sequence longer than
   block_size + 1 tokens is left-truncated and a continuation longer than block_size scored on its last block_size
@@ -30,6 +32,7 @@ max_gen_toks; --device and --batch_size come from lm_eval's flags.
   the text cut at the first stop string.
 """
 
+import contextlib
 from collections import Counter, defaultdict
 
 import torch
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 import ckpt
 import common
+import cpu
 import multiple_choice
 import tokendata
 
@@ -104,7 +108,10 @@ class NanoLatentLM(LM):
         self.passes = 1 if self.net.latent_kind == "none" else mc_samples
         self.mixture = multiple_choice.mixture_for(self.net, mixture)
         self.seed, self.max_gen_toks = seed, max_gen_toks
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # 'auto' is hf's: one document here
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # accepted; one document a forward
+        # the products through oneDNN's packed weights for every request of the run, packed once (a no-op off a CPU)
+        self.packed = contextlib.ExitStack()
+        self.packed.enter_context(cpu.onednn_linears(self.net, common.DTYPES[dtype]))
         self.eot = eot_token(checkpoint)
         self.block_size = self.net.config.block_size
 
@@ -122,23 +129,15 @@ class NanoLatentLM(LM):
         for i, req in enumerate(requests):
             docs[(req.task_name, req.doc_id if req.doc_id is not None else i)].append(i)
         out, truncated = [None] * len(requests), 0
-        groups = list(docs.items())
-        step = self.batch_size if self.net.latent_kind == "none" else 1  # no latents to share: any documents batch
-        for start in common.progress(range(0, len(groups), step), desc="nanolatent loglikelihood"):
-            batch = groups[start:start + step]
-            positions = [i for _, members in batch for i in members]
+        for (_, doc_id), members in common.progress(docs.items(), desc="nanolatent loglikelihood", total=len(docs)):
             pairs = [multiple_choice.choice_tokens(self.encode, *requests[i].args, eot=self.eot, delimiter="")
-                     for i in positions]
-            doc_id = batch[0][0][1]
-            ll, _, _ = multiple_choice.score_choices(self.net, pairs, self.passes, multiple_choice.example_generator(
-                self.net, self.seed, doc_id), self.autocast, self.mixture)
+                     for i in members]
+            draws = multiple_choice.example_generator(self.net, self.seed, doc_id)
+            ll, _, _ = multiple_choice.score_choices(self.net, pairs, self.passes, draws, self.autocast, self.mixture)
             truncated += sum(len(ctx) + len(cont) > self.block_size + 1 for ctx, cont in pairs)
-            k = 0
-            for (_, doc), members in batch:
-                greedy = len(members) == 1 and self.is_greedy(pairs[k], doc)
-                for i in members:
-                    out[i] = (ll[k], greedy)
-                    k += 1
+            greedy = len(members) == 1 and self.is_greedy(pairs[0], doc_id)
+            for i, score in zip(members, ll):
+                out[i] = (score, greedy)
         if truncated:
             print(f"nanolatent: {truncated} requests longer than block_size + 1 = {self.block_size + 1} tokens were "
                   f"left-truncated (continuations longer than {self.block_size} tokens scored on their last "
@@ -168,9 +167,9 @@ class NanoLatentLM(LM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.encode(text), prefix_token=self.eot, max_seq_len=self.block_size, context_len=1)]
             doc_id = req.doc_id if req.doc_id is not None else i
+            draws = multiple_choice.example_generator(self.net, self.seed, doc_id)
             ll, _, _ = multiple_choice.score_choices(self.net, [(list(c), list(t)) for c, t in windows], self.passes,
-                                              multiple_choice.example_generator(self.net, self.seed, doc_id), self.autocast,
-                                              self.mixture)
+                                                     draws, self.autocast, self.mixture)
             out.append(sum(ll))
         return out
 

@@ -297,7 +297,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_ro
 def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp_path):
     proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
-    assert "lr_decay_iters = max_iters = 6 (was 1500)" in proc.stdout
+    assert "lr_decay_iters = max_iters = 6 (was 600)" in proc.stdout
     cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 2) / (6 - 2))) * (1e-3 - 1e-4)  # warmup_iters=2
     assert [r["lr"] for r in records(tmp_path) if "lr" in r][2:] == pytest.approx([cosine(it) for it in range(2, 6)])
     lines = proc.stdout.splitlines()  # the first lines come before the first evaluation's

@@ -280,7 +280,7 @@ def test_a_bad_model_arg_is_one_line_before_the_model_loads(stochastic, capsys, 
     caller passes them; each is checked like a script's value, before the model is built."""
     root, runs, _, _ = stochastic
     harness = needs_lm_eval()
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(ckpt, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as stopped:
         harness.NanoLatentLM(**{"out_dir": runs["eve"], **args}, device="cpu")

@@ -91,9 +91,9 @@ def test_fsdp_checkpoint_of_2_processes_resumes_on_1_with_the_same_weights(det_r
                         sharded_weights(det_runs / "fsdp", tmp_path)["model"])
 
 
-def test_readme_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det_runs, tmp_path):
-    """The README's gathering snippet, run as written in a folder whose out/ is an FSDP run."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det_runs, tmp_path):
+    """docs/training.md's gathering snippet, run as written in a folder whose out/ is an FSDP run."""
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
         snippet = re.search(r"^python - <<'PY'\n(.*?)^PY\n", f.read(), re.S | re.M).group(1)
     shutil.copytree(det_runs / "fsdp", tmp_path / "out")
     run_script(sys.executable, "-c", snippet, cwd=tmp_path, data_dir=tmp_path)

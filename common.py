@@ -103,6 +103,20 @@ def keep_records(path, before_iter):
             f"(the run there is unchanged)")
 
 
+def earlier_runs(path, settings, key):
+    """The runs another invocation of a study wrote to its JSON at `path` with the same settings, by key(run): a seed
+    trained at another time joins the table instead of replacing it, and a run analysed before keeps its row without
+    being trained again. Written with other settings: none kept."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)
+    if any(earlier.get(name) != value for name, value in settings.items()):
+        print(f"{path} was written with other settings: its runs are replaced, not merged")
+        return {}
+    return {key(r): r for r in earlier["runs"]}
+
+
 def free_space(path):
     """', N MiB free on that disk' for a message about a failed write ('' when the folder is gone)."""
     try:

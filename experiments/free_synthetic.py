@@ -113,25 +113,11 @@ def analyse(kappa, seed):
                 spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
 
 
-def earlier_runs(path, settings):
-    """The runs another invocation wrote to `path` with the same generation settings, by (kappa, seed): a seed
-    trained at another time joins the table instead of replacing it, and a run analysed before need not be
-    trained again to keep its row. Written with other settings: none kept."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        earlier = json.load(f)
-    if any(earlier.get(key) != value for key, value in settings.items()):
-        print(f"{path} was written with other settings: its runs are replaced, not merged")
-        return {}
-    return {(r["kappa"], r["seed"]): r for r in earlier["runs"]}
-
-
 train_missing()
 data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
 settings = {"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
             "show": show, "independent": independent, "train_args": train_args}
-runs = earlier_runs(data, settings)
+runs = common.earlier_runs(data, settings, key=lambda r: (r["kappa"], r["seed"]))
 runs.update({(k, s): {**analyse(k, s), "kappa_bits": KAPPA_BITS[k]} for k in kappas for s in seeds})
 results = [runs[key] for key in sorted(runs, key=lambda key: (KAPPA_BITS[key[0]], key[1]))]
 seeds = sorted({r["seed"] for r in results})  # the table and the figure show every run in the file

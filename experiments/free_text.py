@@ -240,19 +240,6 @@ def analyse(name, seed, evals, refs_text):
     return record
 
 
-def earlier_runs(path, settings):
-    """The runs an earlier invocation wrote to `path` with the same settings, by (model, seed): a seed trained in a
-    later session joins the table instead of replacing it. Written with other settings: none kept."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        earlier = json.load(f)
-    if any(earlier.get(key) != value for key, value in settings.items()):
-        print(f"{path} was written with other settings: its runs are replaced, not merged")
-        return {}
-    return {(r["model"], r["seed"]): r for r in earlier["runs"]}
-
-
 def spread(values):
     """mean ± std over seeds (ddof 0, as tasks.intervals_apart calls differences)."""
     values = [v for v in values if v == v]
@@ -269,7 +256,7 @@ dataset = ckpt.load_checkpoint(run_dir("det", seeds[0]))["config"]["dataset"]
 meta = tokendata.load_meta(dataset)
 # the steering test's passages come from the held-out text past the windows evaluate.py scores
 refs_text = tokendata.tokenizer(meta)[1](tokendata.load_tokens(dataset, "val", meta)[max_tokens:].tolist())
-runs = earlier_runs(data, settings)
+runs = common.earlier_runs(data, settings, key=lambda r: (r["model"], r["seed"]))
 evals = {K: evaluate(K) for K in iw_samples}
 for s in seeds:
     for name in MODELS:

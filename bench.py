@@ -327,7 +327,7 @@ def transformers_peer(run):
                   ("det oneDNN", lambda idx, n: det_generate(idx, n, net=fast), lambda: det_prefill(fast),
                    lambda: det_mc(fast))]
     if compile_decode:  # det's decode step compiled: the same model, decode rows only
-        compiled_step = torch.compile(type(det).forward.__get__(det), dynamic=True)  # as sample.py --compile=True
+        compiled_step = torch.compile(det.forward, dynamic=True)  # as sample.py --compile=True
         contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None))
     same, best = {}, {}
     with torch.no_grad(), cpu.onednn_linears(fast):

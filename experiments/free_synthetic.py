@@ -21,8 +21,6 @@ groups agree on the position; at 8 bits Z carries everything and prior samples d
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import torch
@@ -57,24 +55,8 @@ def run_dir(kappa, seed):
     return os.path.join(runs_dir, f"k{kappa}_s{seed}")
 
 
-def train_missing():
-    """train.py for every (κ, seed) without a checkpoint, `parallel` at a time; logs in each run's train.log."""
-    todo = [(k, s) for k in kappas for s in seeds if not os.path.exists(os.path.join(run_dir(k, s), "ckpt.pt"))]
-    running = []
-    for kappa, seed in todo:
-        out = run_dir(kappa, seed)
-        os.makedirs(out, exist_ok=True)
-        config_file = "config/free_synthetic.py" if kappa == "1" else f"config/free_synthetic_k{kappa}.py"
-        cmd = [sys.executable, "train.py", config_file, f"--out_dir={out}", f"--seed={seed}",
-               f"--device={device}", *train_args.split()]
-        if len(running) == parallel:
-            running.pop(0).wait()
-        print(" ".join(cmd))
-        running.append(subprocess.Popen(cmd, stdout=open(os.path.join(out, "train.log"), "w"), stderr=subprocess.STDOUT))
-    for process in running:
-        process.wait()
-    if any(not os.path.exists(os.path.join(run_dir(k, s), "ckpt.pt")) for k in kappas for s in seeds):
-        common.die(f"a training run failed: see the train.log files under {runs_dir}")
+def config_file(kappa):
+    return "config/free_synthetic.py" if kappa == "1" else f"config/free_synthetic_k{kappa}.py"
 
 
 def target_start(text):
@@ -113,7 +95,8 @@ def analyse(kappa, seed):
                 spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
 
 
-train_missing()
+ckpt.train_all_missing({run_dir(k, s): [config_file(k), f"--seed={s}", f"--device={device}", *train_args.split()]
+                        for k in kappas for s in seeds}, parallel)
 data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
 settings = {"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
             "show": show, "independent": independent, "train_args": train_args}

@@ -81,26 +81,6 @@ def config_file(name):
     return {"det": "config/det_text.py", "k1_2": "config/free_text.py"}.get(name, f"config/free_text_{name}.py")
 
 
-def train_missing():
-    """train.py for every (model, seed) without a checkpoint, `parallel` at a time; logs in each run's train.log."""
-    todo = [(m, s) for s in seeds for m in MODELS if not os.path.exists(os.path.join(run_dir(m, s), "ckpt.pt"))]
-    running = []
-    for name, seed in todo:
-        out = run_dir(name, seed)
-        os.makedirs(out, exist_ok=True)
-        cmd = [sys.executable, "train.py", config_file(name), f"--out_dir={out}", f"--seed={seed}",
-               f"--device={device}", *train_args.split()]
-        if len(running) == parallel:
-            running.pop(0).wait()
-        print(" ".join(cmd))
-        log = open(os.path.join(out, "train.log"), "w")
-        running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-    for process in running:
-        process.wait()
-    if any(not os.path.exists(os.path.join(run_dir(m, s), "ckpt.pt")) for m in MODELS for s in seeds):
-        common.die(f"a training run failed: see the train.log files under {runs_dir}")
-
-
 def evaluate(K):
     """evaluate.py on every run of this invocation side by side (the same windows, each run's draws from the same
     seed), by default with all windows in one batch (batch_size >= the windows): the K draws of the bound then nest
@@ -246,7 +226,8 @@ def spread(values):
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if values else "-"
 
 
-train_missing()
+ckpt.train_all_missing({run_dir(m, s): [config_file(m), f"--seed={s}", f"--device={device}", *train_args.split()]
+                        for s in seeds for m in MODELS}, parallel)
 data = os.path.splitext(figure)[0] + ".json"  # every number of the tables and the figure, beside it
 settings = {"prompt": prompt, "temperature": temperature, "groups": groups, "group_size": group_size,
             "references": references, "per_reference": per_reference, "max_tokens": max_tokens,

@@ -136,8 +136,8 @@ def scan(x, a):
 
 class LinearScan(torch.autograd.Function):
     """scan() with a hand-written backward: the gradient of a linear recurrence is the same recurrence run in
-    reverse, dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]. Half the time of autograd through
-    the doubling steps, and it keeps only h for backward instead of log2(T) intermediates."""
+    reverse, dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]: one reverse scan, keeping only h for
+    backward where autograd through the doubling steps keeps their log2(T) intermediates and goes back through each."""
 
     @staticmethod
     def forward(ctx, x, a):

@@ -41,7 +41,7 @@ import tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
-# quick start: 600 steps of 32 sequences, about 3 minutes on one idle thread; Z already carries where the target sits)
+# quick start: 600 steps of 32 sequences, under 5 minutes on one thread; Z already carries where the target sits)
 # I/O
 out_dir = "out"
 eval_interval = 100  # also when checkpoints are saved: a stopped or killed run loses at most this many steps
@@ -152,8 +152,9 @@ if wandb_log and master:
 ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
 resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
 if master:
-    ckpt.refuse_file_out_dir(out_dir)
-    if not eval_only:
+    if eval_only:
+        ckpt.refuse_file_out_dir(out_dir)  # a writer gets the same line from lock_out_dir
+    else:
         ckpt.lock_out_dir(out_dir, "train.py")
     if resume and not os.path.exists(ckpt_file):
         common.die(f"{'eval_only' if eval_only else 'init_from=resume'} reads {ckpt_file}, which does not exist: "

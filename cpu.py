@@ -17,7 +17,7 @@ ONEDNN_CPU = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu
 
 
 def onednn_linear(x, weight, bias):
-    """F.linear(x, weight, bias) by oneDNN, for a weight packed by onednn_linears or a plain (out, in) one, also a
+    """F.linear(x, weight, bias) by oneDNN, for a weight packed by inference_linears or a plain (out, in) one, also a
     strided view such as a transpose ("none": no fused activation)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -98,49 +98,67 @@ def training_kernels(model):
 
 
 @contextlib.contextmanager
-def onednn_linears(model, dtype=torch.float32):
-    """CPU inference through oneDNN's matrix kernels: inside, every nn.Linear of `model` multiplies by its weight
-    reordered into oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses) instead
-    of torch's default float32 GEMM, which at decoding shapes is slower (BENCHMARKS.md). Results equal F.linear's to
-    float rounding (another summation order), not bit for bit. A weight is reordered at its module's first call, and
-    its plain copy released then unless another module shares it (a tied head): inside, the packed copy is the
-    weight, so memory stays that of the model. Inference only: no gradients flow through, and a called Linear's weight
-    must not be read or changed inside. On leaving, every module is as before, bit for bit (the reorder is a
-    permutation). On a GPU, for weights that are not float32, or without oneDNN, nothing changes.
+def inference_linears(model, dtype=torch.float32, batch_size=None, min_weights=2**16):
+    """CPU inference with every nn.Linear of `model` multiplying by its weight laid out for the product, instead of
+    torch's default GEMM on the (out, in) weight, which at these shapes is slower (BENCHMARKS.md, Linear layouts):
+    - by default oneDNN's blocked layout (torch.ops.mkldnn, what torch.compile's CPU weight prepacking uses);
+    - batch_size=1 (one sequence decoded) on one thread, in float32: every decode step is a matrix-vector product,
+      which MKL's GEMM streams fastest along the weight's longer side, so a weight with out > in is stored
+      transposed (column-major, still (out, in) to F.linear) and the others stay as they are. oneDNN's blocked
+      layout is the faster one there with two threads, or from two rows on; the prompt's prefill, many rows, takes
+      the GEMM's speed on the plain weight.
+    A Linear of fewer than `min_weights` weights keeps its own forward: a call into oneDNN costs about 10 us more
+    than F.linear's, which so small a product does not win back (at the quick start's shapes oneDNN takes 1.8-2.7x
+    F.linear's time). Results equal F.linear's to float rounding (another summation order), not bit for bit. A weight is
+    laid out at its module's first call and its plain copy released then unless another module shares it (a tied
+    head): inside, the new copy is the weight, so memory stays that of the model. Inference only: no gradients flow
+    through, and a called Linear's weight and bias must not be read or changed inside. On leaving, every module is
+    as before, bit for bit (each layout is a permutation). On a GPU, for weights in neither float32 nor `dtype`, or
+    without oneDNN, nothing changes.
 
-    dtype: what the forwards inside run in (evaluate.py --dtype's autocast). bfloat16 packs a bfloat16 copy of each
-    weight and casts the inputs to it, as autocast does for F.linear (faster than autocast's own products where the
-    CPU has bfloat16 instructions: BENCHMARKS.md); the float32 weights stay, so that leaving restores them bit for bit,
-    and memory is 1.5x the model's. float16 (oneDNN has no float16 inner product on CPUs without AVX512-FP16 or
-    AMX-FP16), or bfloat16 where oneDNN lacks it, changes nothing: autocast's own kernels do the products."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtype: what the forwards inside run in. bfloat16 weights (sample.py --dtype=bfloat16) are packed as they are.
+    float32 weights under bfloat16 (evaluate.py --dtype's autocast) get packed bfloat16 copies and their inputs cast
+    to it, as autocast does for F.linear (faster than autocast's own products where the CPU has bfloat16
+    instructions: BENCHMARKS.md); the float32 weights stay, so that leaving restores them bit for bit, and memory is
+    1.5x the model's. float16 (oneDNN has no float16 inner product on CPUs without AVX512-FP16 or AMX-FP16), or
+    bfloat16 where oneDNN lacks it, changes nothing: autocast's own kernels do the products."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= min_weights]
     supported = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                  torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
     if not (torch.backends.mkldnn.is_available() and linears and supported.get(dtype, False) and all(
-            m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)):
+            m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, dtype) for m in linears)):
         yield model
         return
+    vector = batch_size == 1 and dtype == torch.float32 and torch.get_num_threads() == 1
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    packed, released = {}, []
+    laid_out, released = {}, []
 
-    def forward(m, x):
-        if m not in packed:  # (out, in), oneDNN's layout
-            packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype), None)
-            if uses[id(m.weight)] == 1 and dtype == torch.float32:  # nothing else reads it (a Linear never called,
-                m.weight.data = m.weight.data.new_empty(0)  # like Free's post_sampler, or a tied embedding, keeps
-                released.append(m)  # its plain weight)
-        bias = None if m.bias is None else m.bias.detach().to(dtype)
-        return onednn_linear(x.to(dtype), packed[m], bias)
+    def first_call(m, x):  # lay the weight out, then call the product directly from the next call on
+        w = m.weight.detach().to(dtype)
+        if vector:  # (out, in) either way; column-major where out > in
+            laid_out[m] = w.t().contiguous().t() if w.size(0) > w.size(1) else w
+        else:  # (out, in), oneDNN's blocked layout
+            laid_out[m] = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        # Nothing else reads the plain weight (a Linear never called, like Free's post_sampler, or a tied
+        # embedding keeps it): release it
+        if uses[id(m.weight)] == 1 and m.weight.dtype == dtype:
+            m.weight.data = m.weight.data.new_empty(0)
+            released.append(m)
+        weight, bias = laid_out[m], None if m.bias is None else m.bias.detach().to(dtype)
+        product = F.linear if vector else onednn_linear
+        m.forward = lambda x: product(x if x.dtype == dtype else x.to(dtype), weight, bias)
+        return m.forward(x)
 
     for m in linears:
-        m.forward = types.MethodType(forward, m)
+        m.forward = types.MethodType(first_call, m)
     try:
         yield model
     finally:
         for m in linears:
             del m.forward  # the class's forward again
         for m in released:
-            m.weight.data = packed[m].to_dense()
+            w = laid_out[m]
+            m.weight.data = w.contiguous() if vector else w.to_dense()
 
 
 def cpu_threads():

@@ -80,7 +80,7 @@ ngram = 4  # n of distinct-n
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
-onednn = True  # CPU float32 and bfloat16: matmuls through oneDNN (cpu.onednn_linears): faster, rounding apart
+onednn = True  # CPU float32 and bfloat16: matmuls through oneDNN (cpu.inference_linears): faster, rounding apart
 # ----------------------------------------------------------------------------------------------------------------
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
            "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
@@ -335,10 +335,10 @@ def load_net(path, checkpoint):
 
 
 def matmuls(net):
-    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.onednn_linears: a
+    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.inference_linears: a
     no-op elsewhere), packed in --dtype, the dtype autocast runs them in; torch's own kernels with --onednn=False
     (bit for bit what the model's forward computes)."""
-    return cpu.onednn_linears(net, common.DTYPES[dtype]) if onednn else nullcontext()
+    return cpu.inference_linears(net, common.DTYPES[dtype]) if onednn else nullcontext()
 
 
 def dataset_for(checkpoints):

@@ -18,7 +18,7 @@ max_gen_toks; --device and --batch_size come from lm_eval's flags.
   two agree item by item. A document's draws depend on nothing else, so the results do not depend on the batch size,
   on --limit or on the other tasks. One document per forward, whatever --batch_size: its choices read their shared
   context from one KV cache, where documents batched together would each be padded to the longest. On a CPU the
-  weights are packed for oneDNN once, for the whole run (cpu.onednn_linears, as evaluate.py). is_greedy (the acc of
+  weights are packed for oneDNN once, for the whole run (cpu.inference_linears, as evaluate.py). is_greedy (the acc of
   loglikelihood tasks such as LAMBADA, one request per document) is computed for documents of one request, under the
   token mixture p̄; multiple-choice documents, whose metrics never read it, report False. A sequence longer than
   block_size + 1 tokens is left-truncated and a continuation longer than block_size scored on its last block_size
@@ -111,7 +111,7 @@ class NanoLatentLM(LM):
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # accepted; one document a forward
         # the products through oneDNN's packed weights for every request of the run, packed once (a no-op off a CPU)
         self.packed = contextlib.ExitStack()
-        self.packed.enter_context(cpu.onednn_linears(self.net, common.DTYPES[dtype]))
+        self.packed.enter_context(cpu.inference_linears(self.net, common.DTYPES[dtype]))
         self.eot = eot_token(checkpoint)
         self.block_size = self.net.config.block_size
 

@@ -31,7 +31,8 @@ prompt_latents = "encoder"  # Free: the prompt's Z from the 'encoder' on the pro
 latent_seed = -1  # seeds the latents alone (-1: use seed), so the same minds / Z can be kept while tokens vary
 minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independent latents)
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
-onednn = True  # CPU float32: matmuls through oneDNN's packed weights (cpu.onednn_linears): faster, float rounding apart
+onednn = True  # CPU, float32 or bfloat16: matmuls through weights laid out for them (cpu.inference_linears: oneDNN's,
+# or for one sample on one thread a matrix-vector layout): faster, float rounding apart
 compile = False  # torch.compile the one-token decode step (gpt-fast's decode_one_token); the prefill stays eager
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = "float32"  # of the weights: bfloat16 or float16 halve the bytes a decode step reads
@@ -104,8 +105,10 @@ else:
 
 # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
 step = torch.compile(net.forward, dynamic=True) if compile else None
+products = contextlib.nullcontext() if compile or not onednn else \
+    cpu.inference_linears(net, common.DTYPES[dtype], batch_size=num_samples)
 try:
-    with cpu.onednn_linears(net) if onednn and not compile else contextlib.nullcontext():
+    with products:
         out = net.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
                            generator=token_generator, step=step)
 except ValueError as e:

@@ -21,7 +21,7 @@ hellaswag  the first `num_problems` items of HellaSwag's validation sample, the 
 pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
 only differences from temperature whose mean ± std intervals do not overlap; every count and curve goes to json_out,
 the curves to its figure (--from_json=True redraws both from the JSON, running nothing). Matrix products go through
-oneDNN on a CPU (cpu.onednn_linears: float rounding apart from F.linear). --time_only=True times one problem.
+oneDNN on a CPU (cpu.inference_linears: float rounding apart from F.linear). --time_only=True times one problem.
 """
 
 import json
@@ -176,7 +176,7 @@ def hellaswag_correct(seed, i, population, det_logits):
 def run(problem_ids):
     """(seeds, problems, arms) correct counts."""
     counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
-    with torch.no_grad(), cpu.onednn_linears(det), cpu.onednn_linears(minds):
+    with torch.no_grad(), cpu.inference_linears(det), cpu.inference_linears(minds):
         for p, i in enumerate(problem_ids):
             det_logits = det(torch.tensor([prompts[i]]))[0][0, -1].float() if benchmark == "hellaswag" else None
             for s, seed in enumerate(seeds):

@@ -104,37 +104,89 @@ def test_training_kernels_give_every_model_its_plain_loss_and_gradients_to_float
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("batch_size", [None, 1])
 @pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
-def test_onednn_linears_give_eager_logits_and_tokens_and_restore_the_model(model_type):
-    """cpu.onednn_linears (sample.py's CPU decoding): every model's logits within float rounding of F.linear's,
-    the same greedy tokens with pinned latents, the plain weights released inside, and on leaving, the modules' own
-    forward and weights back (bit-equal logits)."""
+def test_inference_linears_give_eager_logits_and_tokens_and_restore_the_model(model_type, batch_size):
+    """cpu.inference_linears (sample.py's CPU decoding), in oneDNN's layout and in the one-sequence, one-thread
+    matrix-vector layout: every model's logits within float rounding of F.linear's, the same greedy tokens with
+    pinned latents, the plain weights released inside, and on leaving, the modules' own forward and weights back
+    (bit-equal logits)."""
     torch.manual_seed(0)
     model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
     x = torch.randint(0, 64, (3, 20))
     latents = model.sample_latents(3, torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(x, x, latents=latents)[0]
-        tokens = model.generate(x[:, :5], 12, temperature=0, latents=latents)
-        with cpu.onednn_linears(model):
-            inside = model(x, x, latents=latents)[0]
-            assert torch.equal(model.generate(x[:, :5], 12, temperature=0, latents=latents), tokens)
-            linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-            assert "forward" in vars(linear)  # the oneDNN call is in place, so the comparison above compares it
-            # a called, untied weight is held once, packed; a tied head's stays (the embedding reads it)
-            assert model.blocks[0].attn.wq.weight.numel() == 0
-            assert model.lm_head.weight.shape == model.tok_emb.weight.shape
-        after = model(x, x, latents=latents)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            before = model(x, x, latents=latents)[0]
+            tokens = model.generate(x[:, :5], 12, temperature=0, latents=latents)
+            with cpu.inference_linears(model, batch_size=batch_size, min_weights=0):
+                inside = model(x, x, latents=latents)[0]
+                assert torch.equal(model.generate(x[:, :5], 12, temperature=0, latents=latents), tokens)
+                linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+                assert "forward" in vars(linear)  # the new call is in place, so the comparison above compares it
+                # a called, untied weight is held once, laid out; a tied head's stays (the embedding reads it)
+                assert model.blocks[0].attn.wq.weight.numel() == 0
+                wide = next(m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)
+                            and m.out_features > m.in_features)  # column-major in the vector layout
+                assert wide.weight.numel() == 0
+                assert model.lm_head.weight.shape == model.tok_emb.weight.shape
+            after = model(x, x, latents=latents)[0]
+    finally:
+        torch.set_num_threads(threads)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(after, before)
+    assert all(p.is_contiguous() for p in model.parameters())
     torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_inference_linears_leave_small_linears_to_f_linear():
+    """A Linear of fewer than min_weights weights (2^16 by default) keeps its own forward, F.linear bit for bit;
+    a larger one is laid out (its plain weight released inside), within float rounding of F.linear."""
+    torch.manual_seed(0)
+    small, large = torch.nn.Linear(64, 512), torch.nn.Linear(512, 512)  # 32,768 and 262,144 weights
+    model = torch.nn.Sequential(small, large).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        before = small(x), model(x)
+        with cpu.inference_linears(model):
+            assert "forward" not in vars(small) and "forward" in vars(large)
+            inside = small(x), model(x)
+            assert large.weight.numel() == 0 and small.weight.shape == (512, 64)
+    assert torch.equal(inside[0], before[0])
+    torch.testing.assert_close(inside[1], before[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU or torch build has no oneDNN bfloat16 kernels")
+@pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
+def test_inference_linears_on_bfloat16_weights_pack_them_as_they_are(model_type):
+    """sample.py --dtype=bfloat16 on a CPU: the model's weights in bfloat16, packed for oneDNN as they are (released
+    inside, no float32 copy): logits within bfloat16 rounding of F.linear's on the same weights, the same greedy
+    tokens, and on leaving, the bfloat16 weights back bit for bit."""
+    torch.manual_seed(0)
+    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval().to(torch.bfloat16)
+    x = torch.randint(0, 64, (3, 20))
+    latents = model.sample_latents(3, torch.Generator().manual_seed(1))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(x, x, latents=latents)[0]
+        with cpu.inference_linears(model, torch.bfloat16, batch_size=1, min_weights=0):
+            inside = model(x, x, latents=latents)[0]
+            assert model.blocks[0].attn.wq.weight.numel() == 0
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert inside.dtype == torch.bfloat16
+    torch.testing.assert_close(inside.float(), before.float(), rtol=0.02, atol=0.02)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model_type", ["det", "btrans", "eve", "free"])
-def test_onednn_linears_under_autocast_give_autocasts_logits_and_restore_the_model(model_type, dtype):
-    """evaluate.py --dtype=bfloat16/float16 on a CPU: inside cpu.onednn_linears(model, dtype) and autocast, the
+def test_inference_linears_under_autocast_give_autocasts_logits_and_restore_the_model(model_type, dtype):
+    """evaluate.py --dtype=bfloat16/float16 on a CPU: inside cpu.inference_linears(model, dtype) and autocast, the
     logits are autocast's own to the dtype's rounding. bfloat16 runs through oneDNN where it has the kernels (its
     packed copies beside the float32 weights); float16, which oneDNN lacks on CPUs without AVX512-FP16, through
     autocast's kernels, every module left as it is. On leaving, the float32 model is as before, bit for bit."""
@@ -149,7 +201,7 @@ def test_onednn_linears_under_autocast_give_autocasts_logits_and_restore_the_mod
         before = model(x, x, latents=latents)[0]
         with torch.autocast("cpu", dtype=dtype):
             plain = model(x, x, latents=latents)[0]
-        with cpu.onednn_linears(model, dtype), torch.autocast("cpu", dtype=dtype):
+        with cpu.inference_linears(model, dtype, min_weights=0), torch.autocast("cpu", dtype=dtype):
             inside = model(x, x, latents=latents)[0]
             assert ("forward" in vars(linear)) == packs and linear.weight.dtype == torch.float32
         after = model(x, x, latents=latents)[0]

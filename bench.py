@@ -9,6 +9,7 @@
     python bench.py --models=det --peer=nanoGPT/model.py ... --profile=True   # and each training step op by op
     python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=HEAD~5   # multiple choice against an older revision
     python bench.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
+    python bench.py --n_layer=30 --n_embd=576 --n_head=9 --n_kv_head=3 --vocab_size=49152 --layouts=True  # SmolLM2
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -28,21 +29,28 @@ as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's de
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
 ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (multiple_choice's
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
-same greedy tokens. --compile_decode=True adds det's compiled decode step. Then sample.py's peak resident memory, in
-a fresh process, with --memory_minds B-Trans minds of the run decoding --memory_new_tokens tokens each
-(--thread_counts="()": that table alone). --mc_baseline=<git revision> instead times multiple choice against the
-score_choices of that revision (its multiple_choice.py, or its evaluate.py where it has none) on the same items and
-draws: today's through F.linear and through oneDNN (evaluate.py's CPU default), items/s and the largest score
-difference from the revision's.
+same greedy tokens. det runs plain and as sample.py runs it (cpu.inference_linears, laid out for the batch and the
+thread count; its prefill and multiple choice as evaluate.py's); --bfloat16=True (the default) adds both models with
+bfloat16 weights, det as sample.py --dtype=bfloat16 runs it. --compile_decode=True adds det's compiled decode
+step. Then sample.py's peak resident memory, in a fresh process, with --memory_minds B-Trans minds of the run
+decoding --memory_new_tokens tokens each (--thread_counts="()": that table alone). --mc_baseline=<git revision>
+instead times multiple choice against the score_choices of that revision (its multiple_choice.py, or its evaluate.py
+where it has none) on the same items and draws: today's through F.linear and through oneDNN (evaluate.py's CPU
+default), items/s and the largest score difference from the revision's.
 
 --linears=True times, at det's shapes for the given sizes (rows of batch_size * block_size tokens), the three matrix
 products of each Linear in a training step: x W^T, the input's gradient g W and the weight's gradient g^T x, by
 torch's GEMM (F.linear's: MKL on x86) and by oneDNN (torch.ops.mkldnn), in turns, best of `steps` calls after
 `warmup`. cpu.LinearFunction takes the faster kernel for each product on our CPU (BENCHMARKS.md).
+
+--layouts=True times one decode step's matrix products (every Linear of det at the given sizes, the head included),
+at each batch of decode_batches, in each layout cpu.inference_linears lays weights out in and by F.linear on the
+plain weights: ms per step, best of `steps` after `warmup`; cpu.inference_linears' choice follows it (BENCHMARKS.md).
 """
 
 import ast
 import contextlib
+import copy
 import importlib.util
 import io
 import json
@@ -84,6 +92,7 @@ profile_ops = 15  # ... how many ops per model
 cpu_kernels = True  # CPU training: cpu.training_kernels on our models, as train.py applies them (False: plain files)
 keep_freed_memory = True  # CPU: cpu.keep_freed_memory() in each model's process, as train.py (False: glibc's own)
 compile_decode = False  # also time decoding with the cached step compiled (as sample.py --compile=True)
+bfloat16 = True  # --peer=transformers: also both models with bfloat16 weights (sample.py --dtype=bfloat16)
 peer = ""  # the path of a nanoGPT-style model.py to time alongside (or "transformers", below)
 one = ""  # internal: benchmark this single spec and print its JSON row
 src = ""  # --peer=transformers: the det run (folder or ckpt.pt) whose weights both models get
@@ -100,6 +109,7 @@ memory_new_tokens = 256  # ... each decoding this many tokens from a decode_prom
 mc_baseline = ""  # --peer=transformers: a git revision whose multiple_choice.score_choices today's is timed against
 mc_passes = "det:1,btrans:8"  # ... the models (type:passes; btrans: minds at sigma 0.02, mixture 'sequence')
 linears = False  # instead: the three products of det's Linears in a training step, torch's GEMM against oneDNN
+layouts = False  # instead: one decode step's products in each layout of cpu.inference_linears, at decode_batches
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
 device_type, autocast = common.autocast(device, dtype)
@@ -254,14 +264,20 @@ def transformers_peer(run):
     import transformers
     checkpoint = ckpt.load_checkpoint(run)
     cfg, state = llama.det_state(checkpoint, ckpt.checkpoint_path(run))
-    det = ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
-    fast = ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()  # det through cpu.onednn_linears
+    load = lambda: ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
+    det = load()
+    # sample.py's path: det under cpu.inference_linears, laid out for --num_samples=1 and for more (evaluate.py's)
+    fast = {1: load(), None: load()}
+    half = load()  # sample.py --dtype=bfloat16: the weights in bfloat16, packed as they are
+    for p in half.parameters():
+        p.data = p.data.to(torch.bfloat16)
     hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
                                               llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    hf_half = copy.deepcopy(hf).to(torch.bfloat16)
     encode, _ = tokendata.tokenizer(checkpoint["meta"])
     examples = multiple_choice.load_mc_examples(mc_file, mc_items)
     items = [[multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]] for ex in examples]
@@ -293,17 +309,17 @@ def transformers_peer(run):
             self.stamps.append(time.perf_counter())
             return torch.zeros(input_ids.size(0), dtype=torch.bool)
 
-    def hf_generate(idx, n):
+    def hf_generate(idx, n, net=hf):
         stamps = Stamps()
-        hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0, stopping_criteria=transformers.StoppingCriteriaList([stamps]))
+        net.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                     pad_token_id=0, stopping_criteria=transformers.StoppingCriteriaList([stamps]))
         return (stamps.stamps[-1] - stamps.stamps[0]) / (len(stamps.stamps) - 1) * 1000
 
     def det_prefill(net=det):
         net(long_prompt)
 
-    def hf_prefill():
-        hf(long_prompt, use_cache=False, logits_to_keep=1)
+    def hf_prefill(net=hf):
+        net(long_prompt, use_cache=False, logits_to_keep=1)
 
     def det_mc(net=det):
         for pairs in items:
@@ -323,49 +339,65 @@ def transformers_peer(run):
         out = fn(*args)
         return time.perf_counter() - t0, out
 
-    contenders = [("det", det_generate, det_prefill, det_mc), ("transformers", hf_generate, hf_prefill, hf_mc),
-                  ("det oneDNN", lambda idx, n: det_generate(idx, n, net=fast), lambda: det_prefill(fast),
-                   lambda: det_mc(fast))]
+    # (name, generate, prefill, multiple choice, the transformers contender its speed is taken against)
+    contenders = [("det", det_generate, det_prefill, det_mc, "transformers"),
+                  ("transformers", hf_generate, hf_prefill, hf_mc, None),
+                  ("det sample.py", lambda idx, n: det_generate(idx, n, net=fast[1 if len(idx) == 1 else None]),
+                   lambda: det_prefill(fast[None]), lambda: det_mc(fast[None]), "transformers")]
     if compile_decode:  # det's decode step compiled: the same model, decode rows only
         compiled_step = torch.compile(det.forward, dynamic=True)  # as sample.py --compile=True
-        contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None))
+        contenders.append(("det compiled", lambda idx, n: det_generate(idx, n, compiled_step), None, None,
+                           "transformers"))
+    if bfloat16:
+        contenders += [("det sample.py bfloat16", lambda idx, n: det_generate(idx, n, net=half),
+                        lambda: det_prefill(half), None, "transformers bfloat16"),
+                       ("transformers bfloat16", lambda idx, n: hf_generate(idx, n, hf_half),
+                        lambda: hf_prefill(hf_half), None, None)]
     same, best = {}, {}
-    with torch.no_grad(), cpu.onednn_linears(fast):
-        for B in decode_batches:  # greedy tokens side by side, and a warm-up (compilation) of every contender
-            for _, gen, _, _ in contenders:
-                gen(prompt[:B], 3)
-            ours = det.generate(prompt[:B], decode_tokens, temperature=0)
-            same[B, "oneDNN"] = torch.equal(ours, fast.generate(prompt[:B], decode_tokens, temperature=0))
-            theirs = hf.generate(prompt[:B], attention_mask=torch.ones_like(prompt[:B]), max_new_tokens=decode_tokens,
-                                 min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
-            same[B, "transformers"] = torch.equal(ours, theirs)
+    with torch.no_grad():
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            for _ in range(repeats):
-                for name, gen, prefill, mc in contenders:
-                    row = {}
-                    for B in decode_batches:  # the steps after the prefill, timed between steps
-                        row[f"decode ms/token, batch {B}"] = gen(prompt[:B], decode_tokens)
-                    if prefill:
-                        row[f"prefill tokens/s ({prefill_tokens} tokens)"] = prefill_tokens / timed(prefill)[0]
-                        row[f"HellaSwag items/s ({len(items)} items)"] = len(items) / timed(mc)[0]
-                    for key, value in row.items():
-                        better = min if key.startswith("decode") else max
-                        best[threads, key, name] = better(value, best.get((threads, key, name), value))
-    print(f"CPU, float32; {run}: {det.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, "
-          f"d={cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}; transformers "
-          f"{transformers.__version__} (sdpa); prompt {decode_prompt} tokens, {decode_tokens} new; best of {repeats}")
-    print("det's greedy tokens equal: " + ", ".join(f"{other}'s at batch {B}: {equal}"
-                                                  for (B, other), equal in same.items()))
+            with contextlib.ExitStack() as laid_out:  # sample.py's layouts, which depend on the thread count
+                for batch_size, net in fast.items():
+                    laid_out.enter_context(cpu.inference_linears(net, batch_size=batch_size))
+                laid_out.enter_context(cpu.inference_linears(half, torch.bfloat16))
+                for B in decode_batches:  # greedy tokens side by side, and a warm-up (packing, compilation)
+                    for _, gen, *_ in contenders:
+                        gen(prompt[:B], 3)
+                    ours = det.generate(prompt[:B], decode_tokens, temperature=0)
+                    same[threads, B, "sample.py"] = torch.equal(ours, fast[1 if B == 1 else None].generate(
+                        prompt[:B], decode_tokens, temperature=0))
+                    theirs = hf.generate(prompt[:B], attention_mask=torch.ones_like(prompt[:B]),
+                                         max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
+                                         pad_token_id=0)
+                    same[threads, B, "transformers"] = torch.equal(ours, theirs)
+                for _ in range(repeats):
+                    for name, gen, prefill, mc, _ in contenders:
+                        row = {}
+                        for B in decode_batches:  # the steps after the prefill, timed between steps
+                            row[f"decode ms/token, batch {B}"] = gen(prompt[:B], decode_tokens)
+                        if prefill:
+                            row[f"prefill tokens/s ({prefill_tokens} tokens)"] = prefill_tokens / timed(prefill)[0]
+                        if mc:
+                            row[f"HellaSwag items/s ({len(items)} items)"] = len(items) / timed(mc)[0]
+                        for key, value in row.items():
+                            better = min if key.startswith("decode") else max
+                            best[threads, key, name] = better(value, best.get((threads, key, name), value))
+    print(f"CPU; {run}: {det.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, d={cfg.n_embd}, "
+          f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}; transformers {transformers.__version__} "
+          f"(sdpa); prompt {decode_prompt} tokens, {decode_tokens} new; best of {repeats}; float32 unless named")
+    print("det's greedy tokens equal: " + ", ".join(f"{other}'s at {threads} thread(s), batch {B}: {equal}"
+                                                  for (threads, B, other), equal in same.items()))
     names = [name for name, *_ in contenders]
+    peers = {name: peer for name, *_, peer in contenders if peer}
     print("threads | measurement | " + " | ".join(names) + " | "
-          + " | ".join(f"{name} speed x transformers" for name in names if name != "transformers"))
+          + " | ".join(f"{name} speed x {peer}" for name, peer in peers.items()))
     for threads, key, name in best:
         if name == "det":
-            values = [best.get((threads, key, n)) for n in names]
-            faster = lambda v: values[1] / v if key.startswith("decode") else v / values[1]  # > 1: v is faster
-            speeds = ["-" if v is None else f"{faster(v):.2f}" for n, v in zip(names, values) if n != "transformers"]
-            print(f"{threads} | {key} | " + " | ".join("-" if v is None else f"{v:,.2f}" for v in values)
+            value = lambda n: best.get((threads, key, n))
+            faster = lambda v, p: p / v if key.startswith("decode") else v / p  # > 1: v is faster than its peer p
+            speeds = ["-" if value(n) is None else f"{faster(value(n), value(p)):.2f}" for n, p in peers.items()]
+            print(f"{threads} | {key} | " + " | ".join("-" if value(n) is None else f"{value(n):,.2f}" for n in names)
                   + " | " + " | ".join(speeds))
 
 
@@ -427,14 +459,14 @@ def mc_history(run):
         model_type, passes = model_spec.split(":")
         net, fast = (ckpt.load_model(run, "cpu", model_type, checkpoint=checkpoint,
                                        **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
-                     for _ in range(2))  # fast: inside cpu.onednn_linears throughout, as evaluate.py runs
+                     for _ in range(2))  # fast: inside cpu.inference_linears throughout, as evaluate.py runs
         mixture = multiple_choice.mixture_for(net, "auto")
         n_items = mc_items if model_type == "det" else max(1, mc_items // 3)
         items = [[multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
                  for ex in multiple_choice.load_mc_examples(mc_file, n_items)]
         contenders = [(mc_baseline, old, net), ("today, F.linear", multiple_choice, net),
                       ("today, oneDNN (evaluate.py's default)", multiple_choice, fast)]
-        with torch.no_grad(), cpu.onednn_linears(fast):
+        with torch.no_grad(), cpu.inference_linears(fast):
             multiple_choice.score_choices(fast, items[0], 1, None)  # each weight packed at its first call: not timed
             for threads in thread_counts:
                 torch.set_num_threads(threads)
@@ -485,6 +517,54 @@ def bench_linears():
                   f"{gflop / ms[0] * 1e3:.1f} | {gflop / ms[1] * 1e3:.1f} | {ms[1] / ms[0]:.3f}")
 
 
+def bench_layouts():
+    """--layouts=True: one decode step's matrix products (every Linear of det at the given sizes, the tied head
+    included, in a step's order, so that each weight comes from memory) by F.linear on the plain weights
+    (transformers' kernel), in each layout cpu.inference_linears can lay a weight out in, and through the modules'
+    forward: nn.Linear's own and cpu.inference_linears' (its choice for the batch and thread count), at every batch
+    of decode_batches."""
+    cfg = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
+    model, plain = (common.build_model("det", {**cfg, "block_size": block_size}).eval() for _ in range(2))
+    plain.load_state_dict(model.state_dict())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [m.weight.detach() for m in linears]
+    blocked = lambda dtype: [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None) for w in weights]
+    column_major = lambda w: w.t().contiguous().t()  # (out, in), stored transposed
+    layouts = {"F.linear (out, in)": (weights, torch.float32, F.linear),
+               "oneDNN blocked": (blocked(torch.float32), torch.float32, cpu.onednn_linear),
+               "column-major where out > in": ([column_major(w) if w.size(0) > w.size(1) else w for w in weights],
+                                               torch.float32, F.linear),
+               "column-major all": ([column_major(w) for w in weights], torch.float32, F.linear)}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        layouts["bfloat16 oneDNN blocked"] = (blocked(torch.bfloat16), torch.bfloat16, cpu.onednn_linear)
+    # The modules' forward, a Python call more than the kernels above: nn.Linear as it is, and inside the context
+    layouts["nn.Linear"] = ([m for m in plain.modules() if isinstance(m, torch.nn.Linear)], torch.float32,
+                            lambda x, m, _: m.forward(x))
+    layouts["cpu.inference_linears"] = (linears, torch.float32, lambda x, m, _: m.forward(x))
+    step_mib = sum(w.numel() for w in weights) * 4 / 2**20
+    print(f"CPU, {torch.get_num_threads()} threads; {len(weights)} products a decode step (L={n_layer} d={n_embd} "
+          f"V={vocab_size}, {step_mib:,.0f} MiB of float32 weights); ms per step, best of {steps} after {warmup}")
+    print("batch | " + " | ".join(layouts) + " | fastest float32 layout")
+    for B in decode_batches:
+        ms = {}
+        with torch.no_grad(), cpu.inference_linears(model, batch_size=B):  # laid out at the first (warm-up) round
+            for _ in range(warmup + steps):
+                for name, (laid_out, dtype, product) in layouts.items():
+                    xs = [torch.randn(B, w.size(1), dtype=dtype) for w in weights]  # each product's input
+                    t0 = time.perf_counter()
+                    for x, w in zip(xs, laid_out):
+                        product(x, w, None)
+                    ms.setdefault(name, []).append((time.perf_counter() - t0) * 1000)
+        best = {name: min(t[warmup:]) for name, t in ms.items()}
+        float32 = [name for name, (_, dtype, _) in layouts.items() if dtype == torch.float32
+                   and name not in ("nn.Linear", "cpu.inference_linears")]
+        print(f"{B} | " + " | ".join(f"{v:.2f}" for v in best.values()) + f" | {min(float32, key=best.get)}")
+
+if layouts:
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        common.die("--layouts=True compares CPU layouts: run it on a CPU with a torch built with oneDNN (mkldnn)")
+    bench_layouts()
+    sys.exit(0)
 if linears:
     if device_type != "cpu" or not torch.backends.mkldnn.is_available():
         common.die("--linears=True compares CPU kernels: run it on a CPU with a torch built with oneDNN (mkldnn)")

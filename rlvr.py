@@ -37,6 +37,7 @@ import torch
 import ckpt
 import common
 import configurator
+import cpu
 import grpo
 import tasks
 import tokendata
@@ -95,7 +96,7 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
     device = net.tok_emb.weight.device
     ids = [encode(p) for p in prompts]
     generator = torch.Generator(device).manual_seed(seed)
-    with grpo.noise_mode(net, "mean"):
+    with grpo.noise_mode(net, "mean"), cpu.inference_linears(net):  # on a CPU, the weights laid out for decoding
         greedy, _ = grpo.rollouts(net, ids, 1, max_new_tokens, 0.0, generator, generator)
         sampled, _ = grpo.rollouts(net, ids, k, max_new_tokens, temperature, generator, generator)
     greedy_ok = [verify(p, t) for p, t in zip(prompts, grpo.replies(greedy, decode, stop_id))]
@@ -162,9 +163,12 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     prompts = [pool[i] for i in rng.choice(len(pool), prompts_per_step, replace=False)]
     prompt_ids = [encode(p) for p in prompts]
     torch.manual_seed(common.seed_of(seed, ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
-    completions, _ = grpo.rollouts(net, prompt_ids, group_size, max_new, temperature,
-                              torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
-                              torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
+    # On a CPU the rollouts decode through the weights laid out for it (cpu.inference_linears), anew each step: the
+    # updates change them
+    with cpu.inference_linears(net):
+        completions, _ = grpo.rollouts(net, prompt_ids, group_size, max_new, temperature,
+                                       torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
+                                       torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
     texts = grpo.replies(completions, decode, stop_id)
     group_prompts = [p for p in prompts for _ in range(group_size)]
     correct = np.array([spec.verify(p, t) for p, t in zip(group_prompts, texts)], dtype=float)  # ttrl: logged only

@@ -268,8 +268,8 @@ def transformers_peer(run):
     det = load()
     # sample.py's path: det under cpu.inference_linears, laid out for --num_samples=1 and for more (evaluate.py's)
     fast = {1: load(), None: load()}
-    half = load()  # sample.py --dtype=bfloat16: the weights in bfloat16, packed as they are
-    for p in half.parameters():
+    half = load() if bfloat16 else None  # sample.py --dtype=bfloat16: the weights in bfloat16, packed as they are
+    for p in half.parameters() if bfloat16 else ():
         p.data = p.data.to(torch.bfloat16)
     hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -277,7 +277,7 @@ def transformers_peer(run):
                                               llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    hf_half = copy.deepcopy(hf).to(torch.bfloat16)
+    hf_half = copy.deepcopy(hf).to(torch.bfloat16) if bfloat16 else None
     encode, _ = tokendata.tokenizer(checkpoint["meta"])
     examples = multiple_choice.load_mc_examples(mc_file, mc_items)
     items = [[multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]] for ex in examples]
@@ -360,7 +360,8 @@ def transformers_peer(run):
             with contextlib.ExitStack() as laid_out:  # sample.py's layouts, which depend on the thread count
                 for batch_size, net in fast.items():
                     laid_out.enter_context(cpu.inference_linears(net, batch_size=batch_size))
-                laid_out.enter_context(cpu.inference_linears(half, torch.bfloat16))
+                if bfloat16:
+                    laid_out.enter_context(cpu.inference_linears(half, torch.bfloat16))
                 for B in decode_batches:  # greedy tokens side by side, and a warm-up (packing, compilation)
                     for _, gen, *_ in contenders:
                         gen(prompt[:B], 3)
@@ -371,6 +372,9 @@ def transformers_peer(run):
                                          max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
                                          pad_token_id=0)
                     same[threads, B, "transformers"] = torch.equal(ours, theirs)
+                for _, _, prefill, _, _ in contenders:  # lays out what no decode batch above did (evaluate.py's)
+                    if prefill:
+                        prefill()
                 for _ in range(repeats):
                     for name, gen, prefill, mc, _ in contenders:
                         row = {}
@@ -559,6 +563,7 @@ def bench_layouts():
         float32 = [name for name, (_, dtype, _) in layouts.items() if dtype == torch.float32
                    and name not in ("nn.Linear", "cpu.inference_linears")]
         print(f"{B} | " + " | ".join(f"{v:.2f}" for v in best.values()) + f" | {min(float32, key=best.get)}")
+
 
 if layouts:
     if device_type != "cpu" or not torch.backends.mkldnn.is_available():

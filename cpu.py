@@ -1,5 +1,5 @@
-"""CPU speed, applied from outside the model files: oneDNN's matrix kernels, RMSNorm's backward in closed form, the
-thread count and malloc's thresholds. The model files stay plain PyTorch; the scripts call these on a CPU (as
+"""CPU speed, applied from outside the model files: oneDNN's matrix kernels for training, weight layouts for
+inference, RMSNorm's backward in closed form, the thread count and malloc's thresholds. The model files stay plain PyTorch; the scripts call these on a CPU (as
 gpt-fast's quantize.py swaps nn.Linear and nanochat's fp8.py is switched on by its training script). Every swap
 computes what the plain module computes, to float rounding (tests/test_cpu.py); BENCHMARKS.md has what each gains."""
 

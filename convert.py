@@ -200,7 +200,7 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
     for name in TOKENIZER_FILES + CHAT_FILES:  # tokenizer.json for us; the others for to_hf and --chat, if they exist
         if os.path.exists(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    save_import(out_dir, model, state, {"init_from": "hf", "src": hub_or_dir, "llama.hf_config": hf})
+    save_import(out_dir, model, state, {"init_from": "hf", "src": hub_or_dir, "hf_config": hf})
 
 
 def save_import(out_dir, model, state, config):
@@ -209,7 +209,7 @@ def save_import(out_dir, model, state, config):
     meta = {"tokenizer": "hf", "tokenizer_file": os.path.abspath(os.path.join(out_dir, "tokenizer.json")),
             "vocab_size": values["vocab_size"]}
     # train.py's checkpoint format, without an optimizer: sample.py, evaluate.py and rlvr.py's --init_from read it.
-    # "config" says where the weights came from; to_hf takes the special token ids back from llama.hf_config.
+    # "config" says where the weights came from; to_hf takes the special token ids back from hf_config.
     checkpoint = {"model_type": "det", "model_config": values, "model": state, "config": config, "meta": meta,
                   "iter_num": 0, "best_val_loss": float("inf")}
     path = os.path.join(out_dir, "ckpt.pt")
@@ -393,7 +393,7 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in hf.items() if k.endswith("_token_id")}, f, indent=2)
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
-    save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "llama.hf_config": hf,
+    save_import(out_dir, model, state, {"init_from": "gguf", "src": gguf_file, "hf_config": hf,
                                         "gguf_types": kinds})
     template = "kept" if "tokenizer.chat_template" in metadata else "absent"
     print(f"dequantized {len(reader.tensors)} tensors ({', '.join(kinds)}) to float32; tokenizer.ggml.pre="
@@ -495,7 +495,7 @@ def export_hf(out_dir, dst):
     cfg, state = llama.det_state(checkpoint, path)
     tensors = {theirs: state[ours].contiguous() for ours, theirs in llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]
-    hf = (checkpoint.get("config") or {}).get("llama.hf_config") or {}  # an imported model keeps its special tokens
+    hf = llama.imported_hf_config(checkpoint)  # an imported model keeps its special tokens
     gpt2_eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None
     os.makedirs(dst, exist_ok=True)
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})

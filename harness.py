@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import ckpt
 import common
 import cpu
+import llama
 import multiple_choice
 import tokendata
 
@@ -211,7 +212,7 @@ def eot_token(checkpoint):
     meta = checkpoint["meta"]
     if meta["tokenizer"] == "gpt2" and "token_ids" not in meta:
         return 50256
-    hf = (checkpoint.get("config") or {}).get("hf_config") or {}
+    hf = llama.imported_hf_config(checkpoint)
     eot = hf.get("bos_token_id", hf.get("eos_token_id"))
     return eot[0] if isinstance(eot, list) else eot
 

@@ -1,5 +1,5 @@
-"""The det model as a Llama: Hugging Face's tensor names and config.json for a det checkpoint, and the det model
-inside a checkpoint (convert.py's conversions, bench.py's transformers peer)."""
+"""The det model as a Llama: Hugging Face's tensor names and config.json for a det checkpoint, the config.json an
+import recorded, and the det model inside a checkpoint (convert.py's conversions, harness.py, bench.py's peer)."""
 
 import dataclasses
 
@@ -54,6 +54,14 @@ def hf_config(cfg, dtype, bos_token_id, eos_token_id):
         "eos_token_id": eos_token_id,
         "torch_dtype": dtype,
     }
+
+
+def imported_hf_config(checkpoint):
+    """The config.json an imported model came with (convert.py hf and gguf record it in the checkpoint's config), or
+    {}: its special token ids, which an export and lm-evaluation-harness take back. Revisions of 2026-11-25 wrote it
+    under the key 'llama.hf_config'; both keys are read."""
+    config = checkpoint.get("config") or {}
+    return config.get("hf_config") or config.get("llama.hf_config") or {}
 
 
 def det_state(checkpoint, path):

@@ -21,6 +21,7 @@ from conftest import run_script  # noqa: E402
 import ckpt  # noqa: E402
 import common  # noqa: E402
 import convert  # noqa: E402
+import llama  # noqa: E402
 import tokendata  # noqa: E402
 
 TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
@@ -93,8 +94,8 @@ def refusal(capsys, *argv):
     (False, 4, 50.0, 1e-2, None, True),  # multi-head, rope_theta at the top level (transformers 4's config.json)
 ], ids=["tied-gqa", "untied-mqa-sharded", "untied-mha-legacy-config"])
 def test_import_gives_the_logits_loss_and_greedy_tokens_of_transformers(tmp_path, tokenizer_file, tie, n_kv_head,
-                                                                         rope_theta, rms_norm_eps, max_shard_size,
-                                                                         legacy_config):
+                                                                        rope_theta, rms_norm_eps, max_shard_size,
+                                                                        legacy_config):
     hf = hf_llama(tmp_path / "hf", tokenizer_file, tie, n_kv_head, rope_theta, rms_norm_eps, max_shard_size,
                   legacy_config)
     assert (len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1) == bool(max_shard_size)
@@ -137,6 +138,11 @@ def test_export_of_an_import_gives_back_the_same_files(tmp_path, tokenizer_file,
         assert getattr(model.config, field) == getattr(reference.config, field), field
     tok, text = AutoTokenizer.from_pretrained(tmp_path / "back"), "Each mind of the model writes its own story."
     assert tok(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(text).ids
+    # the import records its config.json under the key the export and harness.py read (and an earlier key still reads)
+    recorded = ckpt.load_checkpoint(tmp_path / "ours")["config"]
+    assert reference.config.bos_token_id is not None
+    assert recorded["hf_config"]["bos_token_id"] == reference.config.bos_token_id
+    assert llama.imported_hf_config({"config": {"llama.hf_config": recorded["hf_config"]}}) == recorded["hf_config"]
 
 
 @pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
@@ -178,9 +184,9 @@ def our_checkpoint(path, model_type="det", tie=True, **config):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
     ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(model.config),
-                            "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
-                            "meta": {"tokenizer": "char", "chars": [chr(32 + i) for i in range(40)],
-                                     "vocab_size": 40}}, os.path.join(path, "ckpt.pt"))
+                          "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
+                          "meta": {"tokenizer": "char", "chars": [chr(32 + i) for i in range(40)],
+                                   "vocab_size": 40}}, os.path.join(path, "ckpt.pt"))
     return model
 
 
@@ -206,7 +212,7 @@ def test_btrans_exports_only_with_its_noise_off(tmp_path, capsys):
         torch.testing.assert_close(hf(idx).logits, det(idx, idx)[0], rtol=1e-5, atol=1e-5)
     our_checkpoint(tmp_path / "on", "btrans", sigma=0.02)
     assert "B-Trans population (sigma=0.02" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'on'}",
-                                                        f"--dst={tmp_path / 'x'}")
+                                                       f"--dst={tmp_path / 'x'}")
     our_checkpoint(tmp_path / "eve", "eve")
     assert "holds a eve model" in refusal(capsys, "to_hf", f"--out_dir={tmp_path / 'eve'}", f"--dst={tmp_path / 'x'}")
     our_checkpoint(tmp_path / "mixed", layer_weights=True)  # EVE's baseline: its head mixes the blocks
@@ -305,7 +311,7 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
     import tasks
     for split in ("train", "val"):
         char, bpe = (tasks.load_prompts("arith", name, split, tokendata.load_meta(name)) for name in ("arith_char",
-                                                                                                  "arith_bpe"))
+                                                                                                      "arith_bpe"))
         assert bpe == char and len(char) == {"train": 300, "val": 40}[split]
 
 

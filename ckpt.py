@@ -185,25 +185,25 @@ def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides
     return model.to(device), checkpoint
 
 
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
 def train_if_missing(out_dir, *train_args):
     """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
     if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        root = os.path.dirname(os.path.abspath(__file__))
-        subprocess.run([sys.executable, os.path.join(root, "train.py"), *train_args, f"--out_dir={out_dir}"],
-                       check=True)
+        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"], check=True)
 
 
 def train_all_missing(runs, parallel=1):
     """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
     whose out_dir holds no checkpoint, `parallel` processes at a time, each logging to out_dir/train.log; one line
     naming the logs when a run failed."""
-    train = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
     running = []
     for out_dir, train_args in runs.items():
         if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
             continue
         os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, train, *train_args, f"--out_dir={out_dir}"]
+        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"]
         if len(running) == parallel:
             running.pop(0).wait()
         print(" ".join(cmd))

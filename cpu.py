@@ -1,7 +1,8 @@
 """CPU speed, applied from outside the model files: oneDNN's matrix kernels for training, weight layouts for
-inference, RMSNorm's backward in closed form, the thread count and malloc's thresholds. The model files stay plain PyTorch; the scripts call these on a CPU (as
-gpt-fast's quantize.py swaps nn.Linear and nanochat's fp8.py is switched on by its training script). Every swap
-computes what the plain module computes, to float rounding (tests/test_cpu.py); BENCHMARKS.md has what each gains."""
+inference, RMSNorm's backward in closed form, the thread count and malloc's thresholds. The model files stay plain
+PyTorch; the scripts call these on a CPU (as gpt-fast's quantize.py swaps nn.Linear and nanochat's fp8.py is switched
+on by its training script). Every swap computes what the plain module computes, to float rounding
+(tests/test_cpu.py); BENCHMARKS.md has what each gains."""
 
 import collections
 import contextlib
@@ -131,22 +132,22 @@ def inference_linears(model, dtype=torch.float32, batch_size=None, min_weights=2
         return
     vector = batch_size == 1 and dtype == torch.float32 and torch.get_num_threads() == 1
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    laid_out, released = {}, []
+    released = []  # (module, its laid-out weight), to restore the plain weight from on leaving
 
     def first_call(m, x):  # lay the weight out, then call the product directly from the next call on
         w = m.weight.detach().to(dtype)
         if vector:  # (out, in) either way; column-major where out > in
-            laid_out[m] = w.t().contiguous().t() if w.size(0) > w.size(1) else w
+            w = w.t().contiguous().t() if w.size(0) > w.size(1) else w
         else:  # (out, in), oneDNN's blocked layout
-            laid_out[m] = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            w = torch.ops.mkldnn._reorder_linear_weight(w, None)
         # Nothing else reads the plain weight (a Linear never called, like Free's post_sampler, or a tied
         # embedding keeps it): release it
         if uses[id(m.weight)] == 1 and m.weight.dtype == dtype:
             m.weight.data = m.weight.data.new_empty(0)
-            released.append(m)
-        weight, bias = laid_out[m], None if m.bias is None else m.bias.detach().to(dtype)
+            released.append((m, w))
+        bias = None if m.bias is None else m.bias.detach().to(dtype)
         product = F.linear if vector else onednn_linear
-        m.forward = lambda x: product(x if x.dtype == dtype else x.to(dtype), weight, bias)
+        m.forward = lambda x: product(x if x.dtype == dtype else x.to(dtype), w, bias)
         return m.forward(x)
 
     for m in linears:
@@ -156,8 +157,7 @@ def inference_linears(model, dtype=torch.float32, batch_size=None, min_weights=2
     finally:
         for m in linears:
             del m.forward  # the class's forward again
-        for m in released:
-            w = laid_out[m]
+        for m, w in released:
             m.weight.data = w.contiguous() if vector else w.to_dense()
 
 

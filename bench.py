@@ -391,7 +391,7 @@ def transformers_peer(run):
           f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}; transformers {transformers.__version__} "
           f"(sdpa); prompt {decode_prompt} tokens, {decode_tokens} new; best of {repeats}; float32 unless named")
     print("det's greedy tokens equal: " + ", ".join(f"{other}'s at {threads} thread(s), batch {B}: {equal}"
-                                                  for (threads, B, other), equal in same.items()))
+                                                    for (threads, B, other), equal in same.items()))
     names = [name for name, *_ in contenders]
     peers = {name: peer for name, *_, peer in contenders if peer}
     print("threads | measurement | " + " | ".join(names) + " | "
@@ -462,7 +462,7 @@ def mc_history(run):
     for model_spec in mc_passes.split(","):
         model_type, passes = model_spec.split(":")
         net, fast = (ckpt.load_model(run, "cpu", model_type, checkpoint=checkpoint,
-                                       **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
+                                     **({"sigma": 0.02} if model_type == "btrans" else {}))[0].eval()
                      for _ in range(2))  # fast: inside cpu.inference_linears throughout, as evaluate.py runs
         mixture = multiple_choice.mixture_for(net, "auto")
         n_items = mc_items if model_type == "det" else max(1, mc_items // 3)

@@ -329,7 +329,7 @@ def load_net(path, checkpoint):
     generator, both seeded alike for every run so all see the same draws."""
     fields = common.config_fields(model or checkpoint["model_type"])
     net, _ = ckpt.load_model(path, device, model or None, checkpoint=checkpoint,
-                               **{k: v for k, v in overrides.items() if k in fields})
+                             **{k: v for k, v in overrides.items() if k in fields})
     torch.manual_seed(seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
     return net.eval(), torch.Generator(device).manual_seed(seed)
 

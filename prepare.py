@@ -40,7 +40,7 @@ val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 f
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals(), positional="source")
 configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
-                      choices={"vocab": ("full", "used")}, within={"val_fraction": "(0, 1)"})
+                     choices={"vocab": ("full", "used")}, within={"val_fraction": "(0, 1)"})
 
 
 def hf_meta(path):

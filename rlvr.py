@@ -138,8 +138,8 @@ def chat_problems(task, dataset, split, max_calc_steps=0):
 
 def chat_task(task, dataset, meta, max_calc_steps=0):
     """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
-    (tokendata.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of the
-    question it replies to."""
+    (tokendata.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of
+    the question it replies to."""
     labels = {}
 
     def load(split):
@@ -178,8 +178,8 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     rewards = torch.tensor(rewards, dtype=torch.float32, device=device).view(-1, group_size)  # (P, G)
     advantages = grpo.group_advantages(rewards, adv_eps)  # (P, G)
     stats = grpo.grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
-                        grpo.completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
-                        kl_coef, grad_clip, update_batch)
+                             grpo.completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
+                             kl_coef, grad_clip, update_batch)
     return {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
             "adv_std": advantages.std().item(), **stats,
             "informative": (rewards.std(1) > 0).float().mean().item(),  # groups with a learning signal
@@ -226,7 +226,7 @@ def main():
                    f"checkpoint: give it as --init_from={out_dir} with another --out_dir")
     if not resume:
         ckpt.refuse_existing_run(out_dir, overwrite,
-                                   resumable=not overwrite and os.path.exists(ckpt_file) and rlvr_run())
+                                 resumable=not overwrite and os.path.exists(ckpt_file) and rlvr_run())
     source = ckpt_file if resume else init_from
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy of the starting model
@@ -285,9 +285,9 @@ def main():
         reference: a resumed run needs the starting model, which init_from may no longer hold."""
         nonlocal saved
         ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                "ref_model": ref.state_dict(), "model_type": "btrans",
-                                "model_config": common.config_dict(net.config), "config": config, "meta": meta,
-                                "iter_num": step, "best_val_loss": float("inf")}, ckpt_file)
+                              "ref_model": ref.state_dict(), "model_type": "btrans",
+                              "model_config": common.config_dict(net.config), "config": config, "meta": meta,
+                              "iter_num": step, "best_val_loss": float("inf")}, ckpt_file)
         saved = step
 
     def save_and_stop(step):

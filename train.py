@@ -269,7 +269,7 @@ def save_checkpoint():
     if not fsdp:
         if master:
             ckpt.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
-                                   ckpt_file)
+                                 ckpt_file)
         return
     path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
     if master:

@@ -72,7 +72,7 @@ rows = [dict(source="det", setting=f"T={t}", **run(det, t)) for t in temperature
 for mode in ("sequence", "token"):
     for sigma in sigmas:
         minds, _ = ckpt.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode,
-                                     sigma_scale=sigma_scale)
+                                   sigma_scale=sigma_scale)
         rows.append(dict(source="minds" if mode == "sequence" else "token", setting=f"sigma={sigma}, greedy",
                          **run(minds.eval(), 0.0)))
 

@@ -55,7 +55,7 @@ prompt_ids = [encode(p) for p in prompts]
 
 # the det weights as B-Trans, one wrapper per noise setting; each run sets the spread of every wrapped norm in place
 wrapped = {arm: ckpt.load_model(sft_dir, device, "btrans", checkpoint=checkpoint, sigma_scale=sigma_scale,
-                                  **overrides)[0].eval()
+                                **overrides)[0].eval()
            for arm, overrides in (("minds", {}), ("minds, no final-norm noise", {"final_norm_noise": False}),
                                   ("token noise", {"noise_mode": "token"}))}
 gains = [norm.weight.abs().mean().item() for norm in wrapped["minds"].norms()]

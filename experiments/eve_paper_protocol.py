@@ -76,9 +76,9 @@ if embeddings == "smollm2":
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
     ckpt.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
-                            f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
-                            f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
-                            f"--device={device}", "--compile=False", *frozen, *extra.split())
+                          f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
+                          f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
+                          f"--device={device}", "--compile=False", *frozen, *extra.split())
 
 evals = {}
 for passes in (1, mc_samples):

@@ -568,7 +568,7 @@ def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("onednn", [True, False])
 def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
-                                                                                         data_root):
+                                                                                          data_root):
     """--dtype=bfloat16/float16 on a CPU: through oneDNN (bfloat16 weights packed for it; float16, which it lacks
     here, through autocast's kernels) or torch's own kernels, the nll is float32's to the dtype's rounding."""
     nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(

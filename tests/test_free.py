@@ -352,7 +352,7 @@ def test_factored_and_dense_mappers_give_identical_values_and_gradients(H):
 # chunk (values per piece of v) picks the pieces: H = 5 splits into 3 low and 2 high bits, so 24 gives pieces of 3, 3
 # and 1 tokens by one high row, 48 at N = 2 gives both tokens by high rows {0, 1, 2} then {3}.
 @pytest.mark.parametrize("H, C, N, chunk", [(1, 2, 3, 1), (3, 4, 5, 2), (5, 3, 7, 24), (5, 3, 2, 48),
-                                             (6, 2, 4, 10 ** 6)])
+                                            (6, 2, 4, 10 ** 6)])
 def test_factored_mapper_gradcheck_float64(H, C, N, chunk):
     """The factored Function's forward is W[:, c], flat in the logits; its gradient for them is that of the
     expectation E_Q[W Z] = W G (Eq. 8). Adding W0 G(L) detached, with W0 a fixed copy of W, gives a function whose

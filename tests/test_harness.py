@@ -39,8 +39,8 @@ def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
     ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
-                            "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
-                            "meta": meta}, os.path.join(path, "ckpt.pt"))
+                          "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
+                          "meta": meta}, os.path.join(path, "ckpt.pt"))
     return str(path)
 
 
@@ -169,7 +169,7 @@ def test_nanolatent_and_hf_give_the_same_items_on_a_det_export(gpt2_det):
     assert ours_results["mc"]["acc,none"] == theirs_results["mc"]["acc,none"]
     assert ours_results["ll"]["acc,none"] == theirs_results["ll"]["acc,none"] == 0.5  # is_greedy: the first only
     assert ours_results["ppl"]["word_perplexity,none"] == pytest.approx(theirs_results["ppl"]["word_perplexity,none"],
-                                                                       rel=1e-4)
+                                                                        rel=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,8 +313,8 @@ def test_out_items_holds_each_choices_loglikelihoods_predictions_and_truncation(
         pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
         for mixture in ("token", "sequence"):  # both mixtures, on the draws of example_generator(seed, index)
             ll, n_tokens, cut = multiple_choice.score_choices(net, pairs, 8, multiple_choice.example_generator(net, SEED,
-                                                                                              item["index"]),
-                                                       mixture=mixture)
+                                                                                                               item["index"]),
+                                                              mixture=mixture)
             assert item["loglikelihoods"][mixture] == pytest.approx(ll, abs=1e-6)
         assert item["tokens"] == n_tokens and item["truncated"] == cut and item["label"] == ex["label"]
         ll = item["loglikelihoods"]["token"]

@@ -134,7 +134,7 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
             f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>" * (i + 1)
                                      + f"\n#### {i + 1}"}) + "\n" for i in range(n))  # problem i: i + 1 steps
     assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
-                                                                         ("train 2?", 3.0)]
+                                                                        ("train 2?", 3.0)]
     assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
     assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
                                                                                           ("train 1?", 2.0)]
@@ -336,7 +336,7 @@ def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp
 
 
 @pytest.mark.parametrize("config", sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config",
-                                                                                                    "rlvr_*.py"))))
+                                                                                                   "rlvr_*.py"))))
 def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
     """What rlvr.py's configurator reads from each of its configs: every key one of rlvr.py's settings or a B-Trans
     Config field (configure dies otherwise, naming the key), each value as the file gives it (of its default's type)."""

@@ -62,7 +62,7 @@ def test_batched_scores_equal_the_one_by_one_reference(model_type, extra, n_pass
     for pairs in examples:
         want, want_n = reference(net, pairs, n_passes, torch.Generator().manual_seed(5), mixture)
         got, got_n, truncated = multiple_choice.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(5),
-                                                       mixture=mixture)
+                                                              mixture=mixture)
         assert got_n == want_n
         assert truncated == any(len(c) + len(d) > TINY["block_size"] + 1 for c, d in pairs)
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
@@ -78,7 +78,7 @@ def test_det_and_minds_read_the_context_from_the_cache_once_per_pass(monkeypatch
         net = common.build_model(model_type, TINY).eval()
         forward = net.forward
         monkeypatch.setattr(net, "forward", lambda idx, *a, **k: (calls.append((model_type, tuple(idx.shape))),
-                                                                    forward(idx, *a, **k))[1])
+                                                                  forward(idx, *a, **k))[1])
         context = list(range(10))
         pairs = [(context, [11, 12]), (context, [13]), (context, [14, 15, 16])]
         multiple_choice.score_choices(net, pairs, n_passes, torch.Generator().manual_seed(0))

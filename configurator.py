@@ -20,7 +20,7 @@ import math
 import os
 import sys
 
-import common
+from nanolatent import common
 
 TYPES = (int, float, bool, str, tuple)  # what a default may be
 
@@ -81,7 +81,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
     """Returns (script values, model values). model_fields(values) -> {field: default} of the chosen model's Config,
     called with the script's values after overrides (so it can look at the model key). positional names the default
     that takes the arguments which are neither config files nor --key=value: a str takes one (prepare.py's source), a
-    tuple all of them (plot.py's runs). given, a set, receives the keys that a file or the command line set."""
+    tuple all of them (scripts/plot.py's runs). given, a set, receives the keys that a file or the command line set."""
     file_values, cli_texts, free = {}, {}, []
     for arg in argv:
         if arg.startswith("--"):

@@ -40,13 +40,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import cpu
-import multiple_choice
-import tasks
-import tokendata
+from nanolatent import ckpt, common, cpu, models, multiple_choice, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # what to evaluate
@@ -327,7 +322,7 @@ def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_t
 def load_net(path, checkpoint):
     """The checkpoint as a model in eval mode (into --model when given, with the Config overrides it takes) and a
     generator, both seeded alike for every run so all see the same draws."""
-    fields = common.config_fields(model or checkpoint["model_type"])
+    fields = models.config_fields(model or checkpoint["model_type"])
     net, _ = ckpt.load_model(path, device, model or None, checkpoint=checkpoint,
                              **{k: v for k, v in overrides.items() if k in fields})
     torch.manual_seed(seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
@@ -465,7 +460,7 @@ if __name__ == "__main__":
         fields = {}
         for path in [p for p in values["out_dir"].split(",") if p]:
             checkpoints[path] = ckpt.load_checkpoint(path)
-            fields.update(common.config_fields(values["model"] or checkpoints[path]["model_type"]))
+            fields.update(models.config_fields(values["model"] or checkpoints[path]["model_type"]))
         return fields
 
     config, overrides = configurator.apply(globals(), model_fields=model_fields)

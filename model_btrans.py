@@ -271,7 +271,7 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.norm_f = BayesianBiasNorm(config, config.sigmas[-1])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)

@@ -401,7 +401,7 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         self.tok_emb.weight.requires_grad_(not config.freeze_embeddings)  # out of configure_optimizers' groups too
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)

@@ -329,7 +329,7 @@ class Model(nn.Module):
         self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)

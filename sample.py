@@ -11,11 +11,8 @@ import os
 
 import torch
 
-import ckpt
-import common
 import configurator
-import cpu
-import tokendata
+from nanolatent import ckpt, common, cpu, models, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
@@ -45,7 +42,7 @@ def model_fields(values):
     checkpoint read here is memory-mapped, so asking it its type costs little and its tensors are read once."""
     global checkpoint
     checkpoint = ckpt.load_checkpoint(values["out_dir"])
-    return common.config_fields(values["model"] or checkpoint["model_type"])
+    return models.config_fields(values["model"] or checkpoint["model_type"])
 
 
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
@@ -92,7 +89,7 @@ if latents == "independent":
     pinned = net.sample_latents(num_samples, latent_generator, prompt=consistent_with)
 elif latents == "shared":  # one prompt-Z draw and one sequence of per-token codes for the whole group
     pinned = net.sample_latents(1, latent_generator, prompt=consistent_with)
-    pinned = None if pinned is None else common.repeat_latents(pinned, num_samples)
+    pinned = None if pinned is None else models.repeat_latents(pinned, num_samples)
 else:
     if net.latent_kind != "code":
         common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
@@ -101,7 +98,7 @@ else:
     if ref.size(1) > net.config.block_size:
         common.die(f"the {'--reference' if reference else 'prompt'} has {ref.size(1)} tokens, more than the context "
                    f"(block_size={net.config.block_size}): the encoder reads it whole; shorten it")
-    pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
+    pinned = models.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
 
 # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
 step = torch.compile(net.forward, dynamic=True) if compile else None

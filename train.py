@@ -33,11 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ckpt
-import common
 import configurator
-import cpu
-import tokendata
+from nanolatent import ckpt, common, cpu, models, plan, records, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -85,7 +82,7 @@ dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
 dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H100s reaches 0.35-0.5)
 # ----------------------------------------------------------------------------------------------------------------
-config, model_config = configurator.apply(globals(), model_fields=lambda values: common.config_fields(values["model"]))
+config, model_config = configurator.apply(globals(), model_fields=lambda values: models.config_fields(values["model"]))
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
@@ -113,7 +110,7 @@ if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(glo
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
-    common.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
+    plan.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
     raise SystemExit(0)
 
@@ -201,7 +198,7 @@ if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have 
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "
                f"drop --vocab_size (the data's is the default) or set it >= {meta['vocab_size']}")
 # fixed-length sequences (the synthetic task) default to one whole sequence per window
-default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else common.config_fields(model)["block_size"]
+default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else models.config_fields(model)["block_size"]
 model_config.setdefault("block_size", default_block_size)
 if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
     common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
@@ -210,9 +207,9 @@ if min(len(train_data), len(val_data)) <= model_config["block_size"]:
                f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
 threads = torch.get_num_threads() if device == "cpu" else None  # common.check_device chose it
 # before a batch_size=1000000 meets the allocator
-common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
+plan.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
-raw_model = common.build_model(model, model_config).to(device)
+raw_model = models.build_model(model, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
     if not os.path.isfile(init_embeddings):
         what = "is a folder" if os.path.isdir(init_embeddings) else "does not exist"
@@ -232,7 +229,7 @@ if init_embeddings and checkpoint is None:  # a resumed run has them in its chec
                    f"is {tuple(raw_model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
     with torch.no_grad():
         raw_model.tok_emb.weight.copy_(embedding)
-model_config = common.config_dict(raw_model.config)
+model_config = models.config_dict(raw_model.config)
 
 # One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
 # all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
@@ -244,7 +241,7 @@ if fsdp:
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False) if ptdtype == torch.bfloat16 else MixedPrecisionPolicy()
-    for block in common.transformer_blocks(raw_model):
+    for block in models.transformer_blocks(raw_model):
         if compile:
             block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
@@ -313,7 +310,7 @@ if master:
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
           + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
     if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
-        common.keep_records(metrics_path, before_iter=iter_num if resume else 0)
+        records.keep_records(metrics_path, before_iter=iter_num if resume else 0)
     if wandb_log:
         wandb.init(project=wandb_project, name=wandb_run_name, config={**config, **model_config})
 
@@ -364,8 +361,8 @@ def estimate_loss():
 
 
 def log_record(record):
-    """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
-    common.append_record(metrics_path, record)
+    """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for scripts/plot.py."""
+    records.append_record(metrics_path, record)
     if wandb_log:
         wandb.log(record, step=record["iter"])
 

@@ -19,11 +19,10 @@ import os
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import tokendata
-from tasks import distinct_n, pairwise_distance
+from experiments import study
+from nanolatent import ckpt, common, tokendata
+from nanolatent.tasks import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
 prompts = ("ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY VI:\n", "MENENIUS:\n", "LADY CAPULET:\n")
@@ -37,7 +36,7 @@ figure = "assets/btrans_diversity.png"
 device = "cpu"
 configurator.apply(globals())
 
-ckpt.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
+study.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
 det, checkpoint = ckpt.load_model(out_dir, device)
 det.eval()
 encode, decode = tokendata.tokenizer(checkpoint["meta"])

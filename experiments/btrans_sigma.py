@@ -1,7 +1,7 @@
 """How sigma moves a pretrained model, to pick it (B-Trans §4.1 Eq. 4 gives no value): the sweep behind the README's
 sigma guidance for a pretrained model.
 
-    python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
+    python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_sigma --out_dir=out-smollm2
 
 For each way of scaling the offset (model_btrans.Config.sigma_scale: 'absolute' is Eq. 4 as written, 'gain' and
@@ -23,10 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import tokendata
+from nanolatent import ckpt, common, tokendata
 
 out_dir = "out-smollm2"
 # held-out text: a plain-text file; '' = TinyStories' validation stories from the hub (offline: the opening 197 KB of

@@ -18,9 +18,10 @@ torch.set_num_threads(2)
 
 
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
-    """Run `python <script> args...` with prepared data under data_dir; returns the CompletedProcess."""
+    """Run `python <script>.py args...` or `python -m <module> args...` with prepared data under data_dir; returns the
+    CompletedProcess."""
     env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") else list(map(str, args))
+    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") or args[0] == "-m" else list(map(str, args))
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

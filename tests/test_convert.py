@@ -18,11 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from conftest import run_script  # noqa: E402
 
-import ckpt  # noqa: E402
-import common  # noqa: E402
-import convert  # noqa: E402
-import llama  # noqa: E402
-import tokendata  # noqa: E402
+from nanolatent import ckpt, llama, models, tokendata  # noqa: E402
+from scripts import convert  # noqa: E402
 
 TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
     f"The {a} model reads the {b} and writes a {c}. Each mind of the {a} model sees the same {b}, yet writes its "
@@ -175,7 +172,7 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
 def our_checkpoint(path, model_type="det", tie=True, **config):
     """A random det model of ours saved in train.py's format (char tokenizer), norm gains away from 1; the model."""
     torch.manual_seed(0)
-    model = common.build_model(model_type, dict(vocab_size=40, n_layer=2, n_embd=48, n_head=4, n_kv_head=2,
+    model = models.build_model(model_type, dict(vocab_size=40, n_layer=2, n_embd=48, n_head=4, n_kv_head=2,
                                                 block_size=32, rope_theta=300.0, norm_eps=1e-4, tie_embeddings=tie,
                                                 **config)).eval()
     with torch.no_grad():
@@ -183,7 +180,7 @@ def our_checkpoint(path, model_type="det", tie=True, **config):
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
-    ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(model.config),
+    ckpt.save_checkpoint({"model_type": model_type, "model_config": models.config_dict(model.config),
                           "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
                           "meta": {"tokenizer": "char", "chars": [chr(32 + i) for i in range(40)],
                                    "vocab_size": 40}}, os.path.join(path, "ckpt.pt"))
@@ -239,7 +236,7 @@ def imported(tmp_path_factory, tokenizer_file):
     """An untied random Llama with the BPE tokenizer, imported by the command line; (folder, HF model, tokenizer)."""
     root = tmp_path_factory.mktemp("imported")
     hf = hf_llama(root / "hf", tokenizer_file, tie=False)
-    run_script("convert.py", "hf", f"--src={root / 'hf'}", f"--out_dir={root / 'ours'}", data_dir=root)
+    run_script("-m", "scripts.convert", "hf", f"--src={root / 'hf'}", f"--out_dir={root / 'ours'}", data_dir=root)
     return root, hf, tokenizers.Tokenizer.from_file(str(tokenizer_file))
 
 
@@ -308,7 +305,7 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
         run_script("prepare.py", "arith", "--num_train=300", "--num_val=40", f"--name={name}",
                    f"--tokenizer={tokenizer}", data_dir=tmp_path)
     monkeypatch.setenv("NANOLATENT_DATA", str(tmp_path))
-    import tasks
+    from nanolatent import tasks
     for split in ("train", "val"):
         char, bpe = (tasks.load_prompts("arith", name, split, tokendata.load_meta(name)) for name in ("arith_char",
                                                                                                       "arith_bpe"))
@@ -351,7 +348,7 @@ def test_broken_or_foreign_weights_are_refused_in_one_line(tmp_path, tokenizer_f
     save_file(tensors, shards[0], metadata={"format": "pt"})
     # a shard cut short by an interrupted download: from the command line, exit 2 and one line, no traceback
     shards[-1].write_bytes(shards[-1].read_bytes()[:-100])
-    proc = run_script("convert.py", *args, data_dir=tmp_path, check=False)
+    proc = run_script("-m", "scripts.convert", *args, data_dir=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert f"{shards[-1]} is unreadable" in proc.stderr and "truncated" in proc.stderr
     shards[-1].unlink()
@@ -395,10 +392,10 @@ def test_a_hub_id_goes_through_snapshot_download(tmp_path, tokenizer_file, monke
 # tie_embeddings in the four model files
 
 
-@pytest.mark.parametrize("model_type", common.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
 def test_an_untied_head_is_its_own_matrix_and_costs_the_same_flops(model_type):
     values = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=16)
-    tied, untied = (common.build_model(model_type, {**values, "tie_embeddings": t}) for t in (True, False))
+    tied, untied = (models.build_model(model_type, {**values, "tie_embeddings": t}) for t in (True, False))
     assert tied.lm_head.weight is tied.tok_emb.weight and untied.lm_head.weight is not untied.tok_emb.weight
     assert untied.num_params() - tied.num_params() == 50 * 32  # the head's own matrix
     # 6N counts the head's matmul once either way; an untied embedding is a lookup, no FLOPs

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import ckpt
-import common
+from nanolatent import ckpt, models
 
 from conftest import ROOT, TINY, records, run_script, train_det
 
@@ -147,10 +146,10 @@ def test_every_config_refuses_a_bad_shared_shape_with_the_same_message(model_typ
     ({"rope_theta": float("inf")}, "rope_theta=inf: must be a finite float"),
 ])
 def test_every_model_value_of_the_wrong_type_is_named_where_the_scripts_build_a_model(model_type, values, message):
-    """common.typed_values, which build_model runs before a Config sees the values: one ValueError naming field,
+    """models.typed_values, which build_model runs before a Config sees the values: one ValueError naming field,
     value and type (the scripts print it as one line)."""
     with pytest.raises(ValueError) as error:
-        common.typed_values(model_type, values)
+        models.typed_values(model_type, values)
     assert str(error.value) == message
 
 
@@ -170,13 +169,13 @@ def test_a_model_value_out_of_its_range_is_named(model_type, values, message):
 
 def test_a_nan_model_value_is_named_before_a_config_sees_it():
     with pytest.raises(ValueError, match=re.escape("sigma=nan: must be a finite float")):
-        common.typed_values("btrans", {"sigma": float("nan")})
+        models.typed_values("btrans", {"sigma": float("nan")})
 
 
 def test_a_config_from_json_takes_lists_for_tuples_and_ints_for_floats():
-    typed = common.typed_values("eve", {"mu2_band": [0.08, 0.145], "kl_beta": 1})
+    typed = models.typed_values("eve", {"mu2_band": [0.08, 0.145], "kl_beta": 1})
     assert typed["mu2_band"] == (0.08, 0.145) and type(typed["kl_beta"]) is float
-    config = common.build_model("eve", {**typed, "vocab_size": 50, "n_layer": 2, "n_embd": 32}).config
+    config = models.build_model("eve", {**typed, "vocab_size": 50, "n_layer": 2, "n_embd": 32}).config
     assert config.mu2_band == (0.08, 0.145) and type(config.kl_beta) is float
 
 
@@ -423,12 +422,12 @@ def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
 
 
 @pytest.mark.parametrize("script, args", [
-    ("rlvr.py", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
-    ("convert.py", ["hf", "--src={tmp}", "--out_dir={run}"]),
+    ("scripts.rlvr", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
+    ("scripts.convert", ["hf", "--src={tmp}", "--out_dir={run}"]),
 ])
 def test_no_script_replaces_a_run_unasked(script, args, run, data_root, tmp_path):
     before = snapshot(run)
-    proc = run_script(script, *[a.format(run=run, tmp=tmp_path) for a in args], data_dir=data_root, check=False)
+    proc = run_script("-m", script, *[a.format(run=run, tmp=tmp_path) for a in args], data_dir=data_root, check=False)
     assert_one_line_error(proc, f"{run} already holds a run ({run / 'ckpt.pt'})", "--overwrite=True")
     assert snapshot(run) == before
 
@@ -439,14 +438,14 @@ def test_to_hf_refuses_a_folder_that_is_not_empty(run, data_root, tmp_path):
     write(dst / "config.json", '{"model_type": "llama"}')
     write(dst / "model.safetensors", "weights")
     before = snapshot(dst)
-    proc = run_script("convert.py", "to_hf", f"--out_dir={run}", f"--dst={dst}", data_dir=data_root, check=False)
+    proc = run_script("-m", "scripts.convert", "to_hf", f"--out_dir={run}", f"--dst={dst}", data_dir=data_root, check=False)
     assert_one_line_error(proc, f"--dst={dst} is not empty (config.json, model.safetensors)", "--overwrite=True")
     assert snapshot(dst) == before
 
 
 def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
     write(tmp_path / "src" / "config.json", '{"model_type": "llama", "hidden_size": ')
-    proc = run_script("convert.py", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
+    proc = run_script("-m", "scripts.convert", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
                       data_dir=data_root, check=False)
     assert_one_line_error(proc, f"{tmp_path / 'src' / 'config.json'} is malformed (JSONDecodeError")
     assert not (tmp_path / "out" / "ckpt.pt").exists()
@@ -455,7 +454,7 @@ def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
 def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     write(tmp_path / "hook" / "safetensors" / "__init__.py", "raise ImportError('not installed')\n")
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook")}
-    proc = subprocess.run([sys.executable, "convert.py", "to_hf", f"--out_dir={run}", f"--dst={tmp_path / 'hf'}"],
+    proc = subprocess.run([sys.executable, "-m", "scripts.convert", "to_hf", f"--out_dir={run}", f"--dst={tmp_path / 'hf'}"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert_one_line_error(proc, "pip install safetensors")
     assert not (tmp_path / "hf").exists() or not os.listdir(tmp_path / "hf")
@@ -590,7 +589,7 @@ def test_prepare_input_that_is_a_folder_says_so(tmp_path):
 def test_a_refused_gguf_import_leaves_no_trace(src, phrase, data_root, tmp_path):
     write(tmp_path / "half.gguf", "GGUF cut short")
     out = tmp_path / "new" / "run"
-    proc = run_script("convert.py", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
+    proc = run_script("-m", "scripts.convert", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
                       data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase.format(tmp=tmp_path))
     assert not (tmp_path / "new").exists()  # not even a folder holding a .lock
@@ -618,6 +617,6 @@ def test_plot_skips_a_partial_last_line(trained, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is optional (pip install matplotlib); CI installs it")
     shutil.copytree(trained, tmp_path / "run")
     write(tmp_path / "run" / "metrics.jsonl", '{"iter": 9, "val_lo', mode="a")
-    proc = run_script("plot.py", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
+    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
     assert "ends in a partial line" in proc.stderr and (tmp_path / "p.png").exists()
     assert json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())["iter"] == 0

@@ -13,11 +13,8 @@ import torch.nn.functional as F
 
 from conftest import SHARED_DATA, TINY, run_script
 
-import ckpt
-import common
 import evaluate
-import multiple_choice
-import tasks
+from nanolatent import ckpt, models, multiple_choice, tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
 CHARS = " abcdefghijklmnopqrstuvwxyz.:"
@@ -34,7 +31,7 @@ def decode(ids):
 
 def tiny(model_type, **kwargs):
     torch.manual_seed(0)
-    return common.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
+    return models.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
 
 
 def log(probs):
@@ -308,7 +305,7 @@ def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
 def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     torch.manual_seed(0)
     chars = sorted(set("\n!>_" + tasks.LETTERS))
-    net = common.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
+    net = models.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
     enc = lambda s: [chars.index(ch) for ch in s]
     dec = lambda ids: "".join(chars[i] for i in ids)
     out = evaluate.evaluate_population(net, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),

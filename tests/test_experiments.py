@@ -12,10 +12,9 @@ import torch
 
 from conftest import SHARED_DATA, TINY, records, run_script
 
-import ckpt
-import tasks
-import tokendata
 from experiments import smollm2_embedding
+from experiments import study
+from nanolatent import ckpt, tasks, tokendata
 
 GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
@@ -35,21 +34,21 @@ def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
 
 def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
     # [0.30, 0.32] (mean 0.31, std 0.01) against [0.27, 0.29] (0.28 ± 0.01): 0.30 > 0.29, apart
-    assert tasks.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
-    assert tasks.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
+    assert study.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
+    assert study.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
     # 0.31 ± 0.01 against 0.30 ± 0.01: the intervals share [0.30, 0.31], no call, either way round
-    assert tasks.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
-    assert tasks.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
-    assert tasks.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
+    assert study.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
+    assert study.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
+    assert study.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
 
 
 def test_one_seed_calls_no_difference_and_prints_no_spread():
     """A single seed's std is 0 by construction: its 'interval' is a point, and two distinct points are not evidence
     of a difference. No call, no ± in the cell, and a line saying why."""
-    assert tasks.intervals_apart([0.9], [0.1]) == 0 and tasks.intervals_apart([0.9, 0.9], [0.1]) == 0
-    assert tasks.mean_std([0.25]) == "0.250" and tasks.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
-    assert tasks.mean_std([0.05], sign="+") == "+0.050"
-    assert "no interval test" in tasks.one_seed_note((1,)) and tasks.one_seed_note((1, 2)) == ""
+    assert study.intervals_apart([0.9], [0.1]) == 0 and study.intervals_apart([0.9, 0.9], [0.1]) == 0
+    assert study.mean_std([0.25]) == "0.250" and study.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
+    assert study.mean_std([0.05], sign="+") == "+0.050"
+    assert "no interval test" in study.one_seed_note((1,)) and study.one_seed_note((1, 2)) == ""
 
 
 def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_path):
@@ -66,7 +65,7 @@ def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_pat
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[2] == "| minds | " + " | ".join(["0.900"] * 5) + " |", proc.stdout + proc.stderr
     assert not any("*" in line or "±" in line for line in table)
-    assert tasks.one_seed_note([1]) in proc.stdout
+    assert study.one_seed_note([1]) in proc.stdout
 
 
 def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():

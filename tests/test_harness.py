@@ -12,11 +12,8 @@ import torch
 
 from conftest import SHARED_DATA, run_script
 
-import ckpt
-import common
-import convert
-import multiple_choice
-import tokendata
+from scripts import convert
+from nanolatent import ckpt, common, models, multiple_choice, tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
@@ -30,7 +27,7 @@ def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
     """A random tiny run, its weights drawn wide (norm gains around 1, embeddings of std 1) so that its choices get
     clearly different scores and a misplaced token shows."""
     torch.manual_seed(0)
-    net = common.build_model(model_type, dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=block_size,
+    net = models.build_model(model_type, dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=block_size,
                                               vocab_size=vocab, **kwargs))
     with torch.no_grad():
         net.tok_emb.weight.normal_(0.0, 1.0)
@@ -38,7 +35,7 @@ def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
-    ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
+    ckpt.save_checkpoint({"model_type": model_type, "model_config": models.config_dict(net.config),
                           "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
                           "meta": meta}, os.path.join(path, "ckpt.pt"))
     return str(path)
@@ -220,7 +217,7 @@ def test_the_readme_command_on_an_eve_run_gives_evaluate_py_acc(stochastic, tmp_
     """`python harness.py --model nanolatent ...` from the command line, as the README gives it."""
     needs_lm_eval()
     root, runs, results, _ = stochastic
-    run_script("harness.py", "--model", "nanolatent", "--model_args",
+    run_script("-m", "scripts.harness", "--model", "nanolatent", "--model_args",
                f"out_dir={runs['eve']},mc_samples=8,mixture=auto,seed={SEED}", "--tasks", "mc", "--include_path",
                root, "--device", "cpu", "--output_path", tmp_path / "out", data_dir=root)
     (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files
@@ -292,7 +289,7 @@ def test_the_command_line_without_out_dir_says_what_to_give(stochastic, tmp_path
     """lm_eval calls the model with the arguments it was given: out_dir missing was a TypeError."""
     needs_lm_eval()
     root, runs, _, _ = stochastic
-    proc = run_script("harness.py", "--model", "nanolatent", "--model_args", "mc_samples=2", "--tasks", "mc",
+    proc = run_script("-m", "scripts.harness", "--model", "nanolatent", "--model_args", "mc_samples=2", "--tasks", "mc",
                       "--include_path", root, "--device", "cpu", data_dir=root, check=False)
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("20")]  # lm_eval's log lines: dated
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SHARED_DATA, run_script
 
-import tokendata
+from nanolatent import tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")

@@ -43,7 +43,7 @@ def test_plot_draws_two_runs_to_a_png(data_root, tmp_path):
     for run in ("a", "b"):
         train(data_root, tmp_path / run, "--max_iters=4", "--eval_interval=2")
     out = tmp_path / "curves.png"
-    run_script("plot.py", tmp_path / "a", tmp_path / "b", "--keys=val_ce,loss", f"--out={out}", data_dir=tmp_path)
+    run_script("-m", "scripts.plot", tmp_path / "a", tmp_path / "b", "--keys=val_ce,loss", f"--out={out}", data_dir=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     drawn = json.loads((tmp_path / "curves.json").read_text())  # the points drawn, beside the figure
     for run in ("a", "b"):
@@ -59,7 +59,7 @@ def test_plot_draws_evaluate_json_files_with_exact_zeros_on_a_floor(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(
             {"task": "lm", "results": {name: {"model_type": name, "nll": 1.2, "ece": 0.02, "mi": mi, "flip_rate": mi}}}))
     out = tmp_path / "eval.png"
-    run_script("plot.py", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
+    run_script("-m", "scripts.plot", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
@@ -73,5 +73,5 @@ def test_plot_bad_input_is_one_clear_line(tmp_path, case, message):
     run.mkdir()
     if case != "no_records":
         (run / "metrics.jsonl").write_text("" if case == "empty" else json.dumps({"iter": 0, "val_ce": 1.0}) + "\n")
-    proc = run_script("plot.py", run, "--keys=val_cee", data_dir=tmp_path, check=False)
+    proc = run_script("-m", "scripts.plot", run, "--keys=val_cee", data_dir=tmp_path, check=False)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1

@@ -15,20 +15,17 @@ import torch
 
 from conftest import ROOT, records, run_script, train_det
 
-import ckpt
-import common
 import configurator
-import grpo
-import rlvr
-import tasks
-import tokendata
+from nanolatent import ckpt, grpo, models
+from scripts import rlvr
+from nanolatent import tasks, tokendata
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=32, vocab_size=14)
 
 
 def tiny(model_type="btrans", seed=0, **kwargs):
     torch.manual_seed(seed)
-    return common.build_model(model_type, {**TINY_MODEL, **kwargs}).eval()
+    return models.build_model(model_type, {**TINY_MODEL, **kwargs}).eval()
 
 
 def gen(seed):
@@ -133,15 +130,15 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
         with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>" * (i + 1)
                                      + f"\n#### {i + 1}"}) + "\n" for i in range(n))  # problem i: i + 1 steps
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
                                                                         ("train 2?", 3.0)]
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
                                                                                           ("train 1?", 2.0)]
     items = [{"context": "The cat", "choices": ["sat.", "flew.", "sang."], "label": 2}]
     with open(tmp_path / "mc.jsonl", "w") as f:
         f.writelines(json.dumps(item) + "\n" for item in items)
-    ((question, label),) = rlvr.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
+    ((question, label),) = tasks.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
     assert label == "C" and question == tasks.lettered_question("The cat", ["sat.", "flew.", "sang."])
 
 
@@ -155,7 +152,7 @@ def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_l
     template = tmp_path / "chat_template.jinja"  # beside the run's tokenizer, as convert.py writes it
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
     meta = {"tokenizer": "hf", "tokenizer_file": str(tmp_path / "tokenizer.json")}
-    load, verify = rlvr.chat_task("hellaswag", tmp_path / "mc.jsonl", meta)
+    load, verify = tasks.chat_task("hellaswag", tmp_path / "mc.jsonl", meta)
     prompts = load("val")
     assert prompts == [f"<user>{tasks.lettered_question(i['context'], i['choices'])}<assistant>" for i in items]
     assert verify(prompts[0], "B. b") and not verify(prompts[0], "A") and verify(prompts[1], "A")
@@ -242,7 +239,7 @@ def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith
 
 def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(arith_ckpt, tmp_path):
     root, det_out = arith_ckpt
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
                       "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
                       "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
     assert "step 1/2: reward" in proc.stdout
@@ -278,19 +275,19 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
     root, det_out = arith_ckpt
     args = ["--max_steps=12", "--eval_interval=5", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
             "--group_size=4", "--sigma=0.1", "--learning_rate=1e-3", "--reward=ttrl", "--device=cpu"]
-    run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path / 'whole'}", *args, data_dir=root)
+    run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path / 'whole'}", *args, data_dir=root)
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(SIGTERM_MID_ROLLOUT)
     env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "hook")}
     stopped = tmp_path / "stopped"
-    proc = subprocess.run([sys.executable, "rlvr.py", f"--init_from={det_out}", f"--out_dir={stopped}", *args],
+    proc = subprocess.run([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={stopped}", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert proc.stderr.splitlines() == [f"stopped by SIGTERM: {stopped / 'ckpt.pt'} holds step 5; continue with the "
                                         f"same command and --init_from=resume"]
     assert "step 4/12: reward" in proc.stdout and "step 5/12: reward" not in proc.stdout  # step 4 was finished
     assert torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"] == 5
-    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={stopped}", *args, data_dir=root)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={stopped}", *args, data_dir=root)
     assert "resuming at step 5" in proc.stdout
     whole, resumed = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "whole", stopped))
     assert resumed["iter_num"] == whole["iter_num"] == 12
@@ -313,14 +310,14 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
 def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path, existing, message):
     root, det_out = arith_ckpt
     out = det_out if existing else tmp_path / "none"
-    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
 def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatch):
     root, det_out = arith_ckpt
     monkeypatch.setenv("RANK", "0")
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "runs in one process" in proc.stderr
 
 
@@ -331,7 +328,7 @@ def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatc
 ])
 def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp_path, args, message):
     root, det_out = arith_ckpt
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
@@ -342,7 +339,7 @@ def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
     Config field (configure dies otherwise, naming the key), each value as the file gives it (of its default's type)."""
     defaults = {k: v for k, v in vars(rlvr).items() if not k.startswith("_") and isinstance(v, configurator.TYPES)}
     values, model_values = configurator.configure(defaults, [os.path.join(ROOT, config)],
-                                                  model_fields=lambda values: common.config_fields("btrans"))
+                                                  model_fields=lambda values: models.config_fields("btrans"))
     file_values = configurator.read_config_file(os.path.join(ROOT, config))
     assert values["task"] in tasks.TASKS and len(file_values) > 3
     assert all({**values, **model_values}[k] == v for k, v in file_values.items())

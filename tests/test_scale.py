@@ -15,8 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, TINY, run_script
 
-import ckpt
-import common
+from nanolatent import ckpt, models
 
 # an evaluation and a checkpoint every 3 steps; 2 micro-batches per step, one per process on 2 processes
 STEPS = ["--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
@@ -174,10 +173,10 @@ def test_every_config_parses_and_dry_runs(config, tmp_path):
         os.makedirs(tmp_path / values["dataset"])
         (tmp_path / values["dataset"] / "meta.json").write_text(json.dumps({"vocab_size": 65, "tokenizer": "char"}))
     out = dry_run(config, data_dir=tmp_path)
-    fields = common.config_fields(model_type)
+    fields = models.config_fields(model_type)
     model_values = {k: v for k, v in values.items() if k in fields and k not in ("block_size", "vocab_size")}
     with torch.device("meta"):
-        model = common.build_model(model_type, {**model_values, "vocab_size": values.get("vocab_size", 65),
+        model = models.build_model(model_type, {**model_values, "vocab_size": values.get("vocab_size", 65),
                                                 "block_size": values.get("block_size", fields["block_size"])})
     assert f"dry run: {model_type} model, {model.num_params():,} parameters" in out
 
@@ -187,9 +186,9 @@ def test_paper_scale_configs_have_the_papers_sizes():
     Llama-3 8B's parameter count; free_1b5.py's baseline is 1.5B with the paper's 2^17-token vocabulary (§4.2)."""
     def det_params(config, vocab_size):
         values = config_values(os.path.join(ROOT, "config", config))
-        fields = common.config_fields("det")
+        fields = models.config_fields("det")
         with torch.device("meta"):
-            model = common.build_model("det", {**{k: v for k, v in values.items() if k in fields},
+            model = models.build_model("det", {**{k: v for k, v in values.items() if k in fields},
                                                "vocab_size": vocab_size})
         return model.num_params()
     assert det_params("free_8b.py", 128256) + 128256 * 4096 == 8_030_261_248

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
-import multiple_choice
+from nanolatent import models, multiple_choice
 
 TINY = dict(vocab_size=50, block_size=24, n_layer=2, n_embd=32, n_head=4, n_kv_head=2)
 
@@ -51,7 +50,7 @@ def test_batched_scores_equal_the_one_by_one_reference(model_type, extra, n_pass
                                                        monkeypatch):
     monkeypatch.setattr(multiple_choice, "MC_LOGITS", logits_per_forward)
     torch.manual_seed(0)
-    net = common.build_model(model_type, {**TINY, **extra}).eval()
+    net = models.build_model(model_type, {**TINY, **extra}).eval()
     tok = lambda *n: torch.randint(0, 50, n).tolist()
     context, long_context = tok(7), tok(20)
     examples = [
@@ -75,7 +74,7 @@ def test_det_and_minds_read_the_context_from_the_cache_once_per_pass(monkeypatch
     calls = []
     for model_type, n_passes in (("det", 1), ("btrans", 3), ("eve", 2)):
         torch.manual_seed(0)
-        net = common.build_model(model_type, TINY).eval()
+        net = models.build_model(model_type, TINY).eval()
         forward = net.forward
         monkeypatch.setattr(net, "forward", lambda idx, *a, **k: (calls.append((model_type, tuple(idx.shape))),
                                                                   forward(idx, *a, **k))[1])

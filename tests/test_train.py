@@ -7,8 +7,7 @@ import torch
 
 from conftest import TINY, records, run_script, train_det as train
 
-import ckpt
-import common
+from nanolatent import ckpt, models
 
 
 def test_unknown_config_key_is_one_clear_error(data_root, tmp_path):
@@ -45,7 +44,7 @@ def test_checkpoint_round_trip_gives_identical_logits(data_root, tmp_path):
     train(data_root, tmp_path, "--max_iters=3", "--eval_interval=3")
     model, checkpoint = ckpt.load_model(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in checkpoint["model"])
-    fresh = common.build_model("det", checkpoint["model_config"])
+    fresh = models.build_model("det", checkpoint["model_config"])
     fresh.load_state_dict(checkpoint["model"])
     idx = torch.randint(0, checkpoint["model_config"]["vocab_size"], (2, 10))
     assert torch.equal(model(idx)[0], fresh(idx)[0])

@@ -1,10 +1,10 @@
 """EleutherAI's lm-evaluation-harness on nanolatent runs: the `nanolatent` model scores a run of any of the four
 models, the stochastic ones with Monte Carlo latents exactly as evaluate.py does.
 
-    python harness.py --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
-    python harness.py --model nanolatent --model_args out_dir=out-det,model=btrans,sigma=0.05 --tasks ...  # minds
+    python -m scripts.harness --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
+    python -m scripts.harness --model nanolatent --model_args out_dir=out-det,model=btrans,sigma=0.05 --tasks ...  # minds
 
-`python harness.py ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
+`python -m scripts.harness ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
 plugins; every flag and every other model works as with `lm_eval`). From Python, `import harness` registers it:
 lm_eval.simple_evaluate(model="nanolatent", model_args={"out_dir": "out-eve"}, ...).
 
@@ -38,12 +38,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
-import cpu
-import llama
-import multiple_choice
-import tokendata
+from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
 
 try:
     # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
@@ -54,7 +49,7 @@ try:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:
-    common.die(f"harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
+    common.die(f"scripts/harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
 
 
 def model_arg(key, value, default, at_least=None, choices=None):
@@ -86,7 +81,7 @@ class NanoLatentLM(LM):
             common.die("--model_args needs out_dir=RUN, the run to evaluate (its folder or a ckpt.pt): "
                        "--model_args out_dir=out-eve,mc_samples=8")
         out_dir = model_arg("out_dir", str(out_dir) if type(out_dir) is int else out_dir, "")  # a folder "123"
-        model = model_arg("model", model, "", choices=("", *common.MODEL_TYPES))
+        model = model_arg("model", model, "", choices=("", *models.MODEL_TYPES))
         mc_samples = model_arg("mc_samples", mc_samples, 8, at_least=1)
         mixture = model_arg("mixture", mixture, "auto", choices=("auto", "token", "sequence"))
         seed = model_arg("seed", seed, 1337, at_least=0)
@@ -95,7 +90,7 @@ class NanoLatentLM(LM):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         common.check_device(device)
         checkpoint = ckpt.load_checkpoint(out_dir)
-        fields = common.config_fields(model or checkpoint["model_type"])
+        fields = models.config_fields(model or checkpoint["model_type"])
         unknown = sorted(set(overrides) - set(fields))
         if unknown:
             common.die(f"model_args {', '.join(unknown)}: not an argument of nanolatent nor a Config field of the "

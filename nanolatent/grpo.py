@@ -1,13 +1,13 @@
 """GRPO with B-Trans minds (Yang & Zhang, "Many Minds from One Model", §5): rollouts of a population of minds, group
 advantages, the clipped policy-gradient objective (Shao et al. 2024, DeepSeekMath Eq. 3) and its update, and the
-majority-vote reward of label-free test-time RL (§5.3). rlvr.py runs them; the studies reuse the rollouts."""
+majority-vote reward of label-free test-time RL (§5.3). scripts/rlvr.py runs them; the studies reuse the rollouts."""
 
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-import tasks
+from nanolatent import tasks
 
 @contextmanager
 def noise_mode(net, mode):

@@ -1,5 +1,5 @@
 """Multiple-choice scoring for every model: examples from a local .jsonl or the hub, each choice's log-likelihood
-under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, harness.py, bench.py)."""
+under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, scripts/harness.py, scripts/bench.py)."""
 
 import json
 import math
@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import common
+from nanolatent import common, models
 
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 
@@ -101,7 +101,7 @@ def choice_tokens(encode, context, choice, eot=None, delimiter=" "):
     """(context ids, continuation ids) of the continuation delimiter + choice, as lm-evaluation-harness's
     _encode_pair makes them: trailing whitespace of the context moves onto the continuation, the pair is encoded whole
     and the continuation is the tokens past the context's. An empty context conditions on the end-of-text token
-    `eot`. (The harness' requests carry their delimiter in the continuation: harness.py passes delimiter="".)"""
+    `eot`. (The harness' requests carry their delimiter in the continuation: scripts/harness.py passes delimiter="".)"""
     continuation = delimiter + choice
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
@@ -123,7 +123,7 @@ def example_latents(net, contexts, generator):
     device = net.tok_emb.weight.device
     if net.latent_kind != "code" or all(c == contexts[0] for c in contexts):
         latents = net.sample_latents(1, generator, prompt=torch.tensor([contexts[0]], device=device))
-        return None if latents is None else common.repeat_latents(latents, len(contexts))
+        return None if latents is None else models.repeat_latents(latents, len(contexts))
     state = generator.get_state()
     rows = []
     for context in contexts:

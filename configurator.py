@@ -42,7 +42,7 @@ def read_config_file(path):
 
 
 def literal(text):
-    """A Python literal, or the text itself when it is none (--model=btrans)."""
+    """A Python literal, or the text itself when it is none (--model_type=btrans)."""
     try:
         return ast.literal_eval(text)
     except (SyntaxError, ValueError):

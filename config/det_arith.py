@@ -6,7 +6,7 @@
 # (docs/reproductions.md, GRPO). A model that adds is middling
 # by construction: addition greedy 0.87 (pass@1 0.76), multiplication 0.002 (the model has learned its format and
 # number of digits, not the product). Without the leading '\n' the same model gets 0.30 greedy.
-model = "det"
+model_type = "det"
 dataset = "arith"
 out_dir = "out-det-arith"
 block_size = 64  # ~5 problems of 8-15 characters per window

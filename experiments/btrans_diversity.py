@@ -53,14 +53,14 @@ def nll_under_det(rows, prompt_len):
 
 
 @torch.no_grad()
-def run(net, temperature):
+def run(model, temperature):
     """Generate K continuations per prompt; average the metrics over prompts."""
     generator = torch.Generator(device).manual_seed(seed)
     metrics = []
     for prompt in prompts:
         idx = torch.tensor([encode(prompt)] * K, device=device)
-        latents = net.sample_latents(K, generator)
-        rows = net.generate(idx, max_new_tokens, temperature=temperature, latents=latents, generator=generator).tolist()
+        latents = model.sample_latents(K, generator)
+        rows = model.generate(idx, max_new_tokens, temperature=temperature, latents=latents, generator=generator).tolist()
         texts = [decode(r[idx.size(1):]) for r in rows]
         metrics.append([nll_under_det(rows, idx.size(1)), distinct_n(texts, 2), distinct_n(texts, 3),
                         pairwise_distance(texts)])

@@ -61,12 +61,12 @@ print(f"{sft_dir}: mean |gain| per wrapped norm {min(gains):.2f} ... {max(gains)
 
 def correct_counts(arm, sigma, seed):
     """Correct samples out of n for each prompt."""
-    net = det if arm == "temperature" else wrapped["minds" if arm == "greedy minds" else arm]
-    for norm in (net.norms() if net is not det else []):
+    model = det if arm == "temperature" else wrapped["minds" if arm == "greedy minds" else arm]
+    for norm in (model.norms() if model is not det else []):
         norm.fixed_sigma = sigma
     T = 0.0 if arm == "greedy minds" else temperature
     tokens, latents = (torch.Generator(device).manual_seed(common.seed_of(seed, i)) for i in range(2))
-    completions, _ = grpo.rollouts(net, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
+    completions, _ = grpo.rollouts(model, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
     ok = [spec.verify(p, decode(c)) for p, c in zip(np.repeat(prompts, n), completions.tolist())]
     return np.array(ok).reshape(len(prompts), n).sum(1)
 

@@ -146,10 +146,10 @@ def gsm8k_correct(seed, i, population):
     """{arm: correct answers of n} for GSM8K problem i: n completions of each arm, decoded to max_new_tokens."""
     correct = {}
     for arm in ARMS:
-        net, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
+        model, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
         idx = torch.tensor([prompts[i]]).expand(n, -1)
         tokens = torch.Generator().manual_seed(common.seed_of(seed, ARMS.index(arm), i))
-        rows = net.generate(idx, max_new_tokens, T, latents=None if net is det else population,
+        rows = model.generate(idx, max_new_tokens, T, latents=None if model is det else population,
                             generator=tokens)[:, idx.size(1):].tolist()
         rows = [row[:row.index(end_ids[0])] if end_ids[0] in row else row for row in rows]
         correct[arm] = sum(tasks.gsm8k_answer(decode(row)) == problems[i]["answer"] for row in rows)

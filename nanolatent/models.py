@@ -31,8 +31,8 @@ def config_dict(config):
 
 def typed_values(model_type, model_values):
     """The model values with the types their Config fields declare, before a Config sees them: an int (or numpy
-    float) stands for a float, a list (JSON) for a tuple; anything else of the wrong type, or a NaN or infinity, is a
-    ValueError naming the field (--ffn_hidden=abc, float('nan') in a config file)."""
+    float) stands for a float, a list (JSON) for a tuple; anything else of the wrong type, a NaN or infinity, or an
+    int below 1 is a ValueError naming the field (--ffn_hidden=abc, float('nan') in a config file, --n_layer=0)."""
     fields = {f.name: f for f in dataclasses.fields(import_model(model_type).Config) if f.init}
     is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
     typed = dict(model_values)
@@ -47,6 +47,8 @@ def typed_values(model_type, model_values):
             kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
                 f.type, f"a {f.type.__name__}")
             raise ValueError(f"{name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+        if f.type is int and value < 1:  # every int of the four Configs is a size or a count
+            raise ValueError(f"{name}={value!r}: must be >= 1")
     return typed
 
 

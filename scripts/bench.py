@@ -413,11 +413,11 @@ def sample_memory(run):
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
-        print(f"\nsample.py --model=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
+        print(f"\nsample.py --model_type=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
               f"{memory_new_tokens} new tokens, one thread")
         print("sample.py flags | seconds | weights MiB | peak resident MiB | weights + 1 GiB | peak within")
         sample = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py"),
-                  f"--out_dir={run}", "--model=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
+                  f"--out_dir={run}", "--model_type=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
                   f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu"]
         # A small parent runs it: a child's peak resident set counts what it inherited before exec, and this process
         # holds two models.

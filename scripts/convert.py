@@ -6,7 +6,7 @@
     python -m scripts.convert to_hf --out_dir=out-det --dst=hf-det          # for transformers and lm_eval --model hf
 
 `hf` reads a Llama checkpoint (config.json and *.safetensors, sharded or not) into <out_dir>/ckpt.pt for model_det,
-and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and --model=btrans
+and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and --model_type=btrans
 (B-Trans minds) then use it as they use a run of ours. A checkpoint with something model_det does not compute (biases,
 RoPE scaling, QK-norm, another activation or architecture) is refused with one line naming the field or tensor.
 `gguf` reads a Llama-architecture GGUF (llama.cpp's format) the same way: its weights dequantized to float32 by the

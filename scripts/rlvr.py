@@ -84,15 +84,15 @@ PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the stream
 
 
 @torch.no_grad()
-def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
+def evaluate_heldout(model, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
     """The mean model (the one the updates train) on held-out prompts: greedy accuracy, and pass@1 and pass@k of k
     samples at `temperature`."""
-    device = net.tok_emb.weight.device
+    device = model.tok_emb.weight.device
     ids = [encode(p) for p in prompts]
     generator = torch.Generator(device).manual_seed(seed)
-    with grpo.noise_mode(net, "mean"), cpu.inference_linears(net):  # on a CPU, the weights laid out for decoding
-        greedy, _ = grpo.rollouts(net, ids, 1, max_new_tokens, 0.0, generator, generator)
-        sampled, _ = grpo.rollouts(net, ids, k, max_new_tokens, temperature, generator, generator)
+    with grpo.noise_mode(model, "mean"), cpu.inference_linears(model):  # on a CPU, the weights laid out for decoding
+        greedy, _ = grpo.rollouts(model, ids, 1, max_new_tokens, 0.0, generator, generator)
+        sampled, _ = grpo.rollouts(model, ids, k, max_new_tokens, temperature, generator, generator)
     greedy_ok = [verify(p, t) for p, t in zip(prompts, grpo.replies(greedy, decode, stop_id))]
     sampled_ok = np.array([verify(p, t) for p, t in zip(np.repeat(prompts, k), grpo.replies(sampled, decode, stop_id))])
     correct = sampled_ok.reshape(len(prompts), k).sum(1)
@@ -105,7 +105,7 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
 # the script
 
 
-def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new):
+def grpo_step(model, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new):
     """One GRPO step: prompts_per_step prompts drawn from pool, group_size rollouts of each, their rewards (the
     verifier, or agreement with the group's majority for TTRL), group-normalised advantages, updates_per_batch
     AdamW steps. Every draw derives from (seed, stream, step). -> the step's log record"""
@@ -116,8 +116,8 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     torch.manual_seed(common.seed_of(seed, ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
     # On a CPU the rollouts decode through the weights laid out for it (cpu.inference_linears), anew each step: the
     # updates change them
-    with cpu.inference_linears(net):
-        completions, _ = grpo.rollouts(net, prompt_ids, group_size, max_new, temperature,
+    with cpu.inference_linears(model):
+        completions, _ = grpo.rollouts(model, prompt_ids, group_size, max_new, temperature,
                                        torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
                                        torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
     texts = grpo.replies(completions, decode, stop_id)
@@ -128,7 +128,7 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     rewards = correct if reward == "verifier" else np.array([r for g in groups for r in grpo.ttrl_rewards(g)])
     rewards = torch.tensor(rewards, dtype=torch.float32, device=device).view(-1, group_size)  # (P, G)
     advantages = grpo.group_advantages(rewards, adv_eps)  # (P, G)
-    stats = grpo.grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
+    stats = grpo.grpo_update(model, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
                              grpo.completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
                              kl_coef, grad_clip, update_batch)
     return {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
@@ -141,7 +141,7 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
 def main():
     if "RANK" in os.environ:
         common.die("scripts/rlvr.py runs in one process (RANK is set, as under torchrun): run it with plain python")
-    # the net is always B-Trans: sigma etc. are its Config fields
+    # the model is always B-Trans: sigma etc. are its Config fields
     config, overrides = configurator.apply(globals(), model_fields=lambda values: models.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
                                            "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
@@ -182,13 +182,13 @@ def main():
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy of the starting model
     # as the KL reference, which a resumed run reads back from its checkpoint
-    net, checkpoint = ckpt.load_model(source, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    model, checkpoint = ckpt.load_model(source, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
     checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
-    net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
+    model.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
     meta = checkpoint["meta"] if spec.chat else tokendata.load_meta(data)  # a chat task: the model's own tokenizer
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
         common.die(f"{source} was trained with another tokenizer or vocabulary than dataset {data!r}")
-    ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
+    ref = copy.deepcopy(model).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
     if resume:
         ref.load_state_dict(checkpoint.pop("ref_model"))
@@ -202,7 +202,7 @@ def main():
         common.die(f"task={task} needs a chat model whose tokenizer has ChatML's <|im_end|> (SmolLM2-Instruct's)")
     stop_id = stop_ids[0]
     device_type = "cuda" if device.startswith("cuda") else "cpu"
-    optimizer = net.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
     start = checkpoint["iter_num"] if resume else 0
     if resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -222,7 +222,7 @@ def main():
     if len(pool) < prompts_per_step or not eval_set:
         common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
                    f"prompts_per_step={prompts_per_step} (prepare more, or lower eval_prompts)")
-    print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={net.config.sigma}), rollout={rollout}, "
+    print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={model.config.sigma}), rollout={rollout}, "
           f"reward={reward}; {prompts_per_step} prompts x {group_size} rollouts per step from "
           f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts"
           + (f"; resuming at step {start}" if resume else ""))
@@ -235,9 +235,9 @@ def main():
         """train.py's format (RL has no validation loss, so a train.py resume saves at its first eval), and the KL
         reference: a resumed run needs the starting model, which init_from may no longer hold."""
         nonlocal saved
-        ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+        ckpt.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                               "ref_model": ref.state_dict(), "model_type": "btrans",
-                              "model_config": models.config_dict(net.config), "config": config, "meta": meta,
+                              "model_config": models.config_dict(model.config), "config": config, "meta": meta,
                               "iter_num": step, "best_val_loss": float("inf")}, ckpt_file)
         saved = step
 
@@ -256,7 +256,7 @@ def main():
         if stop:
             save_and_stop(step)
         if step % eval_interval == 0 or step == max_steps:
-            evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
+            evals = evaluate_heldout(model, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
                                      max_new, seed, stop_id)
             print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
             records.append_record(metrics_path, {"iter": step, **evals})
@@ -266,7 +266,7 @@ def main():
                 save_and_stop(step)
         if step == max_steps:
             break
-        record = grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
+        record = grpo_step(model, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
         if step % log_interval == 0:
             print(f"step {step}/{max_steps}: reward {record['reward']:.3f}, pass {record['pass_rate']:.3f}, adv_std "
                   f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "

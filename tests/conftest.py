@@ -17,6 +17,12 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(2)
 
 
+def pytest_configure(config):
+    # The fast tier, `python -m pytest -q -m "not slow" tests`: every model's contract in-process, in about two minutes.
+    config.addinivalue_line("markers", "slow: starts processes (the scripts, torchrun) or trains for more than a few "
+                                       "seconds; the full suite runs it")
+
+
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
     """Run `python <script>.py args...` or `python -m <module> args...` with prepared data under data_dir; returns the
     CompletedProcess."""
@@ -43,7 +49,7 @@ TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--batch_si
 
 def train_det(data_root, out_dir, *args, check=True):
     """train.py on the tiny det model."""
-    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+    return run_script("train.py", "--model_type=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
 
 
 def records(out_dir):

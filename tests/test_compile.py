@@ -10,6 +10,8 @@ import torch._dynamo as dynamo
 
 from nanolatent import models
 
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, n_head=2, n_kv_head=1)
 
 

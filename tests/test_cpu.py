@@ -231,6 +231,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 def test_kept_freed_memory_is_reused_without_page_faults():
     """cpu.keep_freed_memory(), which train.py calls on a CPU: once two steps have touched their memory, the next
     ones reuse it (0-7,400 faults in 20 steps, measured: a block placed anew now and then). The control, glibc's

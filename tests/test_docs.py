@@ -113,7 +113,7 @@ def test_every_documented_command_passes_keys_its_script_accepts(doc):
         keys = script_keys(path)
         given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
         if script in MODEL_SCRIPTS:  # the model's Config fields too: the named model's, else any of the four
-            named = given.get("model")
+            named = given.get("model_type")
             keys |= fields[named] if named in fields else set().union(*fields.values())
         if script == "scripts.rlvr":  # the policy is always B-Trans
             keys |= fields["btrans"]
@@ -153,6 +153,7 @@ def test_every_local_link_and_image_resolves(doc):
     assert not problems, f"{doc}:\n" + "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_the_parser_reads_keys_continuations_and_inline_commands():
     text = ("Run `python train.py --max_iters=300` first.\n\n```sh\npython -m experiments.eve_vs_det \\\n"
             "    --device=cuda   # a GPU\nOMP_NUM_THREADS=1 python -m scripts.bench --peer=x.py && python sample.py --out_dir=out\n"

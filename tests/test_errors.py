@@ -21,6 +21,8 @@ from nanolatent import ckpt, models
 
 from conftest import ROOT, TINY, records, run_script, train_det
 
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
 
 
@@ -63,7 +65,7 @@ def write(path, text, mode="w"):
 # train.py
 
 
-FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model=free"]  # a new out_dir
+FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model_type=free"]  # a new out_dir
 TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scratch folder, {run} the trained run
     "scratch over a trained run": ([], "already holds a run"),
     "max_iters negative": (["--init_from=resume", "--max_iters=-5"], "--max_iters must be >= 0"),
@@ -268,7 +270,7 @@ def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_r
 
 
 def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
-    proc = run_script("train.py", "--model=eve", f"--out_dir={tmp_path}", *TINY, "--max_iters=3", "--eval_interval=3",
+    proc = run_script("train.py", "--model_type=eve", f"--out_dir={tmp_path}", *TINY, "--max_iters=3", "--eval_interval=3",
                       data_dir=data_root)  # EVE logs the most stats
     lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
     assert lines and all(len(line) <= 120 for line in lines), max(lines, key=len)
@@ -294,7 +296,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_ro
 
 
 def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp_path):
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
     assert "lr_decay_iters = max_iters = 6 (was 600)" in proc.stdout
     cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 2) / (6 - 2))) * (1e-3 - 1e-4)  # warmup_iters=2
@@ -311,7 +313,7 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
 def test_the_lr_decay_note_comes_after_the_checks_not_above_a_refusal(data_root, tmp_path, refusal, phrase):
     """A quick look (--max_iters below lr_decay_iters, which is not set) prints lr_decay_iters = max_iters when it
     trains; a run refused for another reason prints only its one line."""
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", *refusal, data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase)
     assert proc.stdout == ""
@@ -326,7 +328,7 @@ def run_with(sitecustomize, tmp_path, *args, data_root):
     write(tmp_path / "hook" / "sitecustomize.py", sitecustomize)
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(tmp_path / "hook")}
-    return subprocess.run([sys.executable, "train.py", "--model=det", *TINY, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "train.py", "--model_type=det", *TINY, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -341,7 +343,7 @@ def assert_checkpoint_at(folder, iter_num):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "train.py", "--model=det", *TINY, f"--out_dir={tmp_path}",
+    proc = subprocess.Popen([sys.executable, "train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}",
                              "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -475,7 +477,7 @@ def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     (["--seed=-1"], "--seed must be >= 0, got -1"),
     (["--latent_seed=-2"], "--latent_seed must be >= 0, or -1"),
     (["--device=mps"], "has no Apple GPU"),
-    (["--model=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
+    (["--model_type=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
 ])
 def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
     assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False),

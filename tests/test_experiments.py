@@ -16,6 +16,8 @@ from experiments import smollm2_embedding
 from experiments import study
 from nanolatent import ckpt, tasks, tokendata
 
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+
 GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
                                 reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
@@ -80,7 +82,7 @@ def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_numbe
 def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp_path, select_by):
     # EVE's loss adds beta KL and control terms to the CE, so the two criteria are distinct numbers
     out = tmp_path / "eve"
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
                "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
     evals = [r for r in records(out) if "val_ce" in r and r["iter"] > 0]
     best = min(evals, key=lambda r: r[f"val_{select_by}"])
@@ -100,15 +102,15 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
     embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
     np.save(tmp_path / "emb.npy", embedding)
     out = tmp_path / "eve"
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
                f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
                data_dir=data_root)
     checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 6 and checkpoint["model_config"]["freeze_embeddings"] is True
+    assert checkpoint["iter_num"] == 6 and checkpoint["config"]["freeze_embeddings"] is True
     assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
     assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
     # a resumed run keeps it frozen: the flag comes back with the model's config
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
                "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
     checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == 9
@@ -117,10 +119,10 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
 
 def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
     np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
                       f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
                       f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -215,6 +215,7 @@ def small_import(tmp_path_factory):
     return root, tok
 
 
+@pytest.mark.slow
 def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
     root, tok = small_import
     assert (root / "ours" / "chat_template.jinja").read_text() == CHAT
@@ -235,6 +236,7 @@ def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
     assert printed == tok.decode(out) + "\n---------------\n"
 
 
+@pytest.mark.slow
 def test_to_hf_writes_back_the_tokenizer_chat_template_and_generation_config(small_import, tmp_path):
     root, tok = small_import
     convert.main(["to_hf", f"--out_dir={root / 'ours'}", f"--dst={tmp_path / 'hf'}"])
@@ -302,6 +304,7 @@ def smollm2(tmp_path_factory):
     return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     ours, meta, hf, hf_tok = smollm2
     assert (ours.config.n_layer, ours.config.n_embd, ours.config.n_head, ours.config.n_kv_head) == (30, 576, 9, 3)
@@ -319,6 +322,7 @@ def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     assert torch.equal(ours.generate(idx, 10, temperature=0), expected)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
     """The reference is SmolLM2's tokenizer as its tokenizer.json builds it (a Digits pre-tokenizer, then GPT-2's
     byte-level split) on the vocabulary and merges of the file; transformers' GGUF tokenizer drops the Digits step
@@ -338,6 +342,7 @@ def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
     assert hf_tok(PROBE, add_special_tokens=False)["input_ids"] != encode(PROBE)  # what the import repairs
 
 
+@pytest.mark.slow
 def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_the_turns_end(small_import, tmp_path):
     """rlvr.py --task=gsm8k on an imported chat model: held-out greedy accuracy before any update is what det's own
     greedy replies to the templated questions, cut at <|im_end|>, score against the labels (built from those replies,

@@ -57,27 +57,27 @@ def test_clipped_objective_and_k3_kl_match_a_hand_computation():
 
 
 def test_minds_differ_within_a_group_and_each_stays_frozen_through_its_rollout_kv_cache_included():
-    net = tiny(sigma=0.5)
+    model = tiny(sigma=0.5)
     with torch.no_grad():  # larger weights than at init, so that greedy decoding does not just repeat a token
-        for p in net.parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     prompt, G, L = [3, 7, 1, 5, 13], 4, 12
-    completions, latents = grpo.rollouts(net, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
-    assert latents.shape == (G, net.config.n_norms, 32)
+    completions, latents = grpo.rollouts(model, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
+    assert latents.shape == (G, model.config.n_norms, 32)
     assert all((latents[i] - latents[j]).abs().max() > 0.5 for i in range(G) for j in range(i))
     assert len({tuple(c) for c in completions.tolist()}) > 1  # one prompt, several answers: the minds differ
     # Regenerated with the same latents: the same tokens, and at every step the cached decode's logits equal a full
     # forward of the whole prefix with the same latents, so no mind changed mid-rollout.
     step_logits = []
-    handle = net.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out))
-    again = net.generate(torch.tensor([prompt] * G), L, temperature=0, latents=latents)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out))
+    again = model.generate(torch.tensor([prompt] * G), L, temperature=0, latents=latents)
     handle.remove()
     assert torch.equal(again[:, len(prompt):], completions)
     assert len(step_logits) == L
     with torch.no_grad():
         for s, cached in enumerate(step_logits):
-            full, _, _ = net(again[:, :len(prompt) + s], latents=latents)  # (G, 1, V)
+            full, _, _ = model(again[:, :len(prompt) + s], latents=latents)  # (G, 1, V)
             assert torch.allclose(cached, full, atol=1e-5)
     assert (step_logits[0][0] - step_logits[0][1]).abs().max() > 1e-2  # same prompt, different minds
 
@@ -165,41 +165,41 @@ def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
 
 
 def test_one_grpo_step_raises_logprobs_of_positive_advantage_rollouts_and_lowers_negative_ones():
-    net = tiny(sigma=0.3, noise_mode="sequence")
-    ref = copy.deepcopy(net).requires_grad_(False)
+    model = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(model).requires_grad_(False)
     ref.config.noise_mode = "mean"
     prompt_ids = [[3, 7, 1, 13]] * 4
-    completions, _ = grpo.rollouts(net, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
+    completions, _ = grpo.rollouts(model, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
     mask = grpo.completion_mask(completions, stop_id=0)
     advantages = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).flatten()
 
     def logp():
-        with torch.no_grad(), grpo.noise_mode(net, "mean"):  # the update's model: the mean offset only (§5)
-            return (grpo.completion_logprobs(net, prompt_ids, completions) * mask).sum(1)
+        with torch.no_grad(), grpo.noise_mode(model, "mean"):  # the update's model: the mean offset only (§5)
+            return (grpo.completion_logprobs(model, prompt_ids, completions) * mask).sum(1)
 
     before = logp()
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-    stats = grpo.grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    stats = grpo.grpo_update(model, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
     change = logp() - before
     assert torch.equal(change > 0, advantages > 0) and change.abs().min() > 1e-5
-    assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: net == reference, ratio exactly 1
-    assert net.config.noise_mode == "sequence"  # restored after the update
+    assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: model == reference, ratio exactly 1
+    assert model.config.noise_mode == "sequence"  # restored after the update
 
 
 def test_a_chunked_update_takes_the_whole_batchs_step():
     """update_batch: gradients summed over chunks of rollouts (each weighed by its share) give the one-batch update,
     through two clipped steps (updates=2: ratios away from 1) with a KL term, and the same stats."""
-    net = tiny(sigma=0.3, noise_mode="sequence")
-    ref = copy.deepcopy(net).requires_grad_(False)
+    model = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(model).requires_grad_(False)
     prompt_ids = [[3, 7, 1, 13]] * 3 + [[5, 2]] * 3  # two prompt lengths: each chunk pads to its own
-    completions = torch.cat([grpo.rollouts(net, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
+    completions = torch.cat([grpo.rollouts(model, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
                              for s, ids in enumerate(prompt_ids[::3])])  # (6, 6)
     mask = grpo.completion_mask(completions, stop_id=0)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
     results = []
     for chunk in (0, 2, 4):
         torch.manual_seed(0)
-        net_c = copy.deepcopy(net)
+        net_c = copy.deepcopy(model)
         optimizer = torch.optim.SGD(net_c.parameters(), lr=0.5)  # Adam's first step, g / |g|, would amplify rounding
         stats = grpo.grpo_update(net_c, ref, optimizer, prompt_ids, completions, mask, advantages, updates=2,
                                  clip_eps=0.2, kl_coef=0.1, grad_clip=1.0, chunk=chunk)
@@ -208,7 +208,7 @@ def test_a_chunked_update_takes_the_whole_batchs_step():
     assert 0 < whole_stats["clip_frac"] < 1 and whole_stats["kl"] > 0  # the 2nd step clips some, left the reference
     for params, stats in chunked:
         assert torch.allclose(params, whole, atol=1e-6) and not torch.equal(params, torch.cat(
-            [p.flatten() for p in net.parameters()]))
+            [p.flatten() for p in model.parameters()]))
         assert all(math.isclose(stats[k], whole_stats[k], rel_tol=1e-4, abs_tol=1e-7) for k in whole_stats)
 
 
@@ -225,6 +225,7 @@ def arith_ckpt(tmp_path_factory):
     return root, out
 
 
+@pytest.mark.slow
 def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith_ckpt, monkeypatch):
     root, _ = arith_ckpt
     monkeypatch.setenv("NANOLATENT_DATA", str(root))
@@ -237,15 +238,16 @@ def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith
     assert not any(tasks.verify_arith(p, "0" + line.split("=")[1]) for p, line in zip(prompts, lines))
 
 
+@pytest.mark.slow
 def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(arith_ckpt, tmp_path):
     root, det_out = arith_ckpt
     proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
                       "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
                       "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
     assert "step 1/2: reward" in proc.stdout
-    net, checkpoint = ckpt.load_model(tmp_path)
+    model, checkpoint = ckpt.load_model(tmp_path)
     assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
-    assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"
+    assert model.config.sigma == 0.1 and model.config.noise_mode == "sequence"
     assert checkpoint["config"]["dataset"] == "arith" and checkpoint["config"]["rollout"] == "minds"
     assert set(checkpoint) == {"model", "optimizer", "ref_model", "model_type", "model_config", "config", "meta",
                                "iter_num", "best_val_loss"}
@@ -267,6 +269,7 @@ torch.multinomial = multinomial
 """
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards_of_an_uninterrupted_one(
         arith_ckpt, tmp_path):
     """TTRL rewards (agreement with the group's majority) give this barely trained model's groups a learning signal,
@@ -303,6 +306,7 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
         assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("existing, message", [
     (None, "does not exist: start one with --init_from=<a trained model>"),
     ("det", "is a train.py or convert.py checkpoint: give it as --init_from="),
@@ -314,6 +318,7 @@ def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path,
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatch):
     root, det_out = arith_ckpt
     monkeypatch.setenv("RANK", "0")
@@ -321,6 +326,7 @@ def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatc
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "runs in one process" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--task=gsm8k"], "task=gsm8k prompts a chat model in its chat template, and "),  # a char-level model
     (["--task=nope"], "--task must be one of"),

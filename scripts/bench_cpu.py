@@ -315,7 +315,7 @@ def sample_memory(run):
         f.flush()
         print(f"\nsample.py --model_type=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
               f"{memory_new_tokens} new tokens, one thread")
-        print("sample.py flags | seconds | weights MiB | peak resident MiB | weights + 1 GiB | peak within")
+        print("sample.py flags | seconds | weights MiB | peak resident MiB")
         sample = [sys.executable, os.path.join(ROOT, "sample.py"),
                   f"--out_dir={run}", "--model_type=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
                   f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu"]
@@ -328,8 +328,7 @@ def sample_memory(run):
             out = subprocess.run([sys.executable, "-c", parent, *sample, flags], check=True, capture_output=True,
                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             peak_mib = int(out.stdout.split()[-1]) / 1024  # kB on Linux
-            print(f"{flags} | {time.perf_counter() - t0:.0f} | {weights_mib:,.0f} | {peak_mib:,.0f} | "
-                  f"{weights_mib + 1024:,.0f} | {peak_mib <= weights_mib + 1024}")
+            print(f"{flags} | {time.perf_counter() - t0:.0f} | {weights_mib:,.0f} | {peak_mib:,.0f}")
 
 
 if linears:

@@ -72,6 +72,7 @@ PEER = "peer"  # the spec of the peer's row
 if peer and not os.path.isfile(peer):
     common.die(f"no peer model at {os.path.normpath(peer)}: pass --peer=<path to a nanoGPT model.py> (git clone "
                f"https://github.com/karpathy/nanoGPT, then --peer=nanoGPT/model.py)")
+config["peer"] = peer = os.path.abspath(peer) if peer else ""  # each spec's process runs from the repository's root
 
 
 def timed(fn):
@@ -214,7 +215,7 @@ peer_row = best.get(PEER)
 name = lambda r: "nanoGPT (peer)" if r["spec"] == PEER else r["spec"]
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
-      f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.normpath(peer)}" if peer else "")
+      f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.relpath(peer)}" if peer else "")
       + ("; cpu.training_kernels" if device_type == "cpu" and cpu_kernels and not compile else "")
       + ("; freed memory kept" if device_type == "cpu" and keep_freed_memory else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det time", "x det FLOPs"]

@@ -91,10 +91,8 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
-MAX_LAYERS = 1024  # every layer is a Python module, built even to plan a run (meta device): ~2 ms and ~33 KB each
-if model_config.get("n_layer", 0) > MAX_LAYERS:
-    common.die(f"n_layer={model_config['n_layer']} is more than train.py builds (at most {MAX_LAYERS:,}; the deepest "
-               f"Transformers trained have about 1,000): lower n_layer")
+if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
+    common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
 common.check_device(device)
 if device == "cpu":
     cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults

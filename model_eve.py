@@ -21,8 +21,9 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
-# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`) and the loss. The head's layer weights
-# (§4.2) are det's too, off there by default: §4.1 keeps the head the same in both arms of the comparison.
+# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`), the loss and the head, which reads the
+# blocks through layer weights (§4.2). variational=False keeps that head with det's SwiGLU: EVE's deterministic twin,
+# since §4.1 keeps the head the same in both arms of the comparison.
 
 
 class RMSNorm(nn.Module):

@@ -91,10 +91,8 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
-MAX_LAYERS = 1024  # every layer is a Python module, built even to plan a run (meta device): ~2 ms and ~33 KB each
-if model_config.get("n_layer", 0) > MAX_LAYERS:
-    common.die(f"n_layer={model_config['n_layer']} is more than train.py builds (at most {MAX_LAYERS:,}; the deepest "
-               f"Transformers trained have about 1,000): lower n_layer")
+if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
+    common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
 common.check_device(device)
 if device == "cpu":
     cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
@@ -194,6 +192,7 @@ if checkpoint is not None:
         common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
+    freeze_embeddings = checkpoint["config"]["freeze_embeddings"]  # the optimizer's saved groups were made with it
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "

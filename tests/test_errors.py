@@ -115,7 +115,7 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], "holds an array of <U5, not numbers"),
     "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], "is a folder"),
     "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
-                                    "n_layer=100000 is more than train.py builds (at most 1,024"),
+                                    "n_layer=100000: train.py builds at most 1,024 layers"),
     "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
                                                 "--out_dir={run}/ckpt.pt is a file (a checkpoint): out_dir is the "
                                                 "run's folder, --out_dir={run}"),

@@ -124,20 +124,34 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
 
 
-def scan(x, a):
-    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,), in ceil(log2 T) doubling steps
-    (Hillis & Steele 1986): the step with stride k does h[t] += a^k h[t-k], after which h[t] = sum_{j<2k} a^j x[t-j]."""
-    h, a_k, k = x.clone(), a, 1
-    while k < h.size(1):
-        h[:, k:] += a_k * h[:, :-k]  # the product is a new tensor, so reading and writing h do not overlap
-        a_k, k = a_k * a_k, 2 * k
-    return h
+def scan(x, a, reverse=False):
+    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,); reverse: h[t] = a * h[t+1] + x[t]
+    (h[T] = 0). In chunks of k ~ sqrt(T) positions, as linear-attention and state-space codebases compute it: the
+    recurrence runs step by step inside every chunk at once, then across the chunks' last positions, which so become
+    exact, and every other position adds a^d times the previous chunk's last, d positions away. About 2 sqrt(T) steps
+    on slices and two passes over x, where doubling steps (Hillis & Steele 1986) make log2(T) passes."""
+    B, T, D = x.shape
+    k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
+    h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n chunks, k, D), a copy, 0 after T
+    order = range(k - 1, -1, -1) if reverse else range(k)  # positions within a chunk in the recurrence's order
+    for prev, i in zip(order, order[1:]):  # within every chunk at once
+        h[:, :, i].addcmul_(h[:, :, prev], a)
+    powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
+    last = h[:, :, order[-1]]  # (B, n, D), a view: each chunk's last position
+    chunks = range(last.size(1) - 1, -1, -1) if reverse else range(last.size(1))
+    for prev, j in zip(chunks, chunks[1:]):  # across chunks
+        last[:, j].addcmul_(last[:, prev], powers[-1])
+    if reverse:  # position i of a chunk is k - i from the next chunk's first
+        h[:, :-1, 1:].addcmul_(last[:, 1:].unsqueeze(2), powers[:-1].flip(0))
+    else:  # position i is i + 1 from the previous chunk's last
+        h[:, 1:, :-1].addcmul_(last[:, :-1].unsqueeze(2), powers[:-1])
+    return h.view(B, -1, D)[:, :T]
 
 
 class LinearScan(torch.autograd.Function):
     """scan() with a hand-written backward: the gradient of a linear recurrence is the same recurrence run in
     reverse, dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]: one reverse scan, keeping only h for
-    backward where autograd through the doubling steps keeps their log2(T) intermediates and goes back through each."""
+    backward where autograd through the chunks' steps keeps their intermediates and goes back through each."""
 
     @staticmethod
     def forward(ctx, x, a):
@@ -148,7 +162,7 @@ class LinearScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         h, a = ctx.saved_tensors
-        grad_x = scan(grad_h.flip(1), a).flip(1)  # (B, T, D)
+        grad_x = scan(grad_h, a, reverse=True)  # (B, T, D)
         grad_a = (grad_x[:, 1:] * h[:, :-1]).sum((0, 1))  # (D,)
         return grad_x, grad_a
 
@@ -631,11 +645,12 @@ class Model(nn.Module):
         head's matmul and the variational heads w_mu, w_logvar, w2 included, the embedding lookup not) plus
         12 * L * C * T for attention scores, plus the neurons' elementwise work per latent coordinate, forward
         counted and x3 for forward + backward: 11 to sample and decode (clip, exp, z = mu + sigma eps, d z + c,
-        silu), 6 for the means behind the KL and mu^2, and with the AR prior 2 per scan step (ceil(log2 T) steps)
-        + 8 for its drive, the KL distance and L_AR, + 3 with posterior_memory (c h, added to mu_q and to z).
+        silu), 6 for the means behind the KL and mu^2, and with the AR prior 4 for the chunked scan (a multiply-add
+        within the chunk, one from the chunk before) + 8 for its drive, the KL distance and L_AR, + 3 with
+        posterior_memory (c h, added to mu_q and to z).
         All of it times n_samples, the draws per training token."""
         cfg = self.config
-        prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
+        prior = 4 + 8 if cfg.ar_prior else 0
         prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent
         dense = 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -251,8 +251,8 @@ class VariationalMLP(nn.Module):
         z = torch.addcmul(mu_q, sigma_q, eps)  # §3.2 reparameterisation z = mu_q + sigma_q * eps, (B, T, D)
         if self.mem_gain is not None:  # §3.2 q(z | x, h): mu_q and z above are the innovation; add c h, h = mu_p
             mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
-            read = torch.tanh(self.mem_gain) * mu_p  # (B, T, D)
-            mu_q, z = mu_q + read, z + read
+            c = torch.tanh(self.mem_gain)
+            mu_q, z = torch.addcmul(mu_q, mu_p, c), torch.addcmul(z, mu_p, c)  # (B, T, D) each
         if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N): one fused pass
             y = F.silu(torch.addcmul(self.dec_bias, z, self.dec_gain.view(N)))
         else:
@@ -268,13 +268,15 @@ class VariationalMLP(nn.Module):
         # then finish the closed forms on (D,) vectors (the KL is linear in the three means, see gaussian_kl).
         mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
         if cfg.ar_prior:
-            sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))  # (D,)
+            # mse_loss keeps its two inputs for backward, tensors kept anyway, where (mu_q - mu_p).pow(2) would keep
+            # their difference too
+            sq_dist = F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1))  # (D,)
             # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared
             # one-step error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The
             # stop-gradient keeps it from pulling the posterior toward the prior (the KL does that, weighted by
             # beta); it trains f_AR and, through z(t-1), asks past latents to predict the next: §3.3's "temporal
             # continuity".
-            ar = (mu_p - mu_q.detach()).pow(2).mean()
+            ar = F.mse_loss(mu_p, mu_q.detach())
         else:  # config switch: the fixed isotropic prior N(0, I)
             sq_dist, logvar_p, ar = mu2, mu_q.new_zeros(()), mu_q.new_zeros(())
         kl = gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)  # (D,) §3.3 KL

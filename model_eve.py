@@ -125,25 +125,23 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
 
 
 def scan(x, a, reverse=False):
-    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,); reverse: h[t] = a * h[t+1] + x[t]
-    (h[T] = 0). In chunks of k ~ sqrt(T) positions, as linear-attention and state-space codebases compute it: the
-    recurrence runs step by step inside every chunk at once, then across the chunks' last positions, which so become
-    exact, and every other position adds a^d times the previous chunk's last, d positions away. About 2 sqrt(T) steps
-    on slices and two passes over x, where doubling steps (Hillis & Steele 1986) make log2(T) passes."""
+    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,); reverse: h[t] = a * h[t+1] + x[t].
+    In chunks of k ~ sqrt(T) positions, as linear-attention and state-space codebases do: steps within every chunk at
+    once, steps across the chunks' last positions (now exact), then each position adds a^d times the last of the chunk
+    before, d positions away: 2 sqrt(T) steps on slices and two passes over x, where doubling makes log2(T) passes."""
     B, T, D = x.shape
     k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
-    h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n chunks, k, D), a copy, 0 after T
-    order = range(k - 1, -1, -1) if reverse else range(k)  # positions within a chunk in the recurrence's order
-    for prev, i in zip(order, order[1:]):  # within every chunk at once
-        h[:, :, i].addcmul_(h[:, :, prev], a)
+    h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
     powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
-    last = h[:, :, order[-1]]  # (B, n, D), a view: each chunk's last position
-    chunks = range(last.size(1) - 1, -1, -1) if reverse else range(last.size(1))
+    steps, chunks = (range(k)[::-1], range(h.size(1))[::-1]) if reverse else (range(k), range(h.size(1)))
+    for prev, i in zip(steps, steps[1:]):  # within every chunk at once
+        h[:, :, i].addcmul_(h[:, :, prev], a)
+    last = h[:, :, steps[-1]]  # (B, n, D), a view: each chunk's last position in the recurrence's order
     for prev, j in zip(chunks, chunks[1:]):  # across chunks
         last[:, j].addcmul_(last[:, prev], powers[-1])
-    if reverse:  # position i of a chunk is k - i from the next chunk's first
+    if reverse:  # position i of a chunk is k - i before the next chunk's first
         h[:, :-1, 1:].addcmul_(last[:, 1:].unsqueeze(2), powers[:-1].flip(0))
-    else:  # position i is i + 1 from the previous chunk's last
+    else:  # position i is i + 1 after the previous chunk's last
         h[:, 1:, :-1].addcmul_(last[:, :-1].unsqueeze(2), powers[:-1])
     return h.view(B, -1, D)[:, :T]
 
@@ -252,10 +250,13 @@ class VariationalMLP(nn.Module):
         if self.mem_gain is not None:  # §3.2 q(z | x, h): mu_q and z above are the innovation; add c h, h = mu_p
             mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
             c = torch.tanh(self.mem_gain)
-            mu_q, z = torch.addcmul(mu_q, mu_p, c), torch.addcmul(z, mu_p, c)  # (B, T, D) each
-        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N): one fused pass
-            y = F.silu(torch.addcmul(self.dec_bias, z, self.dec_gain.view(N)))
+            mu_q = torch.addcmul(mu_q, mu_p, c)  # (B, T, D)
+        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N), in one pass and, with the memory, d z = d e + (d c) h:
+            # z = e + c h itself is never stored (autograd keeps e and h, which the prior keeps too)
+            pre = torch.addcmul(self.dec_bias, z, self.dec_gain.view(N))
+            y = F.silu(pre if self.mem_gain is None else pre.addcmul_(mu_p, c * self.dec_gain.view(N)))
         else:
+            z = z if self.mem_gain is None else torch.addcmul(z, mu_p, c)
             y = F.silu((z.view(B, T, N, dz) * self.dec_gain).sum(-1) + self.dec_bias)
         out = self.w2(y)  # (B, T, C)
         if not (with_aux or (cfg.ar_prior and self.prior_cache is not None)):

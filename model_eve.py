@@ -126,9 +126,8 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
 
 def scan(x, a, reverse=False):
     """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,); reverse: h[t] = a * h[t+1] + x[t].
-    In chunks of k ~ sqrt(T) positions, as linear-attention and state-space codebases do: steps within every chunk at
-    once, steps across the chunks' last positions (now exact), then each position adds a^d times the last of the chunk
-    before, d positions away: 2 sqrt(T) steps on slices and two passes over x, where doubling makes log2(T) passes."""
+    In chunks of k ~ sqrt(T) positions (as linear-attention codebases do): steps within all chunks at once, then across
+    their last positions, then a^d times the chunk before's last added d positions on: two passes, not log2(T)."""
     B, T, D = x.shape
     k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
     h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
@@ -251,8 +250,7 @@ class VariationalMLP(nn.Module):
             mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
             c = torch.tanh(self.mem_gain)
             mu_q = torch.addcmul(mu_q, mu_p, c)  # (B, T, D)
-        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N), in one pass and, with the memory, d z = d e + (d c) h:
-            # z = e + c h itself is never stored (autograd keeps e and h, which the prior keeps too)
+        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N); with memory, d z = d e + (d c) h: z = e + c h unstored
             pre = torch.addcmul(self.dec_bias, z, self.dec_gain.view(N))
             y = F.silu(pre if self.mem_gain is None else pre.addcmul_(mu_p, c * self.dec_gain.view(N)))
         else:
@@ -269,8 +267,7 @@ class VariationalMLP(nn.Module):
         # then finish the closed forms on (D,) vectors (the KL is linear in the three means, see gaussian_kl).
         mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
         if cfg.ar_prior:
-            # mse_loss keeps its two inputs for backward, tensors kept anyway, where (mu_q - mu_p).pow(2) would keep
-            # their difference too
+            # mse_loss keeps its inputs for backward (kept anyway); (mu_q - mu_p).pow(2) would keep their difference
             sq_dist = F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1))  # (D,)
             # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared
             # one-step error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-import cpu
 import model_det
 import model_eve
+from nanolatent import cpu
 
 n_layer, n_embd, n_head, n_kv_head, vocab_size, block_size, batch_size = 8, 256, 4, 2, 256, 256, 8  # bench.py's
 repeats = 9  # timed turns of each model, and of each piece

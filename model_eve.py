@@ -140,7 +140,7 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
 def scan(x, a, reverse=False):
     """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of ~sqrt(T):
     steps within all chunks at once, across their last positions, then a^d times the chunk before's last d positions
-    on (as linear-attention codebases do): two passes over x where doubling steps made log2(T)."""
+    on (as linear-attention codebases do): two passes over x where doubling steps make log2(T)."""
     B, T, D = x.shape
     k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
     h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T

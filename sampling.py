@@ -38,10 +38,12 @@ def pin_latents(net, prompt, how, generator, prompt_latents="encoder", reference
 @torch.no_grad()
 def sample(net, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, latents="independent",
            prompt_latents="encoder", reference=None, temperature=0.8, top_k=0, dtype="float32", onednn=True,
-           compile=False):
+           compile=False, on_token=None):
     """num_samples continuations of the prompt `ids` (token ids): (tokens (num_samples, T + max_new_tokens), the
     pinned latents or None). The tokens are drawn from a generator seeded by `seed`, the latents from one seeded by
-    latent_seed (-1: seed), so either can be held while the other varies. reference: token ids for 'posterior'."""
+    latent_seed (-1: seed), so either can be held while the other varies. reference: token ids for 'posterior'.
+    on_token(tokens (num_samples, 1)) sees each new token but the last as it is fed back (the explorer streams them);
+    it changes no draw, and an exception it raises ends the generation."""
     device = net.tok_emb.weight.device
     torch.manual_seed(seed)
     token_generator = torch.Generator(device).manual_seed(seed)
@@ -54,6 +56,12 @@ def sample(net, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, laten
     pinned = pin_latents(net, prompt, latents, latent_generator, prompt_latents, reference)
     # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
     step = torch.compile(net.forward, dynamic=True) if compile else None
+    if on_token is not None:
+        decode_step = step or net
+
+        def step(idx_next, **kwargs):
+            on_token(idx_next)
+            return decode_step(idx_next, **kwargs)
     products = contextlib.nullcontext() if compile or not onednn else \
         cpu.inference_linears(net, common.DTYPES[dtype], batch_size=num_samples)
     try:

@@ -51,7 +51,7 @@ def model_fields(values):
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
 configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      non_negative=("temperature", "top_k", "minds", "seed"),
-                     choices={"latents": ("independent", "shared", "posterior"),
+                     choices={"latents": sampling.LATENTS,
                               "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
 common.check_device(device)
 if latent_seed < -1:

@@ -129,7 +129,7 @@ def view_groups(params, send):
     gen = generation(params, net)
     ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
     blocks = [("shared", gen["latent_seed"] + g) for g in range(groups)] + [("independent", gen["latent_seed"])]
-    yield {"latent_kind": net.latent_kind, "blocks": len(blocks)}
+    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": len(blocks)}
     for b, (how, latent_seed) in enumerate(blocks):
         args = {**gen, "latent_seed": latent_seed}
         out, _ = sampling.sample(net, ids, k, latents=how, on_token=streamed(send, decode, b, ids), **args)
@@ -151,7 +151,7 @@ def view_minds(params, send):
     k = number(params, "k", int, 1, MAX_SAMPLES, " minds")
     gen = generation(params, net)
     ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
-    yield {"latent_kind": net.latent_kind, "blocks": 1}
+    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": 1}
     out, _ = sampling.sample(net, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), **gen)
     texts = [decode(r) for r in out.tolist()]
     answer = ANSWER_PARSERS.get(checkpoint.get("config", {}).get("dataset"))
@@ -178,9 +178,10 @@ def view_uncertainty(params, send):
     ids = encode(body)
     torch.manual_seed(seed)  # as evaluate.py's load_net: the same draws
     scores = sampling.token_uncertainty(net, ids, passes, torch.Generator(device).manual_seed(seed))
-    yield {"latent_kind": net.latent_kind, "context": decode(ids[:1]), "tokens": [decode([t]) for t in ids[1:]],
-           **scores, "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes,
-                                        seed=seed, out_json="tokens.json")}
+    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "context": decode(ids[:1]),
+           "tokens": [decode([t]) for t in ids[1:]], **scores,
+           "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes, seed=seed,
+                              out_json="tokens.json")}
 
 
 def view_z(params, send):
@@ -196,7 +197,7 @@ def view_z(params, send):
     gen = generation(params, net)
     ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
     how = "posterior" if reference else "shared"
-    yield {"latent_kind": net.latent_kind, "blocks": 1}
+    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": 1}
     out, pinned = sampling.sample(net, ids, k, latents=how, reference=encode(reference) if reference else None,
                                   on_token=streamed(send, decode, 0, ids), **gen)
     rows = out.tolist()

@@ -89,7 +89,7 @@ GROUP = dict(prompt="K>", k="4", groups="2", max_new_tokens="30", temperature="0
 
 def test_groups_stream_each_token_and_end_with_sample_py_texts_for_each_block(server, runs, data_root, tmp_path):
     status, events = post(server, "groups", run=str(runs / "eve"), **GROUP)
-    assert status == 200 and events[0] == {"latent_kind": "noise", "blocks": 3}
+    assert status == 200 and events[0] == {"model_type": "eve", "latent_kind": "noise", "blocks": 3}
     blocks = [e for e in events if "block" in e]
     assert [(b["latents"], b["latent_seed"]) for b in blocks] == [("shared", 5), ("shared", 6), ("independent", 5)]
     for b in blocks:

@@ -71,7 +71,8 @@ def text(params, key, required=True):
 def load(params, model_type=None, **overrides):
     """The run the request names (the page's run field) as a model in eval mode, into model_type when given."""
     run = text(params, "run")
-    key = (run, model_type, tuple(sorted(overrides.items())))
+    path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
+    key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:
         checkpoint = ckpt.load_checkpoint(run)
         net, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
@@ -87,6 +88,8 @@ def command(script, params, **args):
     depends on it)."""
     words = [f"OMP_NUM_THREADS={torch.get_num_threads()}", "python", script, f"--out_dir={params['run']}"]
     words += [f"--{k}={v}" for k, v in args.items()]
+    if torch.cuda.is_available():  # where the scripts would default to the GPU (and evaluate.py to 16 bits)
+        words += [f"--device={device}", "--dtype=float32"]
     return " ".join(shlex.quote(w) for w in words)
 
 

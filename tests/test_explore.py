@@ -155,7 +155,11 @@ BAD = [  # (view, fields, what the message names)
 
 def test_bad_input_is_one_message_in_the_answer_and_the_log_and_writes_nothing(server, runs):
     before = run_files(runs)
-    for view, fields, phrase in BAD:
+    broken = runs / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "ckpt.pt").write_bytes(b"not a checkpoint")
+    for view, fields, phrase in BAD + [("uncertainty", dict(run=str(broken), text="K>__", passes="2", seed="1"),
+                                        "is unreadable")]:
         fields.setdefault("run", str(runs / "free"))
         status, events = post(server, view, **fields)
         assert status == 400 and len(events) == 1 and phrase in events[0]["error"], (view, fields, events)

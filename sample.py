@@ -2,7 +2,7 @@
 
     python sample.py --out_dir=out --start="K>" --num_samples=8
     python sample.py --out_dir=out --latents=shared --latent_seed=3        # one Z for the whole group (Free Fig. 3)
-    python sample.py --out_dir=out-det/ckpt.pt --model=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
+    python sample.py --out_dir=out-det/ckpt.pt --model_type=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
     python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
@@ -10,14 +10,11 @@ import os
 
 import torch
 
-import ckpt
-import common
 import configurator
-import sampling
-import tokendata
+from nanolatent import ckpt, common, models, sampling, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
-model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
+model_type = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
 start = "\n"  # the prompt, or FILE:path to read it from a file
 chat = False  # wrap --start in the run's chat template as one user message (an imported Instruct model)
 num_samples = 4
@@ -45,7 +42,7 @@ def model_fields(values):
     checkpoint read here is memory-mapped, so asking it its type costs little and its tensors are read once."""
     global checkpoint
     checkpoint = ckpt.load_checkpoint(values["out_dir"])
-    return common.config_fields(values["model"] or checkpoint["model_type"])
+    return models.config_fields(values["model_type"] or checkpoint["model_type"])
 
 
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
@@ -72,17 +69,17 @@ if not start:
 if chat:
     start = tokendata.chat_prompt(checkpoint["meta"], start)
 
-net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+model, _ = ckpt.load_model(out_dir, device, model_type or None, checkpoint=checkpoint, **overrides)
 checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages (513 MiB for SmolLM2)
-net.eval()
-for p in net.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
+model.eval()
+for p in model.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
     p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
 if minds:
     num_samples, latents = minds, "independent"
 
 reference_ids = encode(reference or start) if latents == "posterior" else None
-out, pinned = sampling.sample(net, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=latent_seed,
+out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=latent_seed,
                               latents=latents, prompt_latents=prompt_latents, reference=reference_ids,
                               temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile)
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
@@ -91,6 +88,6 @@ stop = set(stop if isinstance(stop, list) else [stop])
 for i, row in enumerate(out.tolist()):
     end = next((t + 1 for t in range(out.size(1) - max_new_tokens, len(row)) if row[t] in stop), len(row))
     print(decode(row[:end]))
-    if show_latents and net.latent_kind == "code":  # Z_t of every token, H bits each, in the order of the tokens
-        print("Z:", " ".join(sampling.code_bits(pinned[i, :len(row)].tolist(), net.config.latent_bits)))
+    if show_latents and model.latent_kind == "code":  # Z_t of every token, H bits each, in the order of the tokens
+        print("Z:", " ".join(sampling.code_bits(pinned[i, :len(row)].tolist(), model.config.latent_bits)))
     print("---------------")

@@ -20,12 +20,8 @@ import time
 
 import torch
 
-import ckpt
-import common
 import configurator
-import sampling
-import tasks
-import tokendata
+from nanolatent import ckpt, common, sampling, tasks, tokendata
 
 out_dir = "out"  # the run the page opens with (its folder or a ckpt.pt); the page can name another
 port = 8000  # on 127.0.0.1; 0 picks a free port (the first line printed names it)
@@ -75,11 +71,11 @@ def load(params, model_type=None, **overrides):
     key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:
         checkpoint = ckpt.load_checkpoint(run)
-        net, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
+        model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
         checkpoint.pop("model")
         while len(loaded) >= 4:
             loaded.pop(next(iter(loaded)))
-        loaded[key] = net.eval(), checkpoint
+        loaded[key] = model.eval(), checkpoint
     return loaded[key]
 
 
@@ -93,18 +89,18 @@ def command(script, params, **args):
     return " ".join(shlex.quote(w) for w in words)
 
 
-def prompt_ids(net, encode, params, n_new):
+def prompt_ids(model, encode, params, n_new):
     ids = encode(text(params, "prompt"))
-    sampling.check_length(ids, net.config.block_size)
-    if len(ids) + n_new > net.config.block_size:
+    sampling.check_length(ids, model.config.block_size)
+    if len(ids) + n_new > model.config.block_size:
         common.die(f"the prompt's {len(ids)} tokens + {n_new} new tokens exceed the context "
-                   f"(block_size={net.config.block_size}): shorten the prompt or ask for fewer tokens")
+                   f"(block_size={model.config.block_size}): shorten the prompt or ask for fewer tokens")
     return ids
 
 
-def generation(params, net):
+def generation(params, model):
     """The fields every sampling view shares, checked."""
-    return dict(max_new_tokens=number(params, "max_new_tokens", int, 1, net.config.block_size),
+    return dict(max_new_tokens=number(params, "max_new_tokens", int, 1, model.config.block_size),
                 temperature=number(params, "temperature", float, 0, 100), seed=number(params, "seed", int, 0, 2**62),
                 latent_seed=number(params, "latent_seed", int, 0, 2**62))
 
@@ -125,17 +121,17 @@ def streamed(send, decode, block, ids):
 def view_groups(params, send):
     """Free Fig. 3 live: G groups of K samples, each group one draw of the latents (latent seed, +1, ...), then K
     samples with a draw each; every block the same token seed."""
-    net, checkpoint = load(params)
+    model, checkpoint = load(params)
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     k = number(params, "k", int, 1, MAX_SAMPLES, " samples a group")
     groups = number(params, "groups", int, 1, MAX_GROUPS, " groups")
-    gen = generation(params, net)
-    ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     blocks = [("shared", gen["latent_seed"] + g) for g in range(groups)] + [("independent", gen["latent_seed"])]
-    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": len(blocks)}
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": len(blocks)}
     for b, (how, latent_seed) in enumerate(blocks):
         args = {**gen, "latent_seed": latent_seed}
-        out, _ = sampling.sample(net, ids, k, latents=how, on_token=streamed(send, decode, b, ids), **args)
+        out, _ = sampling.sample(model, ids, k, latents=how, on_token=streamed(send, decode, b, ids), **args)
         yield {"block": b, "latents": how, "latent_seed": latent_seed, "texts": [decode(r) for r in out.tolist()],
                "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args)}
 
@@ -148,14 +144,14 @@ def view_minds(params, send):
         common.die(f"Minds shows B-Trans minds, from a det or btrans run; {params['run']} is a "
                    f"{checkpoint['model_type']} run")
     sigma = number(params, "sigma", float, 0, 10)
-    net, _ = load(params, "btrans", sigma=sigma)
+    model, _ = load(params, "btrans", sigma=sigma)
     mean_net, _ = load(params, "btrans", noise_mode="mean")
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     k = number(params, "k", int, 1, MAX_SAMPLES, " minds")
-    gen = generation(params, net)
-    ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
-    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": 1}
-    out, _ = sampling.sample(net, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), **gen)
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
+    out, _ = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), **gen)
     texts = [decode(r) for r in out.tolist()]
     answer = ANSWER_PARSERS.get(checkpoint.get("config", {}).get("dataset"))
     answers = [answer(decode(r[len(ids):])) if answer else None for r in out.tolist()]
@@ -166,22 +162,23 @@ def view_minds(params, send):
         nll.append(sum(scores["nll"]) / len(scores["nll"]))
     yield {"block": 0, "texts": texts, "nll": nll, "answers": answers,
            "majority": tasks.majority_answer(answers) if answer else None,
-           "command": command("sample.py", params, model="btrans", sigma=sigma, minds=k, start=params["prompt"], **gen),
-           "nll_commands": [command("evaluate.py", params, task="tokens", model="btrans", noise_mode="mean",
+           "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, start=params["prompt"],
+                              **gen),
+           "nll_commands": [command("evaluate.py", params, task="tokens", model_type="btrans", noise_mode="mean",
                                     mc_samples=1, text=t) for t in texts]}
 
 
 def view_uncertainty(params, send):
     """Each token of a text over M passes with fresh latents: nll, H(p̄), mean H(p_m) and the mutual information."""
-    net, checkpoint = load(params)
+    model, checkpoint = load(params)
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     body = text(params, "text")
     passes = number(params, "passes", int, 1, MAX_PASSES, " passes")
     seed = number(params, "seed", int, 0, 2**62)
     ids = encode(body)
     torch.manual_seed(seed)  # as evaluate.py's load_net: the same draws
-    scores = sampling.token_uncertainty(net, ids, passes, torch.Generator(device).manual_seed(seed))
-    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "context": decode(ids[:1]),
+    scores = sampling.token_uncertainty(model, ids, passes, torch.Generator(device).manual_seed(seed))
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "context": decode(ids[:1]),
            "tokens": [decode([t]) for t in ids[1:]], **scores,
            "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes, seed=seed,
                               out_json="tokens.json")}
@@ -191,22 +188,22 @@ def view_z(params, send):
     """The Free Transformer's Z, H bits per position, inferred by the encoder from a reference text or drawn once
     (the prompt's from the encoder, the rest uniform), and the texts the same Z gives with the token draws of N
     samples."""
-    net, checkpoint = load(params)
-    if net.latent_kind != "code":
+    model, checkpoint = load(params)
+    if model.latent_kind != "code":
         common.die(f"Z shows the Free Transformer's codes; {params['run']} is a {checkpoint['model_type']} run")
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     k = number(params, "k", int, 1, MAX_SAMPLES, " samples")
     reference = text(params, "reference", required=False)
-    gen = generation(params, net)
-    ids = prompt_ids(net, encode, params, gen["max_new_tokens"])
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     how = "posterior" if reference else "shared"
-    yield {"model_type": checkpoint["model_type"], "latent_kind": net.latent_kind, "blocks": 1}
-    out, pinned = sampling.sample(net, ids, k, latents=how, reference=encode(reference) if reference else None,
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
+    out, pinned = sampling.sample(model, ids, k, latents=how, reference=encode(reference) if reference else None,
                                   on_token=streamed(send, decode, 0, ids), **gen)
     rows = out.tolist()
     args = {"reference": reference} if reference else {}
     yield {"block": 0, "texts": [decode(r) for r in rows], "tokens": [[decode([t]) for t in r] for r in rows],
-           "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), net.config.latent_bits),
+           "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), model.config.latent_bits),
            "reference_tokens": [decode([t]) for t in encode(reference)] if reference else [],
            "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args,
                               show_latents=True, **gen)}

@@ -16,9 +16,10 @@ import urllib.request
 
 import pytest
 
-import tasks
 from conftest import ROOT, TINY, run_script
+from nanolatent import tasks
 
+pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
 TIMEOUT = 120  # seconds for any one request or wait; every request goes to 127.0.0.1
 
 
@@ -27,7 +28,7 @@ def runs(data_root, tmp_path_factory):
     """Tiny det, EVE and Free runs on the synthetic task (a few seconds each)."""
     root = tmp_path_factory.mktemp("explore")
     for model in ("det", "eve", "free"):
-        run_script("train.py", f"--model={model}", f"--out_dir={root / model}", *TINY, "--max_iters=20",
+        run_script("train.py", f"--model_type={model}", f"--out_dir={root / model}", *TINY, "--max_iters=20",
                    "--eval_interval=20", data_dir=data_root)
     return root
 

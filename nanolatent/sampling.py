@@ -7,8 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import common
-import cpu
+from nanolatent import common, cpu, models
 
 LATENTS = ("independent", "shared", "posterior")
 
@@ -18,7 +17,7 @@ def check_length(ids, block_size, what="the prompt", hint=""):
         common.die(f"{what} has {len(ids)} tokens, more than the context (block_size={block_size}){hint}")
 
 
-def pin_latents(net, prompt, how, generator, prompt_latents="encoder", reference=None):
+def pin_latents(model, prompt, how, generator, prompt_latents="encoder", reference=None):
     """The latents of num_samples = prompt.size(0) sequences: 'independent' a draw each, 'shared' one draw for all
     (one prompt-Z draw and one sequence of per-token codes for the Free Transformer), 'posterior' the codes the
     Free Transformer's encoder infers from `reference` (1, T) token ids. Free: the prompt's Z from the encoder on the
@@ -26,17 +25,17 @@ def pin_latents(net, prompt, how, generator, prompt_latents="encoder", reference
     n = prompt.size(0)
     consistent_with = prompt[:1] if prompt_latents == "encoder" else None
     if how == "independent":
-        return net.sample_latents(n, generator, prompt=consistent_with)
+        return model.sample_latents(n, generator, prompt=consistent_with)
     if how == "shared":
-        return common.repeat_latents(net.sample_latents(1, generator, prompt=consistent_with), n)
-    if net.latent_kind != "code":
+        return models.repeat_latents(model.sample_latents(1, generator, prompt=consistent_with), n)
+    if model.latent_kind != "code":
         common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
-                   f"{net.latent_kind!r}")
-    return common.repeat_latents(net.posterior_latents(reference, generator), n)
+                   f"{model.latent_kind!r}")
+    return models.repeat_latents(model.posterior_latents(reference, generator), n)
 
 
 @torch.no_grad()
-def sample(net, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, latents="independent",
+def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, latents="independent",
            prompt_latents="encoder", reference=None, temperature=0.8, top_k=0, dtype="float32", onednn=True,
            compile=False, on_token=None):
     """num_samples continuations of the prompt `ids` (token ids): (tokens (num_samples, T + max_new_tokens), the
@@ -44,29 +43,29 @@ def sample(net, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, laten
     latent_seed (-1: seed), so either can be held while the other varies. reference: token ids for 'posterior'.
     on_token(tokens (num_samples, 1)) sees each new token but the last as it is fed back (the explorer streams them);
     it changes no draw, and an exception it raises ends the generation."""
-    device = net.tok_emb.weight.device
+    device = model.tok_emb.weight.device
     torch.manual_seed(seed)
     token_generator = torch.Generator(device).manual_seed(seed)
     latent_generator = torch.Generator(device).manual_seed(seed if latent_seed < 0 else latent_seed)
-    check_length(ids, net.config.block_size)
+    check_length(ids, model.config.block_size)
     prompt = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     if latents == "posterior":
-        check_length(reference, net.config.block_size, "the --reference", ": the encoder reads it whole; shorten it")
+        check_length(reference, model.config.block_size, "the --reference", ": the encoder reads it whole; shorten it")
         reference = torch.tensor([reference], dtype=torch.long, device=device)  # (1, T_ref)
-    pinned = pin_latents(net, prompt, latents, latent_generator, prompt_latents, reference)
+    pinned = pin_latents(model, prompt, latents, latent_generator, prompt_latents, reference)
     # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
-    step = torch.compile(net.forward, dynamic=True) if compile else None
+    step = torch.compile(model.forward, dynamic=True) if compile else None
     if on_token is not None:
-        decode_step = step or net
+        decode_step = step or model
 
         def step(idx_next, **kwargs):
             on_token(idx_next)
             return decode_step(idx_next, **kwargs)
     products = contextlib.nullcontext() if compile or not onednn else \
-        cpu.inference_linears(net, common.DTYPES[dtype], batch_size=num_samples)
+        cpu.inference_linears(model, common.DTYPES[dtype], batch_size=num_samples)
     try:
         with products:
-            out = net.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
+            out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
                                generator=token_generator, step=step)
     except ValueError as e:
         common.die(str(e))
@@ -84,25 +83,25 @@ def entropy(p):
 
 
 @torch.no_grad()
-def token_uncertainty(net, ids, n_passes, generator, autocast=contextlib.nullcontext(), onednn=True,
+def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), onednn=True,
                       dtype="float32"):
     """Each predicted token of one text (ids[1:] given what precedes it), over M = n_passes passes with fresh
     latents (det: one pass): nll -log p̄(y), entropy H(p̄), expected_entropy mean_m H(p_m) (aleatoric) and mi
     H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats; evaluate.py's definitions, token by token. As in
     evaluate.MCStats, the passes enter as differences to the first, so a deterministic model's mi is exactly 0."""
-    device = net.tok_emb.weight.device
-    check_length(ids[:-1], net.config.block_size, "the text", " (its last token is only predicted); shorten it")
+    device = model.tok_emb.weight.device
+    check_length(ids[:-1], model.config.block_size, "the text", " (its last token is only predicted); shorten it")
     if len(ids) < 2:
         common.die("the text has fewer than 2 tokens: nothing to predict (the first token is the context)")
     x = torch.tensor([ids[:-1]], dtype=torch.long, device=device)  # (1, T)
     y = torch.tensor(ids[1:], dtype=torch.long, device=device)  # (T,)
-    products = cpu.inference_linears(net, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
+    products = cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
     with products:
-        M = 1 if net.latent_kind == "none" else n_passes
+        M = 1 if model.latent_kind == "none" else n_passes
         for m in range(M):
             with autocast:
-                latents = None if net.latent_kind == "none" else net.sample_latents(1, generator)
-                logits = net(x, y[None], latents=latents)[0][0]  # (T, V): targets ask for every position
+                latents = None if model.latent_kind == "none" else model.sample_latents(1, generator)
+                logits = model(x, y[None], latents=latents)[0][0]  # (T, V): targets ask for every position
             log_p = F.log_softmax(logits.float(), dim=-1)  # (T, V)
             p, log_py = log_p.exp(), log_p.gather(1, y[:, None]).squeeze(1)
             if m == 0:

@@ -1,5 +1,6 @@
-"""Sampling with pinned latents and scoring a text token by token: what sample.py, evaluate.py --text and the
-explorer's page compute, one function each, so the page shows exactly the scripts' texts and numbers."""
+"""Sampling with pinned latents and scoring one text token by token: what sample.py, evaluate.py --task=tokens and
+the explorer's page (scripts/explore.py) compute, one function each, so the page shows exactly the scripts' texts and
+numbers."""
 
 import contextlib
 import math

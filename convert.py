@@ -364,7 +364,7 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     try:
         from gguf import GGUFReader
     except ImportError:
-        common.die("convert.py gguf needs the gguf package: pip install gguf")
+        common.die(f"convert.py gguf needs the gguf package to read {gguf_file}: pip install gguf")
     try:
         reader = GGUFReader(gguf_file)
     except Exception as e:  # not a GGUF, or one cut short

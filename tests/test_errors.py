@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -65,64 +66,72 @@ def write(path, text, mode="w"):
 
 
 FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model=free"]  # a new out_dir
-TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scratch folder, {run} the trained run
-    "scratch over a trained run": ([], "already holds a run"),
-    "max_iters negative": (["--init_from=resume", "--max_iters=-5"], "--max_iters must be >= 0"),
-    "eval_interval zero": (["--init_from=resume", "--eval_interval=0"], "--eval_interval must be > 0"),
-    "log_interval zero": (["--init_from=resume", "--log_interval=0"], "--log_interval must be > 0"),
-    "eval_iters zero": (["--init_from=resume", "--eval_iters=0"], "--eval_iters must be > 0"),
-    "batch_size zero": (["--init_from=resume", "--batch_size=0"], "--batch_size must be > 0"),
-    "dtype float64": (["--init_from=resume", "--dtype=float64"], "--dtype must be one of float32, bfloat16"),
-    "init_from unknown": (["--init_from=latest"], "--init_from must be one of scratch, resume"),
-    "shape-changing override on resume": (["--init_from=resume", "--n_layer=3"], "would change the shape"),
-    "resume on another vocabulary": (["--init_from=resume", "--dataset=tiny_vocab"], "trained on a vocabulary of"),
-    "config file with a syntax error": (["{tmp}/bad_syntax.py"], "bad_syntax.py line 1"),
-    "config file with a NameError": (["{tmp}/bad_name.py"], "bad_name.py failed: NameError"),
-    "config file that is a directory": (["{tmp}"], "is a directory"),
-    "out_dir under a file": (["--out_dir={tmp}/a_file/run"], "cannot write to out_dir"),
-    "dataset too small": ([FRESH, "--dataset=tiny_vocab"], "too few for one window"),
-    "dataset not prepared": ([FRESH, "--dataset=mystuff"], "python prepare.py text --input=FILE"),
+# name: (extra arguments, what the line must name: the key and the value, or the file, and what to do); {tmp} is a
+# scratch folder, {run} the trained run. Not the wording: a case passes whatever sentence carries these.
+TRAIN_CASES = {
+    "scratch over a trained run": ([], ("{run}", "--overwrite=True", "--init_from=resume")),
+    "max_iters negative": (["--init_from=resume", "--max_iters=-5"], ("max_iters", "-5")),
+    "eval_interval zero": (["--init_from=resume", "--eval_interval=0"], ("eval_interval", "0")),
+    "log_interval zero": (["--init_from=resume", "--log_interval=0"], ("log_interval", "0")),
+    "eval_iters zero": (["--init_from=resume", "--eval_iters=0"], ("eval_iters", "0")),
+    "batch_size zero": (["--init_from=resume", "--batch_size=0"], ("batch_size", "0")),
+    "dtype float64": (["--init_from=resume", "--dtype=float64"], ("dtype", "float64", "bfloat16")),
+    "init_from unknown": (["--init_from=latest"], ("init_from", "latest", "resume")),
+    "shape-changing override on resume": (["--init_from=resume", "--n_layer=3"], ("n_layer", "3", "shape")),
+    "resume on another vocabulary": (["--init_from=resume", "--dataset=tiny_vocab"], ("tiny_vocab", "--dataset=")),
+    "config file with a syntax error": (["{tmp}/bad_syntax.py"], ("{tmp}/bad_syntax.py", "line 1")),
+    "config file with a NameError": (["{tmp}/bad_name.py"], ("{tmp}/bad_name.py", "NameError")),
+    "config file that is a directory": (["{tmp}"], ("{tmp}", "directory")),
+    "config file that exits": (["{tmp}/exits.py"], ("{tmp}/exits.py", "sys.exit")),
+    "config file value a dict": ([FRESH, "{tmp}/lr_dict.py"], ("{tmp}/lr_dict.py", "learning_rate", "{{'peak': 0.003}}")),
+    "config file value a torch dtype": ([FRESH, "{tmp}/dtype_torch.py"], ("{tmp}/dtype_torch.py", "dtype",
+                                                                           "torch.bfloat16")),
+    "config file value of another type": ([FRESH, "{tmp}/iters_str.py"], ("{tmp}/iters_str.py", "max_iters", "'300'")),
+    "out_dir under a file": (["--out_dir={tmp}/a_file/run"], ("{tmp}/a_file/run",)),
+    "dataset too small": ([FRESH, "--dataset=tiny_vocab"], ("tiny_vocab", "block_size")),
+    "dataset not prepared": ([FRESH, "--dataset=mystuff"], ("mystuff", "python prepare.py")),
     # model values, checked by each Config's __post_init__ and printed as one line
-    "n_head zero": ([FRESH, "--n_head=0"], "n_head=0: must be >= 1"),
-    "block_size zero": ([FRESH, "--block_size=0"], "block_size=0: must be >= 1"),
-    "block_size negative": ([FRESH, "--block_size=-5"], "block_size=-5: must be >= 1"),
-    "n_embd zero": ([FRESH, "--n_embd=0"], "n_embd=0: must be >= 1"),
-    "n_layer zero": ([FRESH, "--n_layer=0"], "n_layer=0: must be >= 1"),
-    "ffn_hidden not a number": ([FRESH, "--ffn_hidden=abc"], "ffn_hidden='abc': must be None or an int"),
-    "rope_theta zero": ([FRESH, "--rope_theta=0"], "rope_theta=0.0: must be > 0"),
-    "norm_eps negative": ([FRESH, "--norm_eps=-1"], "norm_eps=-1.0: must be > 0"),
-    "rope_theta nan in a config file": ([FRESH, "{tmp}/nan_theta.py"], "rope_theta=nan"),
-    "latent_bits zero": ([*FREE, "--latent_bits=0"], "latent_bits=0: must be in 1..20"),
-    "latent_bits negative": ([*FREE, "--latent_bits=-3"], "latent_bits=-3"),
-    "latent_bits 30": ([*FREE, "--latent_bits=30"], "latent_bits=30"),
-    "kappa_bits negative": ([*FREE, "--kappa_bits=-1"], "kappa_bits=-1.0: must be >= 0"),
-    "kappa_bits nan in a config file": ([*FREE, "{tmp}/nan_kappa.py"], "kappa_bits=nan"),
-    "shape-keeping override out of range on resume": (["--init_from=resume", "--rope_theta=-1"], "rope_theta=-1.0"),
+    "n_head zero": ([FRESH, "--n_head=0"], ("n_head=0",)),
+    "block_size zero": ([FRESH, "--block_size=0"], ("block_size=0",)),
+    "block_size negative": ([FRESH, "--block_size=-5"], ("block_size=-5",)),
+    "n_embd zero": ([FRESH, "--n_embd=0"], ("n_embd=0",)),
+    "n_layer zero": ([FRESH, "--n_layer=0"], ("n_layer=0",)),
+    "ffn_hidden not a number": ([FRESH, "--ffn_hidden=abc"], ("ffn_hidden", "abc")),
+    "rope_theta zero": ([FRESH, "--rope_theta=0"], ("rope_theta=0",)),
+    "norm_eps negative": ([FRESH, "--norm_eps=-1"], ("norm_eps=-1",)),
+    "rope_theta nan in a config file": ([FRESH, "{tmp}/nan_theta.py"], ("rope_theta=nan",)),
+    "latent_bits zero": ([*FREE, "--latent_bits=0"], ("latent_bits=0",)),
+    "latent_bits negative": ([*FREE, "--latent_bits=-3"], ("latent_bits=-3",)),
+    "latent_bits 30": ([*FREE, "--latent_bits=30"], ("latent_bits=30",)),
+    "kappa_bits negative": ([*FREE, "--kappa_bits=-1"], ("kappa_bits=-1",)),
+    "kappa_bits nan in a config file": ([*FREE, "{tmp}/nan_kappa.py"], ("kappa_bits=nan",)),
+    "shape-keeping override out of range on resume": (["--init_from=resume", "--rope_theta=-1"], ("rope_theta=-1",)),
     # values the data fixes, and the machine
-    "vocab_size below the data's": ([FRESH, "--vocab_size=10"], "vocab_size=10 is below"),
-    "block_size above a sequence": ([FRESH, "--block_size=80"], "set block_size <= 66"),
-    "batch_size beyond memory": ([FRESH, "--batch_size=1000000"], "GiB activations at batch_size=1000000"),
+    "vocab_size below the data's": ([FRESH, "--vocab_size=10"], ("vocab_size=10",)),
+    "block_size above a sequence": ([FRESH, "--block_size=80"], ("block_size", "66")),
+    "batch_size beyond memory": ([FRESH, "--batch_size=1000000"], ("batch_size=1000000",)),
     # script values
-    "beta1 above 1": ([FRESH, "--beta1=1.5"], "--beta1 must lie in [0, 1), got 1.5"),
-    "learning_rate nan in a config file": ([FRESH, "{tmp}/nan_lr.py"], "--learning_rate is nan"),
-    "seed negative": ([FRESH, "--seed=-1"], "--seed must be >= 0"),
-    "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], "past --max_iters=3"),
-    "val split empty": ([FRESH, "--dataset=no_val"], "val.bin is empty"),
+    "beta1 above 1": ([FRESH, "--beta1=1.5"], ("beta1", "1.5")),
+    "learning_rate nan in a config file": ([FRESH, "{tmp}/nan_lr.py"], ("learning_rate", "nan")),
+    "seed negative": ([FRESH, "--seed=-1"], ("seed", "-1")),
+    "resume with max_iters below its step": (["--init_from=resume", "--max_iters=3"], ("max_iters=3",)),
+    "val split empty": ([FRESH, "--dataset=no_val"], ("val.bin",)),
     "init_embeddings a text file named .npy": ([FRESH, "--init_embeddings={tmp}/notes.npy"],
-                                               "init_embeddings={tmp}/notes.npy is not a .npy array"),
-    "init_embeddings an .npz archive": ([FRESH, "--init_embeddings={tmp}/emb.npz"], "holds a .npz archive, not numbers"),
-    "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], "holds an array of <U5, not numbers"),
-    "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], "is a folder"),
-    "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
-                                    "n_layer=100000 is more than train.py builds (at most 1,024"),
+                                               ("init_embeddings={tmp}/notes.npy",)),
+    "init_embeddings an .npz archive": ([FRESH, "--init_embeddings={tmp}/emb.npz"], ("{tmp}/emb.npz", ".npz")),
+    "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], ("{tmp}/words.npy", "<U5")),
+    "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], ("{tmp}", "folder")),
+    "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"], ("n_layer=100000",)),
     "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
-                                                "--out_dir={run}/ckpt.pt is a file (a checkpoint): out_dir is the "
-                                                "run's folder, --out_dir={run}"),
+                                                ("--out_dir={run}/ckpt.pt", "--out_dir={run}")),
     "out_dir the checkpoint's path, eval_only": (["--eval_only=True", "--out_dir={run}/ckpt.pt"],
-                                                 "out_dir is the run's folder, --out_dir={run}"),
+                                                 ("--out_dir={run}/ckpt.pt", "--out_dir={run}")),
 }
 if not torch.cuda.is_available():
-    TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], "has no CUDA GPU")
+    TRAIN_CASES["cuda without a GPU"] = (["--out_dir={tmp}/fresh", "--device=cuda"], ("device", "cuda"))
+# the same mistakes through a real train.py process, end to end (the rest run in this process: much faster)
+SPAWNED = ["scratch over a trained run", "config file with a syntax error", "config file that exits",
+           "shape-changing override on resume", "batch_size beyond memory"]
 
 
 @pytest.mark.parametrize("model_type", ["det", "eve", "free", "btrans"])
@@ -191,11 +200,14 @@ def tiny_vocab(data_root):
     (data_root / "no_val" / "val.bin").write_bytes(b"")
 
 
-@pytest.mark.parametrize("case", TRAIN_CASES)
-def test_train_mistake_is_one_line_and_changes_nothing(case, run, tmp_path, data_root, tiny_vocab):
-    args, phrase = TRAIN_CASES[case]
+def mistakes(tmp_path):
+    """The files TRAIN_CASES' arguments name, in tmp_path."""
     write(tmp_path / "bad_syntax.py", "n_layer = = 3\n")
     write(tmp_path / "bad_name.py", "n_layer = undefined_name\n")
+    write(tmp_path / "exits.py", "import sys\nsys.exit(0)\n")
+    write(tmp_path / "lr_dict.py", "learning_rate = {'peak': 3e-3}\n")
+    write(tmp_path / "dtype_torch.py", "import torch\ndtype = torch.bfloat16\n")
+    write(tmp_path / "iters_str.py", "max_iters = '300'\n")
     write(tmp_path / "a_file", "")
     write(tmp_path / "nan_theta.py", "rope_theta = float('nan')\n")
     write(tmp_path / "nan_kappa.py", "kappa_bits = float('nan')\n")
@@ -203,10 +215,51 @@ def test_train_mistake_is_one_line_and_changes_nothing(case, run, tmp_path, data
     write(tmp_path / "notes.npy", "my embeddings, to do\n")
     np.savez(tmp_path / "emb.npz", emb=np.zeros((3, 32), dtype=np.float32))
     np.save(tmp_path / "words.npy", np.array(["alpha", "beta"]))
+
+
+def train_in_process(monkeypatch, capsys, data_root, out_dir, *args):
+    """train.py run in this process (runpy), as `python train.py` on the tiny det model: (exit code, stdout, stderr).
+    What train.py sets for the process (signal handlers, threads) is put back."""
+    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
+    monkeypatch.setattr(sys, "argv", ["train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args])
+    handlers, threads = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_train_mistake_is_one_line_naming_key_and_value_and_changes_nothing(case, run, tmp_path, data_root,
+                                                                            tiny_vocab, monkeypatch, capsys):
+    args, named = TRAIN_CASES[case]
+    mistakes(tmp_path)
+    before = snapshot(run)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run,
+                                      *[a.format(tmp=tmp_path, run=run) for a in args])
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), *[n.format(tmp=tmp_path, run=run)
+                                                                             for n in named])
+    assert snapshot(run) == before
+    assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SPAWNED)
+def test_train_mistake_is_one_line_in_a_real_process(case, run, tmp_path, data_root, tiny_vocab):
+    args, named = TRAIN_CASES[case]
+    mistakes(tmp_path)
     before = snapshot(run)
     proc = train_det(data_root, run, *[a.format(tmp=tmp_path, run=run) for a in args], check=False)
-    assert_one_line_error(proc, phrase.format(tmp=tmp_path, run=run))
-    assert snapshot(run) == before
+    assert_one_line_error(proc, *[n.format(tmp=tmp_path, run=run) for n in named])
+    assert snapshot(run) == before and proc.stdout == ""
     assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
 
 

@@ -203,9 +203,9 @@ def test_every_documented_sample_line_fits_the_context_of_its_run(doc):
 def test_the_context_check_reads_the_runs_of_the_readme_and_catches_a_line_too_long():
     checked = {(out_dir, block_size) for out_dir, _, _, block_size in checked_sample_lines("README.md")}
     assert {("out", 66), ("out-det-shakespeare-char", 128)} <= checked  # the quick start's run and Tiny Shakespeare's
-    too_long = commands("```sh\npython train.py config/det_shakespeare_char.py\n"
-                        "python sample.py --out_dir=out-det-shakespeare-char --start=ROMEO: --max_new_tokens=123\n```\n")
-    assert "out-det-shakespeare-char" in {line[0] for line in checked_sample_lines("docs/evaluation.md")}  # README's run
+    too_long = commands("```sh\npython train.py config/det_shakespeare_char.py\npython sample.py "
+                        "--out_dir=out-det-shakespeare-char --start=ROMEO: --max_new_tokens=123\n```\n")
+    assert "out-det-shakespeare-char" in {line[0] for line in checked_sample_lines("docs/evaluation.md")}  # README's
     assert trained_block_sizes(too_long) == {"out-det-shakespeare-char": 128}
     assert sample_lengths(too_long[1][1]) == ("out-det-shakespeare-char", 6, 123)  # 6 + 123 > 128
 

@@ -357,3 +357,17 @@ def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_copies(t
     (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text("")
     assert (configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"]
             == str(tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_at_the_learning_rate_it_is_given_and_says_it_changed(arith_ckpt, tmp_path):
+    root, det_out = arith_ckpt
+    args = ["--eval_interval=5", "--eval_prompts=4", "--eval_samples=2", "--prompts_per_step=2", "--group_size=2",
+            "--device=cpu"]
+    run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=1", *args, data_dir=root)
+    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=2",
+                      "--learning_rate=1e-3", "--weight_decay=0.1", *args, data_dir=root)
+    assert "resuming with learning_rate=0.001 (was 1e-05), weight_decay=0.1 (was 0.0)" in proc.stdout
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert checkpoint["iter_num"] == 2 and checkpoint["config"]["learning_rate"] == 1e-3
+    assert [(g["lr"], g["weight_decay"]) for g in checkpoint["optimizer"]["param_groups"]] == [(1e-3, 0.1), (1e-3, 0.0)]

@@ -306,7 +306,7 @@ def main():
                 if saved is not None else "no step was done and nothing was written; run the same command to start "
                                           "again")
         print(f"stopped by {signal.Signals(stop.signum).name}: {what}", file=sys.stderr)
-        sys.exit(128 + stop.signum)
+        stop.exit(128 + stop.signum)
 
     for step in range(start, max_steps + 1):
         if stop:

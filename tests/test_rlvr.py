@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -371,3 +372,28 @@ def test_a_resumed_run_trains_at_the_learning_rate_it_is_given_and_says_it_chang
     checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert checkpoint["iter_num"] == 2 and checkpoint["config"]["learning_rate"] == 1e-3
     assert [(g["lr"], g["weight_decay"]) for g in checkpoint["optimizer"]["param_groups"]] == [(1e-3, 0.1), (1e-3, 0.0)]
+
+
+@pytest.mark.slow
+def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith_ckpt, tmp_path):
+    """The second SIGTERM lands while the process exits (torch's atexit callbacks), or while it saves: the default
+    handler is back by then, or the save is dropped as a second signal asks, with no traceback either way and no
+    temporary file; a checkpoint written is whole."""
+    root, det_out = arith_ckpt
+    env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}",
+                             "--max_steps=50", "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2",
+                             "--prompts_per_step=2", "--group_size=2", "--device=cpu"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM) and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "stopped by" in stderr
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+    if (tmp_path / "ckpt.pt").exists():  # the second signal came after the save (else: before it, nothing saved)
+        assert ckpt.load_model(tmp_path)[1]["iter_num"] == 4

@@ -498,6 +498,36 @@ def test_to_hf_refuses_a_folder_that_is_not_empty(run, data_root, tmp_path):
     assert snapshot(dst) == before
 
 
+WRITE_FAILS = """
+import builtins, errno, os
+_open, _makedirs = builtins.open, os.makedirs
+def open(file, mode="r", *args, **kwargs):  # the disk fills up at config.json
+    if "w" in mode and str(file).endswith("config.json"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+    return _open(file, mode, *args, **kwargs)
+def makedirs(name, *args, **kwargs):  # the folder is read-only (root passes chmod, so it is said here)
+    if ".tmp" in str(name):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(name))
+    return _makedirs(name, *args, **kwargs)
+builtins.open = open
+if os.environ.get("FAIL") == "read-only":
+    os.makedirs = makedirs
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, reason", [("full", "No space left on device"), ("read-only", "Permission denied")])
+def test_to_hf_that_cannot_write_is_one_line_and_leaves_no_folder(fault, reason, run, data_root, tmp_path):
+    pytest.importorskip("safetensors", reason="to_hf writes safetensors (pip install safetensors)")
+    write(tmp_path / "hook" / "sitecustomize.py", WRITE_FAILS)
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook"), "FAIL": fault}
+    dst = tmp_path / "new" / "hf"
+    proc = subprocess.run([sys.executable, "convert.py", "to_hf", f"--out_dir={run}", f"--dst={dst}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
+    assert_one_line_error(proc, str(dst), reason)
+    assert sorted(os.listdir(tmp_path)) == ["hook", "run"]  # neither new/, nor hf/, nor a staging folder
+
+
 def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
     write(tmp_path / "src" / "config.json", '{"model_type": "llama", "hidden_size": ')
     proc = run_script("convert.py", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",

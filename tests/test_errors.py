@@ -641,6 +641,33 @@ def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, traine
     assert "lm:" not in proc.stdout  # refused before the evaluation started
 
 
+FULL_DISK_JSON = """
+import builtins, errno, os
+_open = builtins.open
+def open(file, mode="r", *args, **kwargs):  # the disk is full by the time the evaluation ends
+    if "w" in mode and ".json.tmp" in str(file):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+    return _open(file, mode, *args, **kwargs)
+builtins.open = open
+"""
+
+
+@pytest.mark.slow
+def test_evaluate_on_a_full_disk_prints_the_results_keeps_the_old_file_and_says_so_in_one_line(trained, data_root,
+                                                                                              tmp_path):
+    write(tmp_path / "hook" / "sitecustomize.py", FULL_DISK_JSON)
+    write(tmp_path / "eval.json", '{"earlier": "results"}')
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook"),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "evaluate.py", f"--out_dir={trained}", "--max_tokens=256",
+                           f"--out_json={tmp_path / 'eval.json'}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert_one_line_error(proc, str(tmp_path / "eval.json"), "No space left on device")
+    printed = json.loads(proc.stdout[proc.stdout.index('{\n "task"'):])  # nothing lost: the file's text, on stdout
+    assert printed["task"] == "lm" and printed["results"][str(trained)]["nll"] > 0
+    assert (tmp_path / "eval.json").read_text() == '{"earlier": "results"}'
+    assert sorted(os.listdir(tmp_path)) == ["eval.json", "hook"]
+
+
 def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_path):
     proc = run_script("evaluate.py", f"--out_dir={trained}", f"--out_items={tmp_path / 'items.jsonl'}",
                       data_dir=data_root, check=False)

@@ -146,6 +146,14 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
     assert label == "C" and question == tasks.lettered_question("The cat", ["sat.", "flew.", "sang."])
 
 
+def test_gsm8k_without_its_files_in_dataset_reads_the_local_copies_under_the_offline_variable(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    with open(tmp_path / "gsm8k" / "test.jsonl", "w") as f:
+        f.write(json.dumps({"question": "1 + 1?", "answer": "1+1=<<1+1=2>>2\n#### 2"}) + "\n")
+    monkeypatch.setenv("NANOLATENT_LOCAL_DATA", str(tmp_path))
+    assert rlvr.chat_problems("gsm8k", "openai/gsm8k", "val") == [("1 + 1?", 2.0)]
+
+
 def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_label(tmp_path):
     completions = torch.tensor([[1, 2, 0, 3], [3, 3, 3, 3]])
     assert grpo.replies(completions, lambda ids: "".join("|abc"[i] for i in ids), stop_id=0) == ["ab|", "cccc"]

@@ -264,6 +264,7 @@ def test_train_mistake_is_one_line_in_a_real_process(case, run, tmp_path, data_r
     assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, phrase", [
     (b"", "is empty"),
     (b"not a torch file at all", "is unreadable"),
@@ -281,6 +282,7 @@ def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, d
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
     with open(run / ".lock", "w") as lock:  # as a running train.py holds it
         lock.write("train.py (pid 4242)")
@@ -293,6 +295,7 @@ def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
     train_det(data_root, run, "--init_from=resume", "--max_iters=6")  # released: the lock never outlives its holder
 
 
+@pytest.mark.slow
 def test_eval_only_evaluates_the_checkpoint_and_leaves_the_log_alone(run, data_root):
     before = snapshot(run)
     proc = train_det(data_root, run, "--eval_only=True")
@@ -303,18 +306,21 @@ def test_eval_only_evaluates_the_checkpoint_and_leaves_the_log_alone(run, data_r
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_resume_applies_an_override_that_changes_no_shape_and_says_so(run, data_root):
     proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", "--rope_theta=5000.0")
     assert "rope_theta=5000.0 (was rope_theta=10000.0)" in proc.stdout
     assert torch.load(run / "ckpt.pt", weights_only=True)["model_config"]["rope_theta"] == 5000.0
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_trained_run_when_asked(run, data_root):
     train_det(data_root, run, "--max_iters=2", "--eval_interval=2", "--overwrite=True")
     assert torch.load(run / "ckpt.pt", weights_only=True)["iter_num"] == 2
     assert max(r["iter"] for r in records(run)) == 2
 
 
+@pytest.mark.slow
 def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_root):
     write(run / "metrics.jsonl", '{"iter": 5, "lo', mode="a")  # a crash mid-append
     proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", "--eval_interval=2")
@@ -322,6 +328,7 @@ def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_r
     assert [r["iter"] for r in records(run) if "val_loss" in r] == [0, 2, 4, 6]
 
 
+@pytest.mark.slow
 def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
     proc = run_script("train.py", "--model=eve", f"--out_dir={tmp_path}", *TINY, "--max_iters=3", "--eval_interval=3",
                       data_dir=data_root)  # EVE logs the most stats
@@ -330,6 +337,7 @@ def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
     assert any("iter 1/3: loss" in line and "elapsed, ETA" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_root):
     with open(run / ".lock", "w") as lock:  # as a running train.py holds it
         lock.write("train.py (pid 4242)")
@@ -340,6 +348,7 @@ def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_ro
         assert "val_loss" in proc.stdout and snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_root):
     for name in ("ckpt.pt.tmp4242", "metrics.jsonl.tmp4243"):  # what kill -9 during a save leaves
         write(run / name, "partial")
@@ -348,6 +357,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_ro
     assert sorted(p.name for p in run.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp_path):
     proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
@@ -359,6 +369,7 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
         lines.index(next(l for l in lines if l.startswith("iter 0/6 eval")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refusal, phrase", [
     (["--dataset=mystuff"], "dataset 'mystuff' is not prepared"),
     (["--batch_size=1000000"], "GiB activations at batch_size=1000000"),
@@ -393,6 +404,7 @@ def assert_checkpoint_at(folder, iter_num):
     assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -449,6 +461,7 @@ os.replace = replace
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_checkpoint_write_finishes_it_then_stops(data_root, tmp_path):
     proc = run_with(SIGINT_DURING_SAVE, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8",
                     "--eval_interval=2", data_root=data_root)
@@ -456,6 +469,7 @@ def test_ctrl_c_during_a_checkpoint_write_finishes_it_then_stops(data_root, tmp_
     assert_checkpoint_at(tmp_path / "run", 3)
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(data_root, tmp_path):
     proc = run_with(FULL_DISK, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--eval_interval=2",
                     "--always_save_checkpoint=True", data_root=data_root)
@@ -464,6 +478,7 @@ def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(data_root, tmp_path
     assert_checkpoint_at(tmp_path / "run", 2)
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
     before = snapshot(run)
     proc = run_with(FULL_DISK_LOG, tmp_path, f"--out_dir={run}", "--init_from=resume", "--max_iters=6",
@@ -476,6 +491,7 @@ def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
 # rlvr.py and convert.py write runs too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args", [
     ("rlvr.py", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
     ("convert.py", ["hf", "--src={tmp}", "--out_dir={run}"]),
@@ -487,6 +503,7 @@ def test_no_script_replaces_a_run_unasked(script, args, run, data_root, tmp_path
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_to_hf_refuses_a_folder_that_is_not_empty(run, data_root, tmp_path):
     dst = tmp_path / "hf"
     dst.mkdir()
@@ -528,6 +545,7 @@ def test_to_hf_that_cannot_write_is_one_line_and_leaves_no_folder(fault, reason,
     assert sorted(os.listdir(tmp_path)) == ["hook", "run"]  # neither new/, nor hf/, nor a staging folder
 
 
+@pytest.mark.slow
 def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
     write(tmp_path / "src" / "config.json", '{"model_type": "llama", "hidden_size": ')
     proc = run_script("convert.py", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
@@ -536,6 +554,7 @@ def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
     assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     write(tmp_path / "hook" / "safetensors" / "__init__.py", "raise ImportError('not installed')\n")
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook")}
@@ -549,24 +568,27 @@ def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
 # sample.py, prepare.py, evaluate.py
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--temperature=-1"], "--temperature must be >= 0"),
-    (["--num_samples=0"], "--num_samples must be > 0"),
-    (["--max_new_tokens=-1"], "--max_new_tokens must be > 0"),
-    (["--top_k=-1"], "--top_k must be >= 0"),
-    (["--start="], "--start is empty"),
-    (["--start=FILE:no_such_prompt.txt"], "no such file"),
-    (["--latents=everywhere"], "--latents must be one of independent, shared, posterior"),
-    (["--seed=-1"], "--seed must be >= 0, got -1"),
-    (["--latent_seed=-2"], "--latent_seed must be >= 0, or -1"),
-    (["--device=mps"], "has no Apple GPU"),
-    (["--model=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
+@pytest.mark.slow
+@pytest.mark.parametrize("args, named", [  # what the line must name: the key and the value (not the wording)
+    (["--temperature=-1"], ("temperature", "-1")),
+    (["--num_samples=0"], ("num_samples", "0")),
+    (["--max_new_tokens=-1"], ("max_new_tokens", "-1")),
+    (["--top_k=-1"], ("top_k", "-1")),
+    (["--start="], ("start", "empty")),
+    (["--start=FILE:no_such_prompt.txt"], ("--start=FILE:no_such_prompt.txt",)),
+    (["--latents=everywhere"], ("latents", "everywhere", "shared")),
+    (["--seed=-1"], ("seed", "-1")),
+    (["--latent_seed=-2"], ("latent_seed", "-2")),
+    (["--device=mps"], ("mps",)),
+    (["--model=free", "--latents=posterior", "--reference=" + "_" * 80], ("--reference", "80", "block_size=66")),
+    (["--max_new_tokens=70"], ("70", "block_size=66")),  # 2 prompt tokens + 70 > the context
 ])
-def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
-    assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False),
-                          phrase)
+def test_sample_mistake_is_one_line_naming_key_and_value(args, named, trained, data_root):
+    assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", "--start=K>", *args, data_dir=data_root,
+                                     check=False), *named)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, phrase", [
     ("caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3: invalid continuation byte)"),
     (None, "is a folder"),
@@ -579,6 +601,7 @@ def test_sample_prompt_file_that_is_not_utf8_text_is_one_line(content, phrase, t
     assert_one_line_error(proc, f"--start=FILE:{path} {phrase}")
 
 
+@pytest.mark.slow
 def test_sample_reads_the_prompt_as_text_even_when_it_looks_like_a_number(trained, data_root):
     proc = run_script("sample.py", f"--out_dir={trained}", "--start=K>", "--num_samples=1", data_dir=data_root)
     assert proc.stdout.startswith("K>")
@@ -587,6 +610,7 @@ def test_sample_reads_the_prompt_as_text_even_when_it_looks_like_a_number(traine
     assert_one_line_error(proc, "not in this dataset's vocabulary")  # '1' is no letter of the task: said, not crashed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, content, phrase", [
     ("empty.txt", b"", "holds no text"),
     ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text"),
@@ -602,6 +626,7 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(name, content, phrase,
     assert not (tmp_path / "data" / "x").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, phrase", [
     (["--vocab=some"], "--vocab must be one of full, used"),
     (["--vocab=used"], "--vocab=used renumbers GPT-2 BPE ids"),  # a char vocabulary is already what the text uses
@@ -614,12 +639,14 @@ def test_prepare_bad_vocab_is_one_line_and_writes_nothing(args, phrase, tmp_path
     assert not (tmp_path / "data" / "x").exists()
 
 
+@pytest.mark.slow
 def test_prepare_vocab_used_on_a_char_task_is_one_line(tmp_path):
     proc = run_script("prepare.py", "synthetic", "--vocab=used", data_dir=tmp_path / "data", check=False)
     assert_one_line_error(proc, "--vocab=used renumbers GPT-2 BPE ids", "not to synthetic")
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", ["1.5", "0", "1"])
 def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
     (tmp_path / "in.txt").write_text("some text\n" * 10)
@@ -629,15 +656,17 @@ def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
     assert not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--cvar_alpha=2"], "--cvar_alpha must lie in (0, 1], got 2.0"),
-    (["--cvar_alpha=0"], "--cvar_alpha must lie in (0, 1], got 0.0"),
-    (["--seq_len=1000"], "--seq_len=1000 exceeds the smallest block_size of the checkpoints (66)"),
-    (["--out_json=/no/such/folder/x.json"], "--out_json=/no/such/folder/x.json cannot be written: no folder"),
+@pytest.mark.slow
+@pytest.mark.parametrize("args, named", [
+    (["--cvar_alpha=2"], ("cvar_alpha", "2")),
+    (["--cvar_alpha=0"], ("cvar_alpha", "0")),
+    (["--seq_len=1000"], ("seq_len=1000", "66")),
+    (["--out_json=/no/such/folder/x.json"], ("--out_json=/no/such/folder/x.json",)),
+    (["--out_json=/no/such/folder/x.json", "--dtype=float64"], ("dtype", "float64")),
 ])
-def test_evaluate_mistake_is_one_line_before_any_evaluation(args, phrase, trained, data_root):
+def test_evaluate_mistake_is_one_line_before_any_evaluation(args, named, trained, data_root):
     proc = run_script("evaluate.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False)
-    assert_one_line_error(proc, phrase)
+    assert_one_line_error(proc, *named)
     assert "lm:" not in proc.stdout  # refused before the evaluation started
 
 
@@ -668,6 +697,7 @@ def test_evaluate_on_a_full_disk_prints_the_results_keeps_the_old_file_and_says_
     assert sorted(os.listdir(tmp_path)) == ["eval.json", "hook"]
 
 
+@pytest.mark.slow
 def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_path):
     proc = run_script("evaluate.py", f"--out_dir={trained}", f"--out_items={tmp_path / 'items.jsonl'}",
                       data_dir=data_root, check=False)
@@ -676,6 +706,7 @@ def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_
     assert "lm:" not in proc.stdout and not (tmp_path / "items.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("onednn", [True, False])
 def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
@@ -687,6 +718,7 @@ def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its
     assert nll(f"--dtype={dtype}", f"--onednn={onednn}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
 
 
+@pytest.mark.slow
 def test_prepare_input_that_is_a_folder_says_so(tmp_path):
     proc = run_script("prepare.py", "text", f"--input={tmp_path}", "--tokenizer=char", "--name=x",
                       data_dir=tmp_path / "data", check=False)
@@ -694,6 +726,7 @@ def test_prepare_input_that_is_a_folder_says_so(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src, phrase", [
     ("{tmp}", "--src={tmp} is a folder: pass the path of a .gguf file in it"),
     ("{tmp}/half.gguf", "half.gguf"),  # not a readable GGUF, or no gguf package to read it: refused either way
@@ -707,10 +740,12 @@ def test_a_refused_gguf_import_leaves_no_trace(src, phrase, data_root, tmp_path)
     assert not (tmp_path / "new").exists()  # not even a folder holding a .lock
 
 
+@pytest.mark.slow
 def test_prepare_without_a_source_says_which_there_are(tmp_path):
     assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, phrase", [
     ('{"context": "a", "choices": ["x", "y"], "label": 2}', "label must be the index (0 to 1)"),
     ('{"context": "a", "choices": "sat", "label": 0}', "choices must be a list of at least two"),
@@ -725,6 +760,7 @@ def test_evaluate_mc_bad_example_is_one_line_naming_the_line(line, phrase, train
     assert_one_line_error(proc, "mc.jsonl line 2", phrase)
 
 
+@pytest.mark.slow
 def test_plot_skips_a_partial_last_line(trained, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is optional (pip install matplotlib); CI installs it")
     shutil.copytree(trained, tmp_path / "run")

@@ -56,8 +56,3 @@ def records(out_dir):
     """The run's metrics.jsonl, one dict per line."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: spawns scripts or trains for more than a few seconds (-m 'not slow': "
-                                       "the fast tier)")

@@ -540,8 +540,8 @@ def test_to_hf_that_cannot_write_is_one_line_and_leaves_no_folder(fault, reason,
     write(tmp_path / "hook" / "sitecustomize.py", WRITE_FAILS)
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook"), "FAIL": fault}
     dst = tmp_path / "new" / "hf"
-    proc = subprocess.run([sys.executable, "convert.py", "to_hf", f"--out_dir={run}", f"--dst={dst}"], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "scripts.convert", "to_hf", f"--out_dir={run}", f"--dst={dst}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
     assert_one_line_error(proc, str(dst), reason)
     assert sorted(os.listdir(tmp_path)) == ["hook", "run"]  # neither new/, nor hf/, nor a staging folder
 

@@ -98,7 +98,8 @@ def test_plot_draws_two_runs_of_the_same_name_as_two_curves_and_redraws_its_own_
     fake_run(tmp_path / "b" / "run", [3.5, 1.5])
     out = tmp_path / "curves.png"
     for _ in range(2):  # the second time over the files the first wrote
-        run_script("plot.py", tmp_path / "a" / "run", tmp_path / "b" / "run", f"--out={out}", data_dir=tmp_path)
+        run_script("-m", "scripts.plot", tmp_path / "a" / "run", tmp_path / "b" / "run", f"--out={out}",
+                   data_dir=tmp_path)
     drawn = json.loads((tmp_path / "curves.json").read_text())
     assert drawn["val_loss"] == {str(tmp_path / "a" / "run"): [[0, 3.0], [2, 2.0]],
                                  str(tmp_path / "b" / "run"): [[0, 3.5], [2, 1.5]]}
@@ -110,7 +111,8 @@ def test_plot_never_replaces_a_file_it_did_not_write(taken, tmp_path):
     """evaluate.py --out_json=curves.json, or a study's figure, where --out=curves.png would write: refused, kept."""
     fake_run(tmp_path / "run", [3.0, 2.0])
     (tmp_path / taken).write_text('{"task": "lm", "results": {"run": {"nll": 1.2}}}')
-    proc = run_script("plot.py", tmp_path / "run", f"--out={tmp_path / 'curves.png'}", data_dir=tmp_path, check=False)
+    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'curves.png'}", data_dir=tmp_path,
+                      check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{tmp_path / taken}" in proc.stderr and "--out" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", taken])
@@ -124,6 +126,6 @@ def test_plot_never_replaces_a_file_it_did_not_write(taken, tmp_path):
 ])
 def test_plot_run_given_twice_or_an_out_that_is_no_figure_is_one_line(args, named, tmp_path):
     fake_run(tmp_path / "run", [3.0, 2.0])
-    proc = run_script("plot.py", *[a.format(tmp=tmp_path) for a in args], data_dir=tmp_path, check=False)
+    proc = run_script("-m", "scripts.plot", *[a.format(tmp=tmp_path) for a in args], data_dir=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert all(n.format(tmp=tmp_path) in proc.stderr for n in named) and sorted(os.listdir(tmp_path)) == ["run"]

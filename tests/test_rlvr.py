@@ -376,8 +376,9 @@ def test_a_resumed_run_trains_at_the_learning_rate_it_is_given_and_says_it_chang
     root, det_out = arith_ckpt
     args = ["--eval_interval=5", "--eval_prompts=4", "--eval_samples=2", "--prompts_per_step=2", "--group_size=2",
             "--device=cpu"]
-    run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=1", *args, data_dir=root)
-    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=2",
+    run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=1", *args,
+               data_dir=root)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=2",
                       "--learning_rate=1e-3", "--weight_decay=0.1", *args, data_dir=root)
     assert "resuming with learning_rate=0.001 (was 1e-05), weight_decay=0.1 (was 0.0)" in proc.stdout
     checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
@@ -392,7 +393,7 @@ def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith
     temporary file; a checkpoint written is whole."""
     root, det_out = arith_ckpt
     env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}",
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}",
                              "--max_steps=50", "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2",
                              "--prompts_per_step=2", "--group_size=2", "--device=cpu"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -407,7 +407,7 @@ def save_and_stop():
         print(f"stopped by {signal.Signals(signum).name}: {what}", file=sys.stderr)
     if ddp:
         dist.destroy_process_group()
-    sys.exit(128 + signum)
+    stop.exit(128 + signum)
 
 
 nonfinite_total, nonfinite_streak = 0, 0

@@ -4,6 +4,7 @@ and a model loaded from a checkpoint (into its own type or another)."""
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -45,6 +46,11 @@ def lock_out_dir(out_dir, who):
     stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]
     for name in stale:
         os.remove(os.path.join(out_dir, name))
+    folders = os.path.join(out_dir, CHECKPOINTS)  # train.py's saves and deletions killed halfway (save_step, prune)
+    for name in os.listdir(folders) if os.path.isdir(folders) else []:
+        if re.fullmatch(r"iter_\d+\.(tmp|old)", name):
+            shutil.rmtree(os.path.join(folders, name))
+            stale.append(os.path.join(CHECKPOINTS, name))
     if stale:
         print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
               f"{', '.join(sorted(stale))}")
@@ -66,7 +72,9 @@ def release_out_dir(out_dir):
         lock.close()  # closing the file releases the flock
 
 
-RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
+CHECKPOINTS = "checkpoints"  # train.py's saves: out_dir/checkpoints/iter_0000300/, one folder per step
+RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), with
+# a whole checkpoint folder of train.py's
 
 
 def refuse_existing_run(out_dir, overwrite, resumable=False):
@@ -74,6 +82,7 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
     gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
     before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
     held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    held += list(saved_steps(out_dir).values())  # a run killed between its first save and its link
     if held and not overwrite:
         die(f"{out_dir} already holds a run ({held[0]}): "
             f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
@@ -133,6 +142,39 @@ def save_checkpoint(checkpoint, path):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def saved_steps(out_dir):
+    """{iter: folder} of train.py's whole checkpoints in out_dir. A folder is written as iter_N.tmp and gets its
+    name iter_N by one rename once every file in it is complete, so a folder with that name is whole, whenever the
+    writers were killed."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(m.group(1)): os.path.join(root, name) for name in names if (m := re.fullmatch(r"iter_(\d+)", name))}
+
+
+def point(out_dir, name, target):
+    """Make out_dir/name a symlink to target (relative, so the run folder can move) in one rename: a reader opening
+    out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither."""
+    link = os.path.join(out_dir, name)
+    tmp = f"{link}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(target, out_dir), tmp)
+    os.replace(tmp, link)
+
+
+def prune(out_dir, keep, pointer=None):
+    """Delete train.py's checkpoint folders but the `keep` newest and the one out_dir/pointer points to (the best);
+    keep=0 and no pointer delete them all (a run replaced with --overwrite=True). Each is first renamed out of the
+    iter_N names, so a deletion killed halfway never leaves a partial folder that a resume would take for a whole
+    one (lock_out_dir removes it later)."""
+    kept = os.path.dirname(os.path.realpath(os.path.join(out_dir, pointer))) if pointer else None
+    steps = saved_steps(out_dir)
+    for it in sorted(steps)[:len(steps) - keep]:
+        if os.path.realpath(steps[it]) != kept:
+            os.replace(steps[it], f"{steps[it]}.old")
+            shutil.rmtree(f"{steps[it]}.old")
 
 
 def checkpoint_path(path):

@@ -1,0 +1,184 @@
+"""Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
+steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import ROOT, TINY, records, run_script, train_det
+
+import ckpt
+
+MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
+TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
+
+
+def command(mode, out_dir, *args, kill_in_save=False):
+    """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun;
+    through tests/kill_in_save.py to inject a kill."""
+    flags, nproc = MODES[mode]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
+    return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model=det", *TINY, *flags,
+            "--gradient_accumulation_steps=2", "--init_from=auto", *args]
+
+
+def launch(cmd, data_root, stdout, **env):
+    """The job in a session of its own, so that os.killpg ends torchrun and every worker, as a scheduler does."""
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def run(cmd, data_root, **env):
+    """Run the job to its end; (exit code, output)."""
+    proc = launch(cmd, data_root, subprocess.PIPE, **env)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def finish(cmd, data_root):
+    code, out = run(cmd, data_root)
+    assert code == 0, out[-3000:]
+    return out
+
+
+def untimed(out_dir):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records(out_dir)]
+
+
+def newest_weights(out_dir, tmp_path):
+    """The model of the newest checkpoint folder, gathered from its shards under FSDP."""
+    saved = ckpt.saved_steps(out_dir)
+    folder = saved[max(saved)]
+    if os.path.exists(os.path.join(folder, "ckpt.pt")):
+        return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["model"]
+    gathered = tmp_path / f"gathered_{os.path.basename(out_dir)}.pt"
+    dcp_to_torch_save(folder, gathered)
+    return torch.load(gathered, weights_only=True)["model"]
+
+
+def assert_same_run(out_dir, full, tmp_path):
+    """The same records, the same final weights bit for bit, the same folders kept and the same link."""
+    assert untimed(out_dir) == untimed(full)
+    a, b = newest_weights(out_dir, tmp_path), newest_weights(full, tmp_path)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(os.listdir(out_dir / ckpt.CHECKPOINTS)) == sorted(os.listdir(full / ckpt.CHECKPOINTS))
+    link = next(name for name in ckpt.RUN_FILES if os.path.islink(full / name))
+    assert os.readlink(out_dir / link) == os.readlink(full / link)
+
+
+# Saves at steps 0 and 1 (each the best so far, linked as ckpt.pt); the second prunes the first (keep 1).
+SAVES = ["--max_iters=1", "--eval_interval=1", "--keep_checkpoints=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkpoint(mode, data_root, tmp_path):
+    """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, until the run ends
+    without one; each time the same command resumes from the newest folder committed before the kill (or starts,
+    when none was) and ends as the uninterrupted run did."""
+    full = tmp_path / "full"
+    finish(command(mode, full, *SAVES), data_root)
+    n = 0
+    while True:
+        n += 1
+        out_dir, ops = tmp_path / f"kill{n}", tmp_path / f"ops{n}.txt"
+        code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
+                        NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
+        if code == 0:  # n is past the last change of the run: every one was killed once
+            break
+        assert code == -signal.SIGKILL, out[-3000:]
+        done = ops.read_text().splitlines() if ops.exists() else []
+        assert len(done) == n - 1
+        committed = [int(m.group(1)) for op in done if (m := re.fullmatch(r"replace \S+\.tmp \S+/iter_(\d+)", op))]
+        resumed = finish(command(mode, out_dir, *SAVES), data_root)
+        if committed:
+            assert f"resuming from {out_dir}/{ckpt.CHECKPOINTS}/iter_{committed[-1]:07d} at iter {committed[-1]}" \
+                   in resumed
+        else:
+            assert "resuming" not in resumed
+        assert_same_run(out_dir, full, tmp_path)
+    done = ops.read_text().splitlines()  # the run that no kill stopped: both saves, both links and the prune
+    commits = [op for op in done if re.fullmatch(r"replace \S+\.tmp \S+/iter_000000[01]", op)]
+    links = [op for op in done if re.fullmatch(r"replace \S+/ckpt\.pt\.tmp\d+ \S+/ckpt(_meta)?\.pt", op)]
+    assert len(commits) == len(links) == 2 and done[-1] == f"rmtree {out_dir}/{ckpt.CHECKPOINTS}/iter_0000000.old"
+
+
+def progress(log_file):
+    """The last step this launch logged (its own stdout: a resumed run's metrics.jsonl starts with the old records)."""
+    steps = re.findall(r"^iter (\d+)/", log_file.read_text(), re.M)
+    return int(steps[-1]) if steps else -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_run(mode, data_root, tmp_path):
+    """The issue's acceptance test: SIGKILL to every process of a 2-process job at 3 random steps, each time restarted
+    with the same --init_from=auto command (what torchrun --max_restarts and SLURM's requeue do)."""
+    args = ["--max_iters=24", "--eval_interval=4", "--checkpoint_interval=3"]
+    full, out_dir = tmp_path / "full", tmp_path / "killed"
+    finish(command(mode, full, *args), data_root)
+    kills = sorted(random.Random(45).sample(range(1, 24), 3))
+    for i, step in enumerate(kills):
+        log_file = tmp_path / f"launch{i}.log"
+        with open(log_file, "w") as log:
+            proc = launch(command(mode, out_dir, *args), data_root, log)
+            while progress(log_file) < step:
+                assert proc.poll() is None, log_file.read_text()[-3000:]
+                time.sleep(0.02)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    finish(command(mode, out_dir, *args), data_root)
+    final = [r["val_loss"] for r in records(out_dir) if "val_loss" in r][-1]
+    assert abs(final - [r["val_loss"] for r in records(full) if "val_loss" in r][-1]) < 1e-5
+    assert_same_run(out_dir, full, tmp_path)
+
+
+def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, tmp_path):
+    args = ["--init_from=auto", "--eval_interval=2"]
+    train_det(data_root, tmp_path / "full", *args, "--max_iters=4")
+    first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
+    second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+    assert "resuming" not in first
+    assert f"resuming from {tmp_path / 'part' / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in second
+    assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+@pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
+def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type, data_root, tmp_path):
+    """Its evaluation noise (the posterior Z, EVE's eps, B-Trans minds) is seeded from (seed, step, rank, batch):
+    the evaluation at the resumed step, which follows no training step, gives the uninterrupted run's numbers."""
+    args = [f"--model={model_type}", "--init_from=auto", "--eval_interval=2"]
+    run_script("train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
+    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_folders(tmp_path):
+    for it in range(1, 6):
+        os.makedirs(tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}")
+        (tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}" / "ckpt.pt").write_text(str(it))
+    os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000009.tmp")  # a save killed halfway
+    os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000000.old")  # a deletion killed halfway
+    ckpt.point(tmp_path, "ckpt.pt", tmp_path / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt")
+    assert sorted(ckpt.saved_steps(tmp_path)) == [1, 2, 3, 4, 5]
+    ckpt.prune(tmp_path, 2, "ckpt.pt")
+    assert sorted(ckpt.saved_steps(tmp_path)) == [2, 4, 5]
+    assert (tmp_path / "ckpt.pt").read_text() == "2" and os.readlink(tmp_path / "ckpt.pt").startswith(ckpt.CHECKPOINTS)
+    ckpt.prune(tmp_path, 0)
+    assert ckpt.saved_steps(tmp_path) == {}
+    assert sorted(os.listdir(tmp_path / ckpt.CHECKPOINTS)) == ["iter_0000000.old", "iter_0000009.tmp"]
+    ckpt.lock_out_dir(tmp_path, "test")  # the next writer removes what killed writers left
+    ckpt.release_out_dir(tmp_path)
+    assert os.listdir(tmp_path / ckpt.CHECKPOINTS) == []
+

@@ -15,8 +15,10 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
     python train.py config/free_1b5.py --dry_run=True
 """
 
+import datetime
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -83,6 +85,8 @@ dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.c
 compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
 fsdp = False  # under torchrun: shard weights, gradients and AdamW state across processes (FSDP2) instead of DDP
 seed = 1337
+dist_timeout = 300  # seconds a collective waits for every process: a process that died or hangs stops the job after
+# this long at most (under torchrun; a save by rank 0 and the first compilation must fit in it)
 # planning: --dry_run=True prints sizes, FLOPs, expected speed and memory per GPU for this config, then exits
 dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
@@ -90,7 +94,8 @@ dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H
 # ----------------------------------------------------------------------------------------------------------------
 config, model_config = configurator.apply(globals(), model_fields=lambda values: common.config_fields(values["model"]))
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
-                                       "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints"),
+                                       "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints",
+                                       "dist_timeout"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
                                    "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
                      choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
@@ -121,13 +126,37 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
     raise SystemExit(0)
 
 
+
+def lost_peer(kind, error, traceback):
+    """sys.excepthook of a process of a job: a collective that failed because another process died (gloo and NCCL
+    see the connection drop) or hung past dist_timeout is one line, not a traceback per process; any other error
+    keeps its traceback."""
+    text = re.sub(r"^\[[^]]*\] ", "", (str(error).strip().splitlines() or [""])[0])  # gloo's "[pair.cc:537] "
+    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and re.search(
+            r"gloo|NCCL|c10d|ProcessGroup|Connection (reset|closed)|[Tt]imed out|[Tt]imeout", str(error))):
+        print(f"error: process {rank} lost the job's other processes ({text[:150]}): one died, or hung longer than "
+              f"dist_timeout={dist_timeout} s; the same command with --init_from=auto goes on from the last "
+              f"checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: destroying the process group would wait on the dead process
+    sys.__excepthook__(kind, error, traceback)
+
+
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
+        # NCCL: an error or a timeout tears the process down instead of leaving it hanging, and the flight recorder
+        # dumps each process's last collectives on a timeout (to /tmp/nccl_trace_rank_N); a user's settings win
+        for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=dist_timeout),
+                            device_id=torch.device(device) if device.startswith("cuda") else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sys.excepthook = lost_peer
     if gradient_accumulation_steps % world_size:
         common.die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                    f"{world_size} processes: each one runs an equal share of the micro-batches")

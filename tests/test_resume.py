@@ -182,3 +182,65 @@ def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_fo
     ckpt.release_out_dir(tmp_path)
     assert os.listdir(tmp_path / ckpt.CHECKPOINTS) == []
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# failures end the job fast, and say so
+
+
+def workers(torchrun_pid):
+    """{rank: pid} of torchrun's worker processes."""
+    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
+        pids = [int(pid) for pid in f.read().split()]
+    ranks = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def start_job(data_root, log_file, out_dir, *args):
+    """A 2-process DDP job that trains until stopped; returns once it has logged step 3."""
+    with open(log_file, "w") as log:  # the job writes to its own copy of the file
+        proc = launch(command("ddp", out_dir, "--max_iters=100000", "--eval_interval=100000", *args), data_root, log)
+    while progress(log_file) < 3:
+        assert proc.poll() is None, log_file.read_text()[-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+def test_when_a_process_dies_or_hangs_the_other_stops_with_one_line_within_dist_timeout(signum, data_root, tmp_path):
+    """kill -9 of one process (gloo sees its connection drop), or SIGSTOP (a hang: only the timeout notices): the other
+    process prints one line, not a traceback, and exits, within dist_timeout (10 s here; 20 s of slack for a busy
+    machine)."""
+    log_file = tmp_path / "job.log"
+    proc = start_job(data_root, log_file, tmp_path / "run", "--dist_timeout=10")
+    try:
+        os.kill(workers(proc.pid)[1], signum)
+        t0 = time.time()
+        while "lost the job's other processes" not in log_file.read_text():
+            assert time.time() - t0 < 30, log_file.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log_file.read_text()
+    lines = [line for line in text.splitlines() if "lost the job's other processes" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: process 0 lost") and "dist_timeout=10 s" in lines[0]
+    assert "[rank0]" not in text and "train.py\", line" not in text  # no traceback of train.py's
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_the_current_step_in_every_process_without_a_traceback(data_root, tmp_path):
+    """A scheduler's preemption: torchrun passes SIGTERM to its processes, which agree on the step, save it and
+    exit; the same command then resumes from it."""
+    log_file, out_dir = tmp_path / "job.log", tmp_path / "run"
+    proc = start_job(data_root, log_file, out_dir)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    text = log_file.read_text()
+    stopped = re.findall(r"stopped by SIGTERM: \S+ holds iter (\d+);", text)
+    assert len(stopped) == 1 and max(ckpt.saved_steps(out_dir)) == int(stopped[0]) > 3
+    assert "[rank0]" not in text and "[rank1]" not in text and "train.py\", line" not in text

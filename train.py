@@ -126,7 +126,6 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
     raise SystemExit(0)
 
 
-
 def lost_peer(kind, error, traceback):
     """sys.excepthook of a process of a job: a collective that failed because another process died (gloo and NCCL
     see the connection drop) or hung past dist_timeout is one line, not a traceback per process; any other error
@@ -319,28 +318,34 @@ def save_checkpoint(selected):
     newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run); under FSDP every process
     writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0 ckpt_meta.pt (the
     rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the keep_checkpoints newest
-    folders and the linked one are deleted."""
-    global selected_iter
+    folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just before its
+    evaluation) is only linked."""
+    global selected_iter, saved_iter
     folder = os.path.join(out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
-    tmp = f"{folder}.tmp"
     if selected:
         selected_iter = iter_num
-    info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
-            "iter_num": iter_num, "best_val_loss": best_val_loss, "selected_iter": selected_iter}
+    written = saved_iter != iter_num
+    if written:
+        tmp = f"{folder}.tmp"
+        info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
+                "iter_num": iter_num, "best_val_loss": best_val_loss, "selected_iter": selected_iter}
+        if master:
+            os.makedirs(tmp, exist_ok=True)
+        if fsdp:
+            dist.barrier()  # the folder exists before any process writes into it
+            model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+        if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
+            tensors = {} if fsdp else {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
+            ckpt.save_checkpoint({**tensors, **info}, os.path.join(tmp, pointer))
+            os.replace(tmp, folder)
+        saved_iter = iter_num
     if master:
-        os.makedirs(tmp, exist_ok=True)
-    if fsdp:
-        dist.barrier()  # the folder exists before any process writes into it
-        model_state, optimizer_state = get_state_dict(raw_model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
-        tensors = {} if fsdp else {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
-        ckpt.save_checkpoint({**tensors, **info}, os.path.join(tmp, pointer))
-        os.replace(tmp, folder)
         if selected:
             ckpt.point(out_dir, pointer, os.path.join(folder, pointer))
         ckpt.prune(out_dir, keep_checkpoints, pointer)
-        print(f"saved checkpoint {folder}" + (f" ({ckpt_file} links to it)" if selected else ""))
+        if written:
+            print(f"saved checkpoint {folder}" + (f" ({ckpt_file} links to it)" if selected else ""))
 
 
 def load_checkpoint():
@@ -361,8 +366,8 @@ if checkpoint is not None:
     load_checkpoint()
     iter_num, best_val_loss, selected_iter = (checkpoint[k] for k in ("iter_num", "best_val_loss", "selected_iter"))
     del checkpoint
-    saved = ckpt.saved_steps(out_dir)
     if master and not eval_only:  # what a save killed after its commit left undone: the link, the deletions
+        saved = ckpt.saved_steps(out_dir)
         target = os.path.join(saved[selected_iter], pointer) if selected_iter in saved else None
         if target and os.path.realpath(ckpt_file) != os.path.realpath(target):
             ckpt.point(out_dir, pointer, target)
@@ -507,15 +512,13 @@ while True:
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
         value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
-        if not eval_only and (value < best_val_loss or always_save_checkpoint) and saved_iter != iter_num:
+        if not eval_only and (value < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, value)
             save_checkpoint(selected=True)
-            saved_iter = iter_num
     # On schedule whatever the val loss, and the last step: the same command run again finds the run complete.
     scheduled = checkpoint_interval and iter_num % checkpoint_interval == 0
     if not eval_only and (scheduled or iter_num == max_iters) and saved_iter != iter_num:
         save_checkpoint(selected=False)
-        saved_iter = iter_num
     if eval_only or iter_num >= max_iters:
         break
 

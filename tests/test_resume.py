@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, TINY, records, run_script, train_det
+from kill_in_save import job, kill_job
 
 import ckpt
 
@@ -32,7 +33,7 @@ def command(mode, out_dir, *args, kill_in_save=False):
 
 
 def launch(cmd, data_root, stdout, **env):
-    """The job in a session of its own, so that os.killpg ends torchrun and every worker, as a scheduler does."""
+    """The job, in a session of its own (Ctrl-C to pytest does not reach it)."""
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -135,7 +136,7 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
             while progress(log_file) < step:
                 assert proc.poll() is None, log_file.read_text()[-3000:]
                 time.sleep(0.02)
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(job(proc.pid))
             proc.wait()
     finish(command(mode, out_dir, *args), data_root)
     final = [r["val_loss"] for r in records(out_dir) if "val_loss" in r][-1]
@@ -187,12 +188,10 @@ def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_fo
 # failures end the job fast, and say so
 
 
-def workers(torchrun_pid):
-    """{rank: pid} of torchrun's worker processes."""
-    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
-        pids = [int(pid) for pid in f.read().split()]
+def ranks(pids):
+    """{rank: pid} of the worker processes among pids."""
     ranks = {}
-    for pid in pids:
+    for pid in pids[1:]:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         ranks[int(env[b"RANK"])] = pid
@@ -217,14 +216,15 @@ def test_when_a_process_dies_or_hangs_the_other_stops_with_one_line_within_dist_
     machine)."""
     log_file = tmp_path / "job.log"
     proc = start_job(data_root, log_file, tmp_path / "run", "--dist_timeout=10")
+    pids = job(proc.pid)  # now: a stopped process outlives torchrun, which leaves it to init
     try:
-        os.kill(workers(proc.pid)[1], signum)
+        os.kill(ranks(pids)[1], signum)
         t0 = time.time()
         while "lost the job's other processes" not in log_file.read_text():
             assert time.time() - t0 < 30, log_file.read_text()[-3000:]
             time.sleep(0.1)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(pids)
         proc.wait()
     text = log_file.read_text()
     lines = [line for line in text.splitlines() if "lost the job's other processes" in line]
@@ -238,8 +238,12 @@ def test_sigterm_to_torchrun_saves_the_current_step_in_every_process_without_a_t
     exit; the same command then resumes from it."""
     log_file, out_dir = tmp_path / "job.log", tmp_path / "run"
     proc = start_job(data_root, log_file, out_dir)
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=120)
+    pids = job(proc.pid)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_job(pids)  # nothing left, unless the test failed
     text = log_file.read_text()
     stopped = re.findall(r"stopped by SIGTERM: \S+ holds iter (\d+);", text)
     assert len(stopped) == 1 and max(ckpt.saved_steps(out_dir)) == int(stopped[0]) > 3

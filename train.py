@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -333,8 +334,11 @@ def save_checkpoint(selected):
             os.makedirs(tmp, exist_ok=True)
         if fsdp:
             dist.barrier()  # the folder exists before any process writes into it
-            model_state, optimizer_state = get_state_dict(raw_model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+            # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
+            # zero gradients (its step count would then differ from the uninterrupted run's): the weights alone.
+            state = {"model": get_model_state_dict(raw_model)} if not optimizer.state else \
+                dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))
+            dcp.save(state, checkpoint_id=tmp)
         if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
             tensors = {} if fsdp else {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
             ckpt.save_checkpoint({**tensors, **info}, os.path.join(tmp, pointer))
@@ -354,6 +358,12 @@ def load_checkpoint():
     if not fsdp:
         raw_model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
+        return
+    saved = dcp.FileSystemReader(start_dir).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in saved):  # saved before the first update (save_checkpoint)
+        state = {"model": get_model_state_dict(raw_model)}
+        dcp.load(state, checkpoint_id=start_dir)
+        set_model_state_dict(raw_model, state["model"])
         return
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}

@@ -110,7 +110,8 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
         assert_same_run(out_dir, full, tmp_path)
     done = ops.read_text().splitlines()  # the run that no kill stopped: both saves, both links and the prune
     commits = [op for op in done if re.fullmatch(r"replace \S+\.tmp \S+/iter_000000[01]", op)]
-    links = [op for op in done if re.fullmatch(r"replace \S+/ckpt\.pt\.tmp\d+ \S+/ckpt(_meta)?\.pt", op)]
+    link = re.escape(f"{out_dir}/") + r"ckpt(_meta)?\.pt"
+    links = [op for op in done if re.fullmatch(rf"replace {link}\.tmp\d+ {link}", op)]
     assert len(commits) == len(links) == 2 and done[-1] == f"rmtree {out_dir}/{ckpt.CHECKPOINTS}/iter_0000000.old"
 
 

@@ -97,7 +97,7 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
     """docs/training.md's gathering snippet, run as written in a folder whose out/ is an FSDP run."""
     with open(os.path.join(ROOT, "docs", "training.md")) as f:
         snippet = re.search(r"^python - <<'PY'\n(.*?)^PY\n", f.read(), re.S | re.M).group(1)
-    shutil.copytree(det_runs / "fsdp", tmp_path / "out")
+    shutil.copytree(det_runs / "fsdp", tmp_path / "out", symlinks=True)  # as cp -r and rsync -a copy a run
     run_script(sys.executable, "-c", snippet, cwd=tmp_path, data_dir=tmp_path)
     model, checkpoint = ckpt.load_model(tmp_path / "out-export")
     assert checkpoint["iter_num"] == 6 and "optimizer" not in checkpoint

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-import ckpt
+from nanolatent import ckpt
 
 HOST = socket.gethostname()
 
@@ -36,11 +36,12 @@ import errno, fcntl, os, sys
 def flock(f, operation):
     raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 fcntl.flock = flock
-import ckpt
+from nanolatent import ckpt
 ckpt.lock_out_dir(sys.argv[1], "rlvr.py")
 """
 
 
+@pytest.mark.slow  # starts two processes
 def test_without_flock_a_lock_file_names_the_writer_and_stops_a_second_one(no_flock, out_dir):
     ckpt.lock_out_dir(out_dir, "train.py")
     held = out_dir / ".lock.held"
@@ -57,6 +58,7 @@ def test_without_flock_a_lock_file_names_the_writer_and_stops_a_second_one(no_fl
     assert proc.returncode == 0 and not held.exists()  # released: it took the lock, and gave it back at its exit
 
 
+@pytest.mark.slow  # starts a process, for a pid that is gone
 def test_a_lock_file_of_a_process_that_is_gone_is_taken_over(no_flock, out_dir, capsys):
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import ROOT, TINY, records, run_script, train_det
 from kill_in_save import job, kill_job
 
-import ckpt
+from nanolatent import ckpt
 
 MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
@@ -28,7 +28,7 @@ def command(mode, out_dir, *args, kill_in_save=False):
     flags, nproc = MODES[mode]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
-    return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model=det", *TINY, *flags,
+    return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model_type=det", *TINY, *flags,
             "--gradient_accumulation_steps=2", "--init_from=auto", *args]
 
 
@@ -145,6 +145,7 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
     assert_same_run(out_dir, full, tmp_path)
 
 
+@pytest.mark.slow
 def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, tmp_path):
     args = ["--init_from=auto", "--eval_interval=2"]
     train_det(data_root, tmp_path / "full", *args, "--max_iters=4")
@@ -155,11 +156,12 @@ def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, 
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
 def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type, data_root, tmp_path):
     """Its evaluation noise (the posterior Z, EVE's eps, B-Trans minds) is seeded from (seed, step, rank, batch):
     the evaluation at the resumed step, which follows no training step, gives the uninterrupted run's numbers."""
-    args = [f"--model={model_type}", "--init_from=auto", "--eval_interval=2"]
+    args = [f"--model_type={model_type}", "--init_from=auto", "--eval_interval=2"]
     run_script("train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
     run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
     run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
@@ -249,3 +251,16 @@ def test_sigterm_to_torchrun_saves_the_current_step_in_every_process_without_a_t
     stopped = re.findall(r"stopped by SIGTERM: \S+ holds iter (\d+);", text)
     assert len(stopped) == 1 and max(ckpt.saved_steps(out_dir)) == int(stopped[0]) > 3
     assert "[rank0]" not in text and "[rank1]" not in text and "train.py\", line" not in text
+
+
+def test_a_run_is_finished_when_its_newest_checkpoint_is_at_max_iters(tmp_path):
+    """What the studies' train_if_missing asks before training (a killed run has checkpoints too, from step 0)."""
+    def save(it, name):
+        os.makedirs(tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}")
+        torch.save({"iter_num": it, "config": {"max_iters": 6}}, tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}" / name)
+    assert not ckpt.finished(tmp_path)
+    save(0, "ckpt.pt")
+    save(3, "ckpt.pt")
+    assert not ckpt.finished(tmp_path)
+    save(6, "ckpt_meta.pt")  # under FSDP
+    assert ckpt.finished(tmp_path)

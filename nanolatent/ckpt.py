@@ -8,15 +8,13 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import torch
 
-import common
-from common import die, free_space
+from nanolatent import models
+from nanolatent.common import die, free_space
 
 
 _locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
@@ -149,7 +147,7 @@ RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.
 
 
 def refuse_existing_run(out_dir, overwrite, resumable=False):
-    """The guard of every script that writes a run into out_dir (train.py from scratch, rlvr.py, convert.py hf and
+    """The guard of every script that writes a run into out_dir (train.py from scratch, scripts/rlvr.py, scripts/convert.py hf and
     gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
     before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
     held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
@@ -161,7 +159,7 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
 
 
 def refuse_nonempty_dir(dst, overwrite, what="--dst"):
-    """The guard of a writer whose output is a whole folder of someone else's format (convert.py to_hf): a file, or
+    """The guard of a writer whose output is a whole folder of someone else's format (scripts/convert.py to_hf): a file, or
     a folder that holds anything, is written into only with --overwrite=True."""
     if os.path.exists(dst) and not os.path.isdir(dst):
         die(f"{what}={dst} is a file: give a folder to write into")
@@ -173,7 +171,7 @@ def refuse_nonempty_dir(dst, overwrite, what="--dst"):
 
 def saved_shapes(model_type, model_values):
     """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
-    return {k: tuple(v.shape) for k, v in common.meta_model(model_type, model_values).state_dict().items()}
+    return {k: tuple(v.shape) for k, v in models.meta_model(model_type, model_values).state_dict().items()}
 
 
 def resume_config(model_type, saved, overrides, out_dir):
@@ -224,6 +222,17 @@ def saved_steps(out_dir):
     return {int(m.group(1)): os.path.join(root, name) for name in names if (m := re.fullmatch(r"iter_(\d+)", name))}
 
 
+def finished(out_dir):
+    """Whether train.py's run in out_dir reached its last step (always saved), not only a checkpoint on the way."""
+    saved = saved_steps(out_dir)
+    if not saved:
+        return False
+    folder = saved[max(saved)]
+    name = "ckpt.pt" if os.path.exists(os.path.join(folder, "ckpt.pt")) else "ckpt_meta.pt"
+    checkpoint = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True, mmap=True)
+    return checkpoint["iter_num"] >= checkpoint["config"]["max_iters"]
+
+
 def point(out_dir, name, target):
     """Make out_dir/name a symlink to target (relative, so the run folder can move) in one rename: a reader opening
     out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither."""
@@ -268,7 +277,7 @@ def load_checkpoint(path, device="cpu"):
             f"it may be truncated or not a nanolatent checkpoint: retrain, or resume from another out_dir")
     if not isinstance(checkpoint, dict) or not {"model_type", "model_config", "meta"} <= set(checkpoint):
         die(f"{path} is a torch file but not a nanolatent checkpoint (no model_type, model_config and meta): "
-            f"point to a ckpt.pt that train.py, rlvr.py or convert.py wrote")
+            f"point to a ckpt.pt that train.py, scripts/rlvr.py or scripts/convert.py wrote")
     return checkpoint
 
 
@@ -279,10 +288,10 @@ def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides
     checkpoint = checkpoint or load_checkpoint(path, device)
     source_type = checkpoint["model_type"]
     model_type = model_type or source_type
-    fields = common.config_fields(model_type)
+    fields = models.config_fields(model_type)
     model_values = {k: v for k, v in checkpoint["model_config"].items() if k in fields}
     model_values.update(overrides)
-    model = common.build_model(model_type, model_values)
+    model = models.build_model(model_type, model_values)
     try:
         missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
     except RuntimeError as e:  # a tensor of another shape: the overrides or the data changed the architecture
@@ -298,32 +307,3 @@ def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides
     return model.to(device), checkpoint
 
 
-TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
-
-
-def train_if_missing(out_dir, *train_args):
-    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
-    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"], check=True)
-
-
-def train_all_missing(runs, parallel=1):
-    """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
-    whose out_dir holds no checkpoint, `parallel` processes at a time, each logging to out_dir/train.log; one line
-    naming the logs when a run failed."""
-    running = []
-    for out_dir, train_args in runs.items():
-        if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-            continue
-        os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"]
-        if len(running) == parallel:
-            running.pop(0).wait()
-        print(" ".join(cmd))
-        with open(os.path.join(out_dir, "train.log"), "w") as log:  # the child holds its own copy of the file
-            running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-    for process in running:
-        process.wait()
-    failed = [out_dir for out_dir in runs if not os.path.exists(os.path.join(out_dir, "ckpt.pt"))]
-    if failed:
-        die(f"training failed for {', '.join(failed)}: see train.log in each")

@@ -142,8 +142,8 @@ def release_out_dir(out_dir):
 
 
 CHECKPOINTS = "checkpoints"  # train.py's saves: out_dir/checkpoints/iter_0000300/, one folder per step
-RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), with
-# a whole checkpoint folder of train.py's
+RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), as does
+# a whole folder of train.py's checkpoints (saved_steps)
 
 
 def refuse_existing_run(out_dir, overwrite, resumable=False):

@@ -9,50 +9,32 @@ import sys
 
 import numpy as np
 
-from nanolatent import ckpt, records
+from nanolatent import ckpt
 from nanolatent.common import die
 
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
 
 
-def finished(out_dir):
-    """Whether out_dir holds a run trained to its end: its log has the evaluation at its max_iters. A run stopped by
-    Ctrl-C, SIGTERM or a crash has a checkpoint too, but not that line (and its ckpt.pt may be a better step's)."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    log = os.path.join(out_dir, "metrics.jsonl")
-    if not (os.path.exists(path) and os.path.exists(log)):
-        return False
-    max_iters = ckpt.load_checkpoint(path)["config"]["max_iters"]
-    return any(r.get("iter") == max_iters and "val_loss" in r for r in records.read_records(log))
-
-
-def train_command(out_dir, train_args):
-    """train.py for a study's run: from scratch, or resumed where a run was stopped (it then ends exactly as an
-    uninterrupted run would)."""
-    resume = ["--init_from=resume"] if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else []
-    return [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}", *resume]
-
-
 def train_if_missing(out_dir, *train_args):
-    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a finished run, and
-    resume one that was stopped."""
-    if not finished(out_dir):
-        subprocess.run(train_command(out_dir, train_args), check=True)
+    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a finished run; one
+    stopped or killed on the way goes on from its last checkpoint (--init_from=auto)."""
+    if not ckpt.finished(out_dir):
+        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}", "--init_from=auto"], check=True)
 
 
 def train_all_missing(runs, parallel=1):
     """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
-    that is not finished (a stopped one resumed), `parallel` processes at a time, each logging to out_dir/train.log;
-    one line naming the logs when a run failed."""
+    whose out_dir holds no finished run, `parallel` processes at a time, each logging to out_dir/train.log; one line
+    naming the logs when a run failed."""
     if parallel < 1:
         die(f"--parallel={parallel}: the training runs at once must be >= 1")
     running = []
     for out_dir, train_args in runs.items():
-        if finished(out_dir):
+        if ckpt.finished(out_dir):
             continue
         os.makedirs(out_dir, exist_ok=True)
-        cmd = train_command(out_dir, train_args)
+        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}", "--init_from=auto"]
         if len(running) == parallel:
             running.pop(0).wait()
         print(" ".join(cmd))
@@ -60,7 +42,7 @@ def train_all_missing(runs, parallel=1):
             running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     for process in running:
         process.wait()
-    failed = [out_dir for out_dir in runs if not finished(out_dir)]
+    failed = [out_dir for out_dir in runs if not ckpt.finished(out_dir)]
     if failed:
         die(f"training failed for {', '.join(failed)}: see train.log in each")
 
@@ -77,8 +59,6 @@ def earlier_runs(path, settings, key):
         print(f"{path} was written with other settings: its runs are replaced, not merged")
         return {}
     return {key(r): r for r in earlier["runs"]}
-
-
 
 
 def intervals_apart(a, b):

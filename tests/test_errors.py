@@ -28,7 +28,7 @@ RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
 
 @pytest.fixture(scope="module")
 def trained(data_root, tmp_path_factory):
-    """A finished tiny det run: 4 steps, checkpoints at 2 and 4."""
+    """A finished tiny det run: 4 steps, checkpoints kept at 2 and 4 (saved at 0, 2 and 4)."""
     out = tmp_path_factory.mktemp("trained")
     train_det(data_root, out, *RUN_ARGS)
     return out
@@ -77,6 +77,8 @@ TRAIN_CASES = {
     "batch_size zero": (["--init_from=resume", "--batch_size=0"], ("batch_size", "0")),
     "dtype float64": (["--init_from=resume", "--dtype=float64"], ("dtype", "float64", "bfloat16")),
     "init_from unknown": (["--init_from=latest"], ("init_from", "latest", "resume")),
+    "resume in an empty out_dir": ([FRESH, "--init_from=resume"], ("{tmp}/fresh", "no checkpoint")),
+    "keep_checkpoints zero": (["--init_from=auto", "--keep_checkpoints=0"], ("keep_checkpoints", "0")),
     "shape-changing override on resume": (["--init_from=resume", "--n_layer=3"], ("n_layer", "3", "shape")),
     "resume on another vocabulary": (["--init_from=resume", "--dataset=tiny_vocab"], ("tiny_vocab", "--dataset=")),
     "config file with a syntax error": (["{tmp}/bad_syntax.py"], ("{tmp}/bad_syntax.py", "line 1")),
@@ -272,7 +274,7 @@ def test_train_mistake_is_one_line_in_a_real_process(case, run, tmp_path, data_r
     ("foreign", "not a nanolatent checkpoint"),
 ])
 def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, data_root):
-    path = run / "ckpt.pt"
+    path = run / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt"  # the newest, which a resume reads
     if content == "foreign":
         torch.save({"weights": torch.zeros(2)}, path)
     else:
@@ -319,6 +321,7 @@ def test_overwrite_replaces_a_trained_run_when_asked(run, data_root):
     train_det(data_root, run, "--max_iters=2", "--eval_interval=2", "--overwrite=True")
     assert torch.load(run / "ckpt.pt", weights_only=True)["iter_num"] == 2
     assert max(r["iter"] for r in records(run)) == 2
+    assert sorted(ckpt.saved_steps(run)) == [0, 2]  # the old run's iter 4 is gone: a resume never picks it up
 
 
 @pytest.mark.slow
@@ -351,11 +354,13 @@ def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_ro
 
 @pytest.mark.slow
 def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_root):
-    for name in ("ckpt.pt.tmp4242", "metrics.jsonl.tmp4243"):  # what kill -9 during a save leaves
+    for name in ("ckpt.pt.tmp4242", "metrics.jsonl.tmp4243", "checkpoints/iter_0000005.tmp/ckpt.pt.tmp4242",
+                 "checkpoints/iter_0000002.old/ckpt.pt"):  # what kill -9 during a save or a deletion leaves
         write(run / name, "partial")
     proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6")
-    assert "removed 2 temporary file(s)" in proc.stdout
-    assert sorted(p.name for p in run.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"]
+    assert "removed 4 temporary file(s)" in proc.stdout and "resuming from" in proc.stdout
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "ckpt.pt", "metrics.jsonl"]
+    assert sorted(os.listdir(run / ckpt.CHECKPOINTS)) == ["iter_0000004", "iter_0000006"]
 
 
 @pytest.mark.slow
@@ -398,11 +403,14 @@ def run_with(sitecustomize, tmp_path, *args, data_root):
 
 
 def assert_checkpoint_at(folder, iter_num):
-    """A checkpoint that loads into its model at the expected step, and no temporary file beside it."""
-    checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
-    assert checkpoint["iter_num"] == iter_num
-    ckpt.load_model(folder / "ckpt.pt", checkpoint=checkpoint)
-    assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]
+    """The newest checkpoint, which a resume reads, loads into its model at the expected step; no temporary file
+    is left in the run's folder."""
+    saved = ckpt.saved_steps(folder)
+    path = os.path.join(saved[max(saved)], "ckpt.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    assert max(saved) == checkpoint["iter_num"] == iter_num
+    ckpt.load_model(path, checkpoint=checkpoint)
+    assert not [f for _, _, files in os.walk(folder) for f in files if ".tmp" in f]
 
 
 @pytest.mark.slow
@@ -419,8 +427,9 @@ def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_roo
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, (stdout[-500:], stderr)
     logged = max(r["iter"] for r in records(tmp_path) if "loss" in r)  # a record per step (log_interval=1)
-    assert stderr.strip().splitlines() == [f"stopped by {signum.name}: {tmp_path / 'ckpt.pt'} holds iter "
-                                           f"{logged + 1}; continue with the same command and --init_from=resume"]
+    assert stderr.strip().splitlines() == [f"stopped by {signum.name}: {tmp_path / ckpt.CHECKPOINTS} holds iter "
+                                           f"{logged + 1}; continue with the same command and --init_from=auto (or "
+                                           f"resume)"]
     assert_checkpoint_at(tmp_path, logged + 1)  # every step done is saved: the last logged one included
     proc = train_det(data_root, tmp_path, "--init_from=resume", f"--max_iters={logged + 2}")
     assert max(r["iter"] for r in records(tmp_path) if "loss" in r) == logged + 1  # it goes on from there
@@ -466,17 +475,18 @@ os.replace = replace
 def test_ctrl_c_during_a_checkpoint_write_finishes_it_then_stops(data_root, tmp_path):
     proc = run_with(SIGINT_DURING_SAVE, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8",
                     "--eval_interval=2", data_root=data_root)
-    assert proc.returncode == 130 and "holds iter 3;" in proc.stderr, proc.stderr  # saved at 2, stopped after 3
-    assert_checkpoint_at(tmp_path / "run", 3)
+    assert proc.returncode == 130 and "holds iter 1;" in proc.stderr, proc.stderr  # saved at 0, stopped after 1
+    assert_checkpoint_at(tmp_path / "run", 1)
 
 
 @pytest.mark.slow
 def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(data_root, tmp_path):
     proc = run_with(FULL_DISK, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--eval_interval=2",
                     "--always_save_checkpoint=True", data_root=data_root)
-    assert_one_line_error(proc, f"could not write {tmp_path / 'run' / 'ckpt.pt'}: PytorchStreamWriter failed "
-                          "writing file data/0: file write failed", "MiB free on that disk", "is unchanged")
-    assert_checkpoint_at(tmp_path / "run", 2)
+    assert_one_line_error(proc, f"could not write {tmp_path / 'run' / ckpt.CHECKPOINTS / 'iter_0000002.tmp'}/ckpt.pt: "
+                          "PytorchStreamWriter failed writing file data/0: file write failed", "MiB free on that disk",
+                          "is unchanged")
+    assert_checkpoint_at(tmp_path / "run", 0)  # the first save, at the first evaluation
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ neuron's memory, KV-cache decoding with pinned noise, the sigma -> 0 limit, the 
 diagnostics, loading checkpoints from before the memory term."""
 
 import dataclasses
-import math
 import os
 import sys
 

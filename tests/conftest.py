@@ -49,3 +49,7 @@ def records(out_dir):
     """The run's metrics.jsonl, one dict per line."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a study or script run end to end (minutes); -m 'not slow' skips them")

@@ -35,7 +35,7 @@ import tasks
 
 rlvr_config = "config/rlvr_arith.py"  # rlvr.py's config: task, data, held-out split; the settings below override it
 sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
-sft_args = "--max_iters=3000 --lr_decay_iters=3000"  # train.py arguments on config/det_arith.py when sft_dir is missing
+sft_args = ""  # more train.py arguments for config/det_arith.py when sft_dir holds no checkpoint
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
 modes = ("temperature", "minds", "token", "ttrl-temperature", "ttrl-minds")  # names of ARMS below
 seeds = (1, 2, 3)

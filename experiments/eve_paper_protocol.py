@@ -121,6 +121,8 @@ summary = {
                            "selected_epoch": selected[m, s],
                            "turned": int(np.argmin(curves[m, s])) + 1 < len(curves[m, s]),  # best before the last
                            "layer_weights": weights[m, s],
+                           "kl_mu2_per_layer": {k[6:]: v for k, v in evals[mc_samples][runs[m, s]].items()
+                                                if k.startswith(("stats/kl_", "stats/mu2_"))},  # EVE's, M passes
                            **{f"{name} (M={passes})": evals[passes][runs[m, s]][key] for name, passes, key in columns}}
              for (m, s) in runs},
     "mean_std": {m: {name: [float(np.mean(v)), float(np.std(v))] for name, passes, key in columns

@@ -74,8 +74,9 @@ def run(mode, seed):
                 f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
                 f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
         with open(os.path.join(out, "log.txt"), "w") as log:
-            proc = subprocess.run([sys.executable, os.path.join(root, "scripts/rlvr.py"), *args], check=False, stdout=log,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}  # `-m scripts.rlvr` from any folder
+            proc = subprocess.run([sys.executable, "-m", "scripts.rlvr", *args], check=False, stdout=log,
+                                  stderr=subprocess.STDOUT, env=env)
         if proc.returncode:
             common.die(f"scripts/rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
     with open(metrics) as f:

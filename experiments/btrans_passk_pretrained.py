@@ -1,7 +1,7 @@
 """B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, on GSM8K or on
 HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
 
-    python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
+    python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
@@ -32,13 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import cpu
-import multiple_choice
-import tasks
-import tokendata
+from experiments import study
+from nanolatent import ckpt, common, cpu, multiple_choice, tasks, tokendata
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
@@ -83,12 +79,12 @@ def report(run):
     print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
     print("|---|" + "---|" * len(ks))
     for arm, c in curves.items():
-        cells = [tasks.mean_std(c[:, k - 1])
-                 + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
+        cells = [study.mean_std(c[:, k - 1])
+                 + ("*" if arm != "temperature" and study.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
                  for k in ks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
-    if tasks.one_seed_note(run["seeds"]):
-        print(f"\n{tasks.one_seed_note(run['seeds'])}")
+    if study.one_seed_note(run["seeds"]):
+        print(f"\n{study.one_seed_note(run['seeds'])}")
     plt = common.pyplot("the table is above; the figure")
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, c in curves.items():
@@ -150,10 +146,10 @@ def gsm8k_correct(seed, i, population):
     """{arm: correct answers of n} for GSM8K problem i: n completions of each arm, decoded to max_new_tokens."""
     correct = {}
     for arm in ARMS:
-        net, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
+        model, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
         idx = torch.tensor([prompts[i]]).expand(n, -1)
         tokens = torch.Generator().manual_seed(common.seed_of(seed, ARMS.index(arm), i))
-        rows = net.generate(idx, max_new_tokens, T, latents=None if net is det else population,
+        rows = model.generate(idx, max_new_tokens, T, latents=None if model is det else population,
                             generator=tokens)[:, idx.size(1):].tolist()
         rows = [row[:row.index(end_ids[0])] if end_ids[0] in row else row for row in rows]
         correct[arm] = sum(tasks.gsm8k_answer(decode(row)) == problems[i]["answer"] for row in rows)

@@ -35,12 +35,10 @@ import sys
 
 import numpy as np
 
-import ckpt
-import common
 import configurator
-import tasks
-import tokendata
 from experiments import smollm2_embedding
+from experiments import study
+from nanolatent import ckpt, common, records, tokendata
 
 arms = ("det", "dropout", "eve")  # names of ARMS below: det, det with residual dropout, EVE
 dropout = 0.1  # the dropout arm's Config.dropout (nanoGPT's resid_dropout on each block's two branches)
@@ -79,7 +77,7 @@ if embeddings == "smollm2":
           f"{n_embd} principal components keep {kept:.1%} of its variance")
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
-    ckpt.train_if_missing(out, *ARMS[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
+    study.train_if_missing(out, *ARMS[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                           f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                           f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                           f"--device={device}", "--compile=False", *frozen, *extra.split())
@@ -95,9 +93,9 @@ for passes in (1, mc_samples):
 
 curves, train_curves, selected, weights, trainable = {}, {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
-    records = [r for r in common.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
-    curves[key] = [r["val_ce"] for r in records]
-    train_curves[key] = [r["train_ce"] for r in records]
+    logged = [r for r in records.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
+    curves[key] = [r["val_ce"] for r in logged]
+    train_curves[key] = [r["train_ce"] for r in logged]
     checkpoint = ckpt.load_checkpoint(out)
     selected[key] = checkpoint["iter_num"] // epoch_iters  # the kept checkpoint's epoch
     logits = checkpoint["model"].get("layer_logits")  # the head's layer weights w_1..w_L, both arms (§4.2)
@@ -144,8 +142,8 @@ for m in arms:
     cells = [f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "")  # one seed's std is 0, not a spread
              for mean, std in summary["mean_std"][m].values()]
     print(f"| {m.upper()} | " + " | ".join(cells) + f" | {', '.join(str(selected[m, s]) for s in seeds)} |")
-if tasks.one_seed_note(seeds):
-    print(f"\n{tasks.one_seed_note(seeds)}")
+if study.one_seed_note(seeds):
+    print(f"\n{study.one_seed_note(seeds)}")
 
 print("\nvalidation CE per epoch (mean over seeds)\n")
 print("| model | " + " | ".join(f"epoch {e}" for e in range(1, n_epochs + 1)) + " |")

@@ -6,7 +6,7 @@ verdict given by the rules of docs/reproductions.md (#how-a-verdict-is-given), n
 
 Each row is a function of the JSON that returns the row's cells and its evidence: whether the regime the claim needs
 was reached, how many seeds, the direction of the means and whether the mean ± std intervals are apart
-(tasks.intervals_apart), each taken in the paper's direction (+1 the paper's way). verdict() turns the evidence into
+(study.intervals_apart), each taken in the paper's direction (+1 the paper's way). verdict() turns the evidence into
 the verdict; tests/test_results.py checks every row against it and the README's table against table().
 """
 
@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 import configurator
-import tasks
+from experiments import study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRO, PRETRAINED = "docs/reproductions.md", "docs/pretrained.md"
@@ -51,12 +51,12 @@ def exists(name):
 
 def ms(values, digits=3):
     """'mean ± std' over seeds (the mean alone for one value)."""
-    return tasks.mean_std(values, digits)
+    return study.mean_std(values, digits)
 
 
 def evidence(paper_side, other, seeds, regime=True):
     """(regime, seeds, direction, apart) for a measure whose paper-favoured arm is paper_side (values per seed)."""
-    return regime, seeds, int(np.sign(np.mean(paper_side) - np.mean(other))), tasks.intervals_apart(paper_side, other)
+    return regime, seeds, int(np.sign(np.mean(paper_side) - np.mean(other))), study.intervals_apart(paper_side, other)
 
 
 def link(text, doc, heading):

@@ -14,7 +14,8 @@ import model_det  # noqa: E402
 import model_eve  # noqa: E402
 import model_free  # noqa: E402
 
-MODELS = [model_det, model_eve, model_free, model_btrans]
+MODELS = [(model_det, {}), (model_eve, {}), (model_eve, {"variational": False}), (model_free, {}),
+          (model_btrans, {})]  # model_eve with variational=False: EVE's deterministic twin
 SMALL = dict(block_size=32, vocab_size=17, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
@@ -31,9 +32,9 @@ def loss(model, seed=1):
     return model(idx[:, :-1], idx[:, 1:])[1]
 
 
-@pytest.mark.parametrize("module", MODELS, ids=lambda m: m.__name__)
-def test_dropout_zero_is_bit_identical_to_the_blocks_without_it_in_train_mode(module):
-    model = build(module).train()
+@pytest.mark.parametrize("module, kind", MODELS, ids=lambda m: getattr(m, "__name__", str(m)))
+def test_dropout_zero_is_bit_identical_to_the_blocks_without_it_in_train_mode(module, kind):
+    model = build(module, **kind).train()
     with_dropout = loss(model)
     for block in model.modules():  # the computation before dropout existed: each branch added as it is
         if hasattr(block, "dropout") and isinstance(block.dropout, nn.Dropout):
@@ -41,9 +42,9 @@ def test_dropout_zero_is_bit_identical_to_the_blocks_without_it_in_train_mode(mo
     assert torch.equal(with_dropout, loss(model))
 
 
-@pytest.mark.parametrize("module", MODELS, ids=lambda m: m.__name__)
-def test_dropout_in_eval_mode_is_identical_to_no_dropout_and_differs_in_train_mode(module):
-    plain, dropped = build(module), build(module, dropout=0.3)
+@pytest.mark.parametrize("module, kind", MODELS, ids=lambda m: getattr(m, "__name__", str(m)))
+def test_dropout_in_eval_mode_is_identical_to_no_dropout_and_differs_in_train_mode(module, kind):
+    plain, dropped = build(module, **kind), build(module, **kind, dropout=0.3)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), dropped.state_dict().values()))
     assert torch.equal(loss(plain.eval()), loss(dropped.eval()))
     assert not torch.equal(loss(plain.train()), loss(dropped.train()))
@@ -51,4 +52,4 @@ def test_dropout_in_eval_mode_is_identical_to_no_dropout_and_differs_in_train_mo
 
 def test_dropout_out_of_range_is_refused():
     with pytest.raises(ValueError, match="dropout"):
-        model_det.Config(dropout=1.0)
+        build(model_det, dropout=1.5)

@@ -156,10 +156,11 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = BayesianBiasNorm(config, config.sigmas[2 * layer + 1])
         self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, start_pos, attn_eps, mlp_eps):
-        x = x + self.attn(self.attn_norm(x, attn_eps), cos, sin, start_pos)
-        x = x + self.mlp(self.mlp_norm(x, mlp_eps))
+        x = x + self.dropout(self.attn(self.attn_norm(x, attn_eps), cos, sin, start_pos))
+        x = x + self.dropout(self.mlp(self.mlp_norm(x, mlp_eps)))
         return x
 
 
@@ -190,6 +191,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     # B-Trans (§4.1 Eq. 4). The paper gives no sigma; 0.02 is the default of the only public re-implementation.
     sigma: float = 0.02  # spread of the offset population, the same in every wrapped norm

@@ -117,10 +117,11 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, start_pos):
-        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
-        x = x + self.mlp(self.mlp_norm(x))
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, start_pos))
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x
 
 
@@ -151,6 +152,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
 
     def __post_init__(self):

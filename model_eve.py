@@ -298,13 +298,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = VariationalMLP(config) if config.variational else MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, start_pos, eps, with_aux):
-        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, start_pos))
         if eps is None:  # the deterministic twin
-            return x + self.mlp(self.mlp_norm(x)), None
+            return x + self.dropout(self.mlp(self.mlp_norm(x))), None
         update, aux = self.mlp(self.mlp_norm(x), eps, start_pos, with_aux)  # §3.4: u = RMSNorm(x), bank, project
-        return x + update, aux
+        return x + self.dropout(update), aux
 
 
 def sample_next_token(logits, temperature, top_k, generator):
@@ -334,6 +335,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     layer_weights: bool = True  # §4.2 the head reads a softmax mix of the blocks' outputs (EVE's runs report w_l)
     # False: EVE's deterministic twin, det's SwiGLU in place of the neuron bank and everything else equal (the

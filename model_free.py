@@ -127,12 +127,13 @@ class Block(nn.Module):
         self.attn = Attention(config, causal)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, start_pos, x_kv=None):
         h = self.attn_norm(x)
         h_kv = h if x_kv is None else self.attn_norm(x_kv)
-        x = x + self.attn(h, cos, sin, start_pos, h_kv)
-        x = x + self.mlp(self.mlp_norm(x))
+        x = x + self.dropout(self.attn(h, cos, sin, start_pos, h_kv))
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x
 
 
@@ -275,6 +276,7 @@ class Config:
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
     latent_bits: int = 8  # H: Z_t is one of 2^H codes; 8 for the tiny default (§4.3's H = 16: config/free_1b5.py)
     kappa_bits: float = 0.5  # free-bits threshold κ per token, in bits (§4.5: κ = log(2)/2, half a bit)

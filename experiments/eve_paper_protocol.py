@@ -12,8 +12,9 @@ act as the regulariser the paper reports.
 
 Data: a 500 + 100-story sample of WritingPrompts, GPT-2 BPE (docs/reproductions.md and config/det_wp_sample.py say how
 to prepare them: wp_sample_cpu, the first 100 training stories in the GPT-2 ids they use; wp_sample, all 500 in the
-whole vocabulary; the full data set online: `python prepare.py writingprompts`). For each seed it trains
-config/det_wp_sample.py and config/eve_wp_sample.py, which differ in the feed-forward neurons alone (the same 3 blocks,
+whole vocabulary; the full data set online: `python prepare.py writingprompts`). For each seed it trains three arms:
+det (config/det_wp_sample.py), det with residual dropout (the same, --dropout, the ordinary regulariser EVE's noise
+is to beat) and EVE (config/eve_wp_sample.py), which differ in the feed-forward neurons alone (the same 3 blocks,
 widths, head with its layer weights, optimiser, batches and selection: §3.7, §4.1), for `epochs` passes over the
 training tokens, evaluating once per epoch on the test stories and keeping the checkpoint of best validation CE
 (select_by=ce), then runs evaluate.py on the same test tokens twice: one pass (Table 4's "final validation" CE, PPL,
@@ -39,7 +40,8 @@ from experiments import smollm2_embedding
 from experiments import study
 from nanolatent import ckpt, common, records, tokendata
 
-configs = {"det": "config/det_wp_sample.py", "eve": "config/eve_wp_sample.py"}
+arms = ("det", "dropout", "eve")  # names of ARMS below: det, det with residual dropout, EVE
+dropout = 0.1  # the dropout arm's Config.dropout (nanoGPT's resid_dropout on each block's two branches)
 dataset = "wp_sample_cpu"  # or wp_sample (500 stories, the whole GPT-2 vocabulary: a GPU run)
 runs_dir = "out-eve-matched"  # one folder per (model, seed)
 seeds = (1, 2, 3)
@@ -57,11 +59,13 @@ results = "assets/eve_paper_protocol.json"
 device = "cpu"
 configurator.apply(globals())
 configurator.require(globals(), choices={"embeddings": ("smollm2", "trained")})
+ARMS = {"det": ["config/det_wp_sample.py"], "dropout": ["config/det_wp_sample.py", f"--dropout={dropout}"],
+        "eve": ["config/eve_wp_sample.py"]}  # train.py arguments of each arm: the same but for the feed-forward
 
 
 meta = tokendata.load_meta(dataset)
 epoch_iters = meta["train_tokens"] // (batch_size * block_size)  # train.py draws random windows: an epoch's worth
-runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for s in seeds for m in configs}  # trained seed by seed
+runs = {(m, s): os.path.join(runs_dir, f"{m}-s{s}") for s in seeds for m in arms}  # trained seed by seed
 print(f"{dataset}: {meta['train_tokens']:,} train tokens = {epoch_iters} steps of {batch_size} x {block_size} per "
       f"epoch; {epochs} epochs, seeds {list(seeds)}, evaluated once per epoch; embeddings: {embeddings}")
 frozen = []
@@ -73,7 +77,7 @@ if embeddings == "smollm2":
           f"{n_embd} principal components keep {kept:.1%} of its variance")
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
-    study.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
+    study.train_if_missing(out, *ARMS[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                           f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                           f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                           f"--device={device}", "--compile=False", *frozen, *extra.split())
@@ -87,10 +91,11 @@ for passes in (1, mc_samples):
     with open(path) as f:
         evals[passes] = json.load(f)["results"]
 
-curves, selected, weights, trainable = {}, {}, {}, {}  # per (model, seed)
+curves, train_curves, selected, weights, trainable = {}, {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
-    records = [r for r in records.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
-    curves[key] = [r["val_ce"] for r in records]
+    logged = [r for r in records.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
+    curves[key] = [r["val_ce"] for r in logged]
+    train_curves[key] = [r["train_ce"] for r in logged]
     checkpoint = ckpt.load_checkpoint(out)
     selected[key] = checkpoint["iter_num"] // epoch_iters  # the kept checkpoint's epoch
     logits = checkpoint["model"].get("layer_logits")  # the head's layer weights w_1..w_L, both arms (§4.2)
@@ -107,17 +112,22 @@ n_epochs = min(len(c) for c in curves.values())
 summary = {
     "protocol": {"dataset": dataset, "train_tokens": meta["train_tokens"], "vocab_size": meta["vocab_size"],
                  "epochs": epochs, "steps_per_epoch": epoch_iters, "batch_size": batch_size, "block_size": block_size,
-                 "n_embd": n_embd, "embeddings": embeddings, "embedding_std": embedding_std if frozen else None,
+                 "n_embd": n_embd, "embeddings": embeddings, "dropout": dropout, "extra": extra,
+                 "embedding_std": embedding_std if frozen else None,
                  "smollm2_ids_found": found if frozen else None, "pca_variance_kept": kept if frozen else None,
                  "seeds": list(seeds), "mc_samples": mc_samples, "test_tokens": tokens, "select_by": "ce",
                  "trainable_parameters": trainable},
-    "runs": {f"{m}-s{s}": {"val_ce_per_epoch": curves[m, s], "selected_epoch": selected[m, s],
+    "runs": {f"{m}-s{s}": {"val_ce_per_epoch": curves[m, s], "train_ce_per_epoch": train_curves[m, s],
+                           "selected_epoch": selected[m, s],
+                           "turned": int(np.argmin(curves[m, s])) + 1 < len(curves[m, s]),  # best before the last
                            "layer_weights": weights[m, s],
+                           "kl_mu2_per_layer": {k[6:]: v for k, v in evals[mc_samples][runs[m, s]].items()
+                                                if k.startswith(("stats/kl_", "stats/mu2_"))},  # EVE's, M passes
                            **{f"{name} (M={passes})": evals[passes][runs[m, s]][key] for name, passes, key in columns}}
              for (m, s) in runs},
     "mean_std": {m: {name: [float(np.mean(v)), float(np.std(v))] for name, passes, key in columns
-                     for v in [[evals[passes][runs[m, s]][key] for s in seeds]]} for m in configs},
-    "val_ce_per_epoch_mean": {m: np.mean([curves[m, s][:n_epochs] for s in seeds], axis=0).tolist() for m in configs},
+                     for v in [[evals[passes][runs[m, s]][key] for s in seeds]]} for m in arms},
+    "val_ce_per_epoch_mean": {m: np.mean([curves[m, s][:n_epochs] for s in seeds], axis=0).tolist() for m in arms},
 }
 os.makedirs(os.path.dirname(results), exist_ok=True)
 with open(results, "w") as f:
@@ -128,7 +138,7 @@ print(f"\nmean ± std over seeds {list(seeds)}; {tokens:,} test tokens; CE, PPL,
       f"{mc_samples} passes; selected epoch: best validation CE; trainable parameters {trainable}\n")
 print("| model | " + " | ".join(name for name, _, _ in columns) + " | selected epoch |")
 print("|---|" + "---|" * (len(columns) + 1))
-for m in configs:
+for m in arms:
     cells = [f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "")  # one seed's std is 0, not a spread
              for mean, std in summary["mean_std"][m].values()]
     print(f"| {m.upper()} | " + " | ".join(cells) + f" | {', '.join(str(selected[m, s]) for s in seeds)} |")
@@ -138,14 +148,14 @@ if study.one_seed_note(seeds):
 print("\nvalidation CE per epoch (mean over seeds)\n")
 print("| model | " + " | ".join(f"epoch {e}" for e in range(1, n_epochs + 1)) + " |")
 print("|---|" + "---|" * n_epochs)
-for m in configs:
+for m in arms:
     print(f"| {m.upper()} | " + " | ".join(f"{v:.4f}" for v in summary["val_ce_per_epoch_mean"][m]) + " |")
 print("\nhead layer weights of the kept checkpoints: " + "; ".join(f"{m}-s{s} {weights[m, s]}" for m, s in runs))
 
 plt = common.pyplot(f"the tables are above and in {results}; the figure")
 fig, ax = plt.subplots(figsize=(5.5, 4))
 x = np.arange(1, n_epochs + 1)
-for m in configs:
+for m in arms:
     c = np.array([curves[m, s][:n_epochs] for s in seeds])
     ax.plot(x, c.mean(0), "o-", label=m.upper())
     ax.fill_between(x, c.min(0), c.max(0), alpha=0.2)

@@ -4,16 +4,20 @@ better than temperature sampling, at the same group size, steps and seeds?
     python -m experiments.rlvr_compare              # trains config/det_arith.py first if needed
     python -m experiments.rlvr_compare --rlvr_config=config/rlvr_smollm2.py --sft_dir=out-smollm2 ...  # README
 
-From one supervised det checkpoint on prepare.py's arithmetic task, scripts/rlvr.py runs GRPO with a verifier reward three
-ways, every other setting equal (config/rlvr_arith.py):
-  temperature  the det model, action-space noise only (token sampling at `temperature`)
-  minds        B-Trans: each rollout of a group its own mind, eps drawn once and frozen (§4.3), same temperature
-  token        the same sigma, a fresh eps at every step (§6.1)
+From one supervised det checkpoint on prepare.py's arithmetic task, scripts/rlvr.py runs GRPO in these arms, every
+other setting equal (config/rlvr_arith.py):
+  temperature       the det model, action-space noise only (token sampling at `temperature`), verifier reward
+  minds             B-Trans: each rollout of a group its own mind, eps drawn once and frozen (§4.3), same temperature
+  token             the same sigma, a fresh eps at every step (§6.1)
+  ttrl-temperature  §5.3's label-free TTRL: reward = agreement with the group's majority answer, trained on the
+                    held-out prompts themselves (no label read), temperature rollouts
+  ttrl-minds        the same with minds' rollouts
 --rlvr_config=config/rlvr_smollm2.py runs the same comparison from a pretrained chat model (its task and data).
-The updates and the evaluation use the mean model in every case (§5), so the three differ only in how rollouts are
+The updates and the evaluation use the mean model in every case (§5), so the arms differ only in how rollouts are
 drawn. Printed: held-out pass@1, pass@k and greedy accuracy before and after (mean and spread over seeds), reward
 over the first and last `window` steps, distinct answers per group, the share of groups with a learning signal
-(rewards not all equal) and time per step; the reward curves go to `figure`.
+(rewards not all equal) and time per step; the reward curves and the rollouts' accuracy (for TTRL the reward is
+agreement, not correctness) go to `figure`, every number to the JSON beside it.
 """
 
 import json
@@ -31,8 +35,9 @@ from nanolatent.records import read_records
 
 rlvr_config = "config/rlvr_arith.py"  # scripts/rlvr.py's config: task, data, held-out split; the settings below override it
 sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
+sft_args = ""  # more train.py arguments for config/det_arith.py when sft_dir holds no checkpoint
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
-modes = ("temperature", "minds", "token")
+modes = ("temperature", "minds", "token", "ttrl-temperature", "ttrl-minds")  # names of ARMS below
 seeds = (1, 2, 3)
 steps = 200
 group_size = 8
@@ -52,7 +57,10 @@ configurator.apply(globals())
 configurator.require(globals(), positive=("parallel",))
 
 if rlvr_config == "config/rlvr_arith.py":
-    study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+    study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False", *sft_args.split())
+ARMS = {"temperature": "--rollout=temperature", "minds": "--rollout=minds", "token": "--rollout=token",
+        "ttrl-temperature": "--rollout=temperature --reward=ttrl --train_prompts=eval",
+        "ttrl-minds": "--rollout=minds --reward=ttrl --train_prompts=eval"}  # scripts/rlvr.py arguments of each arm
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,14 +72,15 @@ def run(mode, seed):
                                            for r in read_records(metrics))
     if not (reuse and done):
         os.makedirs(out, exist_ok=True)
-        args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
-                f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
+        args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", *ARMS[mode].split(), f"--seed={seed}",
+                f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",
                 f"--prompts_per_step={prompts_per_step}", f"--sigma={sigma}", f"--temperature={temperature}",
                 f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
                 f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
         with open(os.path.join(out, "log.txt"), "w") as log:
-            proc = subprocess.run([sys.executable, os.path.join(root, "scripts/rlvr.py"), *args], check=False, stdout=log,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}  # `-m scripts.rlvr` from any folder
+            proc = subprocess.run([sys.executable, "-m", "scripts.rlvr", *args], check=False, stdout=log,
+                                  stderr=subprocess.STDOUT, env=env)
         if proc.returncode:
             common.die(f"scripts/rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
     with open(metrics) as f:
@@ -100,7 +109,8 @@ for mode in modes:
                      "distinct": np.mean([r["distinct"] for r in train]),
                      "informative": np.mean([r["informative"] for r in train]),
                      "s/step": np.mean([r["step_s"] for r in train]),
-                     "curve": [r["reward"] for r in train]})
+                     "curve": [r["reward"] for r in train],
+                     "accuracy_curve": [r["pass_rate"] for r in train]})  # the rollouts' share correct
     summary[mode] = rows
 
 paired = [("greedy before -> after", "greedy"), ("pass@1 before -> after", "pass@1"),
@@ -124,29 +134,37 @@ if study.one_seed_note(seeds):
     print(f"\n{study.one_seed_note(seeds)}")
 
 data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
+spread = lambda values: [float(np.mean(values)), float(np.std(values))]
+changes = {mode: {f"{name} {side}": spread([r[f"{name} {side}"] for r in rows]) for name, _ in columns
+                  for side in ("before", "after")} | {f"{name} change": spread(
+                      [r[f"{name} after"] - r[f"{name} before"] for r in rows]) for name, _ in columns}
+           for mode, rows in summary.items()}  # [mean, std] over seeds
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
 with open(data, "w") as f:
     json.dump({"rlvr_config": rlvr_config, "sft_dir": sft_dir, "steps": steps, "prompts_per_step": prompts_per_step,
-               "group_size": group_size, "sigma": sigma,
+               "group_size": group_size, "sigma": sigma, "modes": {mode: ARMS[mode] for mode in modes},
                "temperature": temperature, "learning_rate": learning_rate, "eval_prompts": eval_prompts,
                "eval_samples": eval_samples, "extra": extra, "seeds": list(seeds), "window": window,
-               "runs": summary}, f, indent=1, default=float)
+               "mean_std": changes, "runs": summary}, f, indent=1, default=float)
 print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")
-fig, ax = plt.subplots(figsize=(6, 4))
-for mode, rows in summary.items():
-    curves = np.array([r["curve"] for r in rows])  # (seeds, steps)
-    smooth = lambda c: np.convolve(c, np.ones(window) / window, mode="valid")  # moving mean over `window` steps
-    mean, lo, hi = smooth(curves.mean(0)), *(smooth(f(curves, 0)) for f in (np.min, np.max))
-    x = np.arange(len(mean)) + window - 1
-    ax.plot(x, mean, label=mode)
-    ax.fill_between(x, lo, hi, alpha=0.2)
-ax.set_xlabel("GRPO step")
-ax.set_ylabel(f"rollout reward ({window}-step moving mean)")
-ax.set_title(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma};\nmean of "
+fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+smooth = lambda c: np.convolve(c, np.ones(window) / window, mode="valid")  # moving mean over `window` steps
+for ax, key, label in zip(axes, ("curve", "accuracy_curve"), ("rollout reward", "rollouts correct")):
+    for mode, rows in summary.items():
+        curves = np.array([r[key] for r in rows])  # (seeds, steps)
+        mean, lo, hi = smooth(curves.mean(0)), *(smooth(f(curves, 0)) for f in (np.min, np.max))
+        x = np.arange(len(mean)) + window - 1
+        ax.plot(x, mean, label=mode, linestyle="--" if mode.startswith("ttrl") else "-")
+        ax.fill_between(x, lo, hi, alpha=0.15)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(f"{label} ({window}-step moving mean)")
+axes[0].set_title("reward (TTRL: agreement with the group's majority)", fontsize=9)
+axes[1].set_title("share of rollouts with the right answer", fontsize=9)
+axes[1].legend(fontsize=8)
+fig.suptitle(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
-ax.legend()
 fig.tight_layout()
 os.makedirs(os.path.dirname(figure) or ".", exist_ok=True)
 fig.savefig(figure, dpi=100)

@@ -1,0 +1,57 @@
+"""The studies behind the README's verdicts, end to end at toy size (a few steps, one seed): each writes the JSON its
+section and experiments/results.py read, with every field they use."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import SHARED_DATA, TINY, run_script, train_det
+
+pytestmark = pytest.mark.slow
+
+
+def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):
+    data, sft = tmp_path / "data", tmp_path / "sft"
+    run_script("prepare.py", "arith", "--num_train=1000", "--num_val=100", data_dir=data)
+    train_det(data, sft, "--dataset=arith", "--block_size=32", "--max_iters=2", "--eval_interval=2")
+    figure = tmp_path / "rlvr.png"
+    run_script(sys.executable, "-m", "experiments.rlvr_compare", f"--sft_dir={sft}", f"--runs_dir={tmp_path / 'runs'}",
+               "--seeds=1,", "--steps=2", "--eval_prompts=4", "--eval_samples=2", "--window=1", "--parallel=1",
+               "--prompts_per_step=2", "--group_size=2",
+               f"--figure={figure}", data_dir=data)
+    with open(tmp_path / "rlvr.json") as f:
+        result = json.load(f)
+    modes = ["temperature", "minds", "token", "ttrl-temperature", "ttrl-minds"]
+    assert list(result["runs"]) == modes and result["seeds"] == [1] and os.path.getsize(figure) > 0
+    assert "--reward=ttrl" in result["modes"]["ttrl-minds"] and "--rollout=minds" in result["modes"]["ttrl-minds"]
+    for mode in modes:
+        (run,) = result["runs"][mode]
+        assert len(run["curve"]) == len(run["accuracy_curve"]) == 2
+        for key in ("greedy", "pass@1", "pass@2"):
+            assert 0 <= run[f"{key} before"] <= 1 and 0 <= run[f"{key} after"] <= 1
+            mean, std = result["mean_std"][mode][f"{key} change"]
+            assert mean == pytest.approx(run[f"{key} after"] - run[f"{key} before"]) and std == 0
+
+
+def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
+    data, wp = tmp_path / "data", os.path.join(SHARED_DATA, "writingprompts")
+    run_script("prepare.py", "text", f"--input={wp}/wp_sample_train.jsonl", f"--val_input={wp}/wp_sample_test.jsonl",
+               "--fields=prompt,story", "--max_docs=3", "--vocab=used", "--name=wp_tiny", data_dir=data)
+    results = tmp_path / "eve.json"
+    run_script(sys.executable, "-m", "experiments.eve_paper_protocol", "--dataset=wp_tiny", "--embeddings=trained",
+               "--seeds=1,", "--epochs=2", "--batch_size=24", "--block_size=32", "--n_embd=32", "--eval_tokens=64",
+               "--mc_samples=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
+               f"--figure={tmp_path / 'eve.png'}", "--extra=--n_head=2 --n_kv_head=1 --eval_iters=1 --warmup_iters=1",
+               data_dir=data)
+    with open(results) as f:
+        result = json.load(f)
+    assert result["protocol"]["dropout"] == 0.1 and result["protocol"]["epochs"] == 2
+    assert sorted(result["runs"]) == ["det-s1", "dropout-s1", "eve-s1"]
+    for name, run in result["runs"].items():
+        assert len(run["val_ce_per_epoch"]) == len(run["train_ce_per_epoch"]) == 2
+        assert run["turned"] == (run["val_ce_per_epoch"][0] < run["val_ce_per_epoch"][1])
+        assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
+        assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
+    assert set(result["mean_std"]) == {"det", "dropout", "eve"}

@@ -30,8 +30,9 @@ HUB_DATASETS = {
 
 
 def data_dir(dataset):
-    """data/<dataset> beside this file, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
-    root = os.environ.get("NANOLATENT_DATA") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+    """data/<dataset> at the repository's root, or under $NANOLATENT_DATA when set (the tests use a temporary folder)."""
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.environ.get("NANOLATENT_DATA") or os.path.join(repository, "data")
     return os.path.join(root, dataset)
 
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA, run_script
+from conftest import ROOT, SHARED_DATA, run_script
 
 from nanolatent import tokendata
 
@@ -232,3 +232,10 @@ def test_an_empty_gpt2_bpe_file_is_one_line_naming_it(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"{tmp_path / 'gpt2.tiktoken'} is not GPT-2's BPE in tiktoken's format (0 tokens" in proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_prepared_data_lives_in_data_at_the_repository_root_unless_the_variable_says_otherwise(monkeypatch):
+    monkeypatch.delenv("NANOLATENT_DATA", raising=False)
+    assert tokendata.data_dir("synthetic") == os.path.join(ROOT, "data", "synthetic")  # where prepare.py writes
+    monkeypatch.setenv("NANOLATENT_DATA", "/elsewhere")
+    assert tokendata.data_dir("synthetic") == os.path.join("/elsewhere", "synthetic")

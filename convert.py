@@ -292,28 +292,31 @@ def llama3_rope_from_gguf(divisors, hf, path):
     import numpy as np
 
     def refuse(why):
-        common.die(f"{path} has the tensor rope_freqs.weight ({np.round(divisors, 4).tolist()}), {why}")
+        common.die(f"{path} has the tensor rope_freqs.weight (RoPE frequency divisors) {why}")
 
     theta = hf.get("rope_theta", 10000.0)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if divisors.shape != (head_dim // 2,):
-        refuse(f"not one divisor for each of the {head_dim // 2} frequencies of a head")
+        refuse(f"that is not one divisor for each of the {head_dim // 2} frequencies of a head")
     d = divisors.astype(np.float64)
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    factor = d.max()
     if np.all(d == 1):
         return None  # every frequency kept: plain RoPE
+    factor = d.max()
     between = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
     if between.sum() < 2:
         refuse("with fewer than two blended frequencies: Llama 3's remap cannot be told from it")
     blend = (1 / d[between] - 1 / factor) / (1 - 1 / factor)  # s of each blended frequency
     slope, offset = np.polyfit(LLAMA3_CONTEXT * inv_freq[between] / (2 * np.pi), blend, 1)  # s = slope x + offset
-    low, high = -offset / slope, (1 - offset) / slope
+    if slope <= 0:
+        refuse("whose blend does not grow with the frequency: not Llama 3's remap")
+    digits = lambda x: float(f"{x:.6g}")  # the precision float32 divisors carry: a Llama 3.x file gives 1 and 4
+    factor, low, high = digits(factor), digits(-offset / slope), digits((1 - offset) / slope)
     s = np.clip((LLAMA3_CONTEXT * inv_freq / (2 * np.pi) - low) / (high - low), 0, 1)
-    if factor < 1 or slope <= 0 or not np.allclose(1 / ((1 - s) / factor + s), d, rtol=1e-5, atol=0):
+    if not np.allclose(1 / ((1 - s) / factor + s), d, rtol=1e-5, atol=0):
         refuse("which is not Llama 3's frequency remap, the only one model_det computes")
-    return {"rope_type": "llama3", "factor": float(factor), "low_freq_factor": float(low),
-            "high_freq_factor": float(high), "original_max_position_embeddings": LLAMA3_CONTEXT}
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": LLAMA3_CONTEXT}
 
 
 def config_from_gguf(metadata, tensors, path):

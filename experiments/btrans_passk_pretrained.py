@@ -1,5 +1,6 @@
-"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, on GSM8K or on
-HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
+"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, or the paper's
+own Qwen3 and Llama-3.x Instruct models (docs/pretrained.md), on GSM8K or on HellaSwag as lettered multiple choice (the
+format of the paper's MMLU-Pro).
 
     python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
@@ -13,8 +14,9 @@ drawn per problem and seed from three arms at the same decoding budget:
   greedy minds  the same minds at temperature 0: all diversity from the minds.
 A seed draws its n minds once, as a population that answers every problem (§5.1).
 gsm8k      the first `num_problems` test problems (with max_steps > 0: of those whose reference solution has at most
-           max_steps calculator steps, an easier real split); completions of max_new_tokens end at the first
-           <|im_end|>; the answer is the number after the last "####", else the last number (tasks.gsm8k_answer).
+           max_steps calculator steps, an easier real split); completions of max_new_tokens end at the end of
+           the turn (tokendata.turn_end: <|im_end|>, <|eot_id|>); the answer is the number after the last "####",
+           else the last number (tasks.gsm8k_answer).
 hellaswag  the first `num_problems` items of HellaSwag's validation sample, the four endings as A-D
            (tasks.lettered_question); the answer is the reply's first token, right when it is the item's letter
            (tasks.letter_answer): every arm's first token is drawn from the prefill's logits, as generate() draws it.
@@ -60,9 +62,13 @@ time_only = False  # time one problem (three arms, one seed) and stop
 from_json = False  # print the table and draw the figure from json_out, running nothing
 json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json; the figure beside it, .png
 device = "cpu"
+dtype = "float32"  # of the weights: bfloat16 halves the memory (on a GPU, as the paper's models are published)
+# Qwen3's chat template thinks before it answers unless enable_thinking is false: a lettered answer must be the
+# reply's first token, so Qwen3 runs set thinking=False there (other templates ignore the variable)
+thinking = True
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
-                     choices={"benchmark": ("gsm8k", "hellaswag")})
+                     choices={"benchmark": ("gsm8k", "hellaswag"), "dtype": tuple(common.DTYPES)})
 if max(ks) > n:
     common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
 json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
@@ -136,26 +142,38 @@ else:
                  "answer": tasks.LETTERS[ex["label"]], "choices": len(ex["choices"])}
                 for ex in multiple_choice.load_mc_examples(source)]
 problems = problems[:num_problems]
-det, checkpoint = ckpt.load_model(out_dir, device)
-minds = ckpt.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma=sigma, sigma_scale=sigma_scale)[0]
-det.eval(), minds.eval()
+# One model in memory, whatever the arm: the minds, and det as the same model with its offsets off (noise_mode
+# 'mean', mu = 0: det's logits bit for bit, tests/test_btrans.py), so an 8B model's weights are held once.
+minds, checkpoint = ckpt.load_model(out_dir, device, "btrans", sigma=sigma, sigma_scale=sigma_scale)
+checkpoint.pop("model")  # the model holds the weights now
+minds.eval()
+for p in minds.parameters():  # the weights only, as sample.py --dtype: RoPE's tables stay float32
+    p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
-end_ids = encode("<|im_end|>")
-if len(end_ids) != 1:
-    common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
-prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
+end_id = tokendata.turn_end(checkpoint["meta"], encode)
+if end_id is None:
+    common.die(f"{out_dir}'s tokenizer_config.json names no end of turn of one token (eos_token): this experiment "
+               f"asks an Instruct model in its chat template")
+prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"], enable_thinking=thinking))
+           for p in problems]
+
+
+def arm_model(arm):
+    """The model an arm samples from: det ('mean': the offsets' mean, 0) for temperature, else the minds."""
+    minds.config.noise_mode = "mean" if arm == "temperature" else "sequence"
+    return minds
 
 
 def gsm8k_correct(seed, i, population):
     """{arm: correct answers of n} for GSM8K problem i: n completions of each arm, decoded to max_new_tokens."""
     correct = {}
     for arm in ARMS:
-        net, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
-        idx = torch.tensor([prompts[i]]).expand(n, -1)
-        tokens = torch.Generator().manual_seed(common.seed_of(seed, ARMS.index(arm), i))
-        rows = net.generate(idx, max_new_tokens, T, latents=None if net is det else population,
-                            generator=tokens)[:, idx.size(1):].tolist()
-        rows = [row[:row.index(end_ids[0])] if end_ids[0] in row else row for row in rows]
+        T = 0.0 if arm == "greedy minds" else temperature
+        idx = torch.tensor([prompts[i]], device=device).expand(n, -1)
+        tokens = torch.Generator(device).manual_seed(common.seed_of(seed, ARMS.index(arm), i))  # beside the logits
+        rows = arm_model(arm).generate(idx, max_new_tokens, T, latents=None if arm == "temperature" else population,
+                                       generator=tokens)[:, idx.size(1):].tolist()
+        rows = [row[:row.index(end_id)] if end_id in row else row for row in rows]
         correct[arm] = sum(tasks.gsm8k_answer(decode(row)) == problems[i]["answer"] for row in rows)
     return correct
 
@@ -164,7 +182,8 @@ def hellaswag_correct(seed, i, population, det_logits):
     """{arm: correct answers of n} for HellaSwag item i: each arm's first token, from the prompt's logits (det's are
     the same for every seed: computed once per item)."""
     tokens = torch.Generator().manual_seed(common.seed_of(seed, i))
-    mind_logits = minds(torch.tensor([prompts[i]]).expand(n, -1), latents=population)[0][:, -1].float()  # (n, V)
+    mind_logits = arm_model("minds")(torch.tensor([prompts[i]], device=device).expand(n, -1),
+                                     latents=population)[0][:, -1].float().cpu()  # (n, V)
     draws = {"temperature": torch.multinomial(F.softmax(det_logits / temperature, dim=-1), n, replacement=True,
                                               generator=tokens).view(n),
              "minds": torch.multinomial(F.softmax(mind_logits / temperature, dim=-1), 1, generator=tokens).view(n),
@@ -176,9 +195,10 @@ def hellaswag_correct(seed, i, population, det_logits):
 def run(problem_ids):
     """(seeds, problems, arms) correct counts."""
     counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
-    with torch.no_grad(), cpu.inference_linears(det), cpu.inference_linears(minds):
+    with torch.no_grad(), cpu.inference_linears(minds, common.DTYPES[dtype]):
         for p, i in enumerate(problem_ids):
-            det_logits = det(torch.tensor([prompts[i]]))[0][0, -1].float() if benchmark == "hellaswag" else None
+            det_logits = (arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
+                          if benchmark == "hellaswag" else None)
             for s, seed in enumerate(seeds):
                 population = minds.sample_latents(n, torch.Generator().manual_seed(common.seed_of(seed, 0)))
                 correct = (gsm8k_correct(seed, i, population) if benchmark == "gsm8k"

@@ -265,7 +265,8 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     hf and to_hf carry it (and generation_config.json) unchanged, and --chat renders it as transformers does."""
     hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}")
+                "{% if add_generation_prompt %}<assistant>{% endif %}"  # and Qwen3's switch for its thinking trace
+                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     if where == "chat_template.jinja":
         (tmp_path / "hf" / where).write_text(template)
@@ -277,9 +278,15 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     for name in (where, "generation_config.json"):  # save_pretrained wrote the generation config
         assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
     meta = ckpt.load_checkpoint(tmp_path / "ours")["meta"]
-    expected = AutoTokenizer.from_pretrained(tmp_path / "back").apply_chat_template(
-        [{"role": "user", "content": "Each mind"}], tokenize=False, add_generation_prompt=True)
-    assert tokendata.chat_prompt(meta, "Each mind") == expected == "<user>Each mind<|endoftext|>\n<assistant>"
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "back")
+    for switch in ({}, {"enable_thinking": False}):
+        expected = hf_tok.apply_chat_template([{"role": "user", "content": "Each mind"}], tokenize=False,
+                                              add_generation_prompt=True, **switch)
+        assert tokendata.chat_prompt(meta, "Each mind", **switch) == expected == (
+            "<user>Each mind<|endoftext|>\n<assistant>" + ("<think></think>" if switch else ""))
+    # the end of a turn, where rlvr.py and the Pass@K study cut a reply: the eos_token of tokenizer_config.json
+    encode, _ = tokendata.tokenizer(meta)
+    assert tokendata.turn_end(meta, encode) == hf_tok.eos_token_id == hf_tok.convert_tokens_to_ids("<|endoftext|>")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -348,11 +355,13 @@ def test_a_model_on_renumbered_gpt2_ids_is_not_exported(tmp_path, capsys):
 # the scripts on an imported model, with its tokenizer
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory, tokenizer_file):
-    """An untied random Llama with the BPE tokenizer, imported by the command line; (folder, HF model, tokenizer)."""
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def imported(request, tmp_path_factory, tokenizer_file):
+    """An untied random Llama, or Qwen3, with the BPE tokenizer, imported by the command line; (folder, HF model,
+    tokenizer)."""
     root = tmp_path_factory.mktemp("imported")
-    hf = hf_llama(root / "hf", tokenizer_file, tie=False)
+    hf = (hf_llama(root / "hf", tokenizer_file, tie=False) if request.param == "llama" else
+          hf_family(root / "hf", tokenizer_file, request.param, tie=False))
     run_script("convert.py", "hf", f"--src={root / 'hf'}", f"--out_dir={root / 'ours'}", data_dir=root)
     return root, hf, tokenizers.Tokenizer.from_file(str(tokenizer_file))
 
@@ -436,12 +445,17 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
 @pytest.mark.parametrize("edit, named", [
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling="),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope_parameters="),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+     "rope_parameters="),
     ({"hidden_act": "gelu"}, 'hidden_act="gelu"'),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"model_type": "qwen3"}, 'model_type="qwen3"'),
+    ({"head_dim": 15}, "head_dim=15"),  # RoPE turns channel pairs
+    ({"model_type": "qwen2"}, 'model_type="qwen2"'),
+    ({"model_type": "qwen3"}, 'architectures=["LlamaForCausalLM"]'),  # a Llama's config that calls itself Qwen3
     ({"architectures": ["MistralForCausalLM"]}, "architectures="),
+    ({"use_sliding_window": True}, "use_sliding_window=true"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types="),
 ])
 def test_a_config_model_det_cannot_compute_is_refused_naming_the_field(tmp_path, tokenizer_file, capsys, edit,
                                                                        named):

@@ -331,7 +331,8 @@ def gguf_of_hf(path, hf, tok, pre, qtype=Q.F32):
     writer.add_vocab_size(cfg.vocab_size)
     add_tokenizer(writer, tok, pre)
     state = {k: v.float().numpy() for k, v in hf.state_dict().items()}
-    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         tensors["output.weight"] = state["lm_head.weight"]
     for name, w in state.items():

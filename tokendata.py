@@ -1,6 +1,7 @@
 """Prepared datasets (data/<name>/{train,val}.bin and meta.json) and their tokenizers: characters, GPT-2's BPE, a
 pretrained model's tokenizer.json and chat template; offline copies of public files through NANOLATENT_LOCAL_DATA."""
 
+import datetime
 import json
 import os
 
@@ -150,8 +151,9 @@ def turn_end(meta, encode):
 def chat_prompt(meta, text, **variables):
     """text as one user message in the run's chat template, ending where the assistant's answer starts: what an
     Instruct model was trained on. Rendered as transformers' apply_chat_template renders it (jinja2 in a sandbox,
-    trim_blocks and lstrip_blocks, the special tokens as variables); variables are the template's own switches, as
-    apply_chat_template's keyword arguments (Qwen3's enable_thinking)."""
+    trim_blocks and lstrip_blocks, the special tokens as variables, its strftime_now, which Llama 3.x's templates
+    date the system turn with, and its tojson, which leaves HTML characters unescaped); variables are the template's
+    own switches, as apply_chat_template's keyword arguments (Qwen3's enable_thinking)."""
     template = chat_template(meta)
     if template is None:
         die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
@@ -165,6 +167,9 @@ def chat_prompt(meta, text, **variables):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     config = hf_json(meta, "tokenizer_config.json")
     specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
                 if name.endswith("_token") and token is not None}

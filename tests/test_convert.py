@@ -7,6 +7,7 @@ architectures and broken files are refused with one line. Also the tie_embedding
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -266,7 +267,9 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}"  # and Qwen3's switch for its thinking trace
-                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                # Llama 3.x dates its system turn; transformers' tojson leaves <, > and & as they are
+                "{{ strftime_now('%Y') }}{{ {'tag': '<a&b>', 'é': 1} | tojson }}")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     if where == "chat_template.jinja":
         (tmp_path / "hf" / where).write_text(template)
@@ -283,7 +286,8 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
         expected = hf_tok.apply_chat_template([{"role": "user", "content": "Each mind"}], tokenize=False,
                                               add_generation_prompt=True, **switch)
         assert tokendata.chat_prompt(meta, "Each mind", **switch) == expected == (
-            "<user>Each mind<|endoftext|>\n<assistant>" + ("<think></think>" if switch else ""))
+            "<user>Each mind<|endoftext|>\n<assistant>" + ("<think></think>" if switch else "")
+            + time.strftime("%Y") + '{"tag": "<a&b>", "é": 1}')
     # the end of a turn, where rlvr.py and the Pass@K study cut a reply: the eos_token of tokenizer_config.json
     encode, _ = tokendata.tokenizer(meta)
     assert tokendata.turn_end(meta, encode) == hf_tok.eos_token_id == hf_tok.convert_tokens_to_ids("<|endoftext|>")

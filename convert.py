@@ -81,7 +81,7 @@ def fetch(src):
                    f"tokenizer.json; gated models need `hf auth login`")
 
 
-# The families model_det computes, by config.json's model_type: (architecture, what sets them apart)
+# The families model_det computes: config.json's model_type (llama.cpp's general.architecture too) -> architecture
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -248,8 +248,7 @@ def save_import(out_dir, model, state, config):
 # GGUF -> ours: the file's metadata becomes a config.json dict and its tensors Hugging Face-named ones, then the same
 # checks and placement as `hf`.
 
-GGUF_ARCHITECTURES = ("llama", "qwen3")  # llama.cpp's general.architecture = config.json's model_type for both
-# llama.cpp's tensor names for these architectures (gguf-py's TENSOR_NAMES) -> Hugging Face's.
+# llama.cpp's tensor names for the llama and qwen3 architectures (gguf-py's TENSOR_NAMES) -> Hugging Face's.
 GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -330,8 +329,8 @@ def config_from_gguf(metadata, tensors, path):
                    f"files with a byte-level BPE (SmolLM2, Llama 3.x, Qwen3 and the like)")
 
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        refuse("general.architecture", f"not an architecture model_det computes ({', '.join(GGUF_ARCHITECTURES)})")
+    if arch not in FAMILIES:
+        refuse("general.architecture", f"not an architecture model_det computes ({', '.join(FAMILIES)})")
     hf = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
     hf.setdefault("vocab_size", len(metadata.get("tokenizer.ggml.tokens", [])))
     missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count") if f"{arch}.{k}" not in metadata]

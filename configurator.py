@@ -20,7 +20,7 @@ import math
 import os
 import sys
 
-import common
+from nanolatent import common
 
 TYPES = (int, float, bool, str, tuple)  # what a default may be
 
@@ -42,7 +42,7 @@ def read_config_file(path):
 
 
 def literal(text):
-    """A Python literal, or the text itself when it is none (--model=btrans)."""
+    """A Python literal, or the text itself when it is none (--model_type=btrans)."""
     try:
         return ast.literal_eval(text)
     except (SyntaxError, ValueError):
@@ -81,7 +81,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
     """Returns (script values, model values). model_fields(values) -> {field: default} of the chosen model's Config,
     called with the script's values after overrides (so it can look at the model key). positional names the default
     that takes the arguments which are neither config files nor --key=value: a str takes one (prepare.py's source), a
-    tuple all of them (plot.py's runs). given, a set, receives the keys that a file or the command line set."""
+    tuple all of them (scripts/plot.py's runs). given, a set, receives the keys that a file or the command line set."""
     file_values, cli_texts, free = {}, {}, []
     for arg in argv:
         if arg.startswith("--"):

@@ -4,7 +4,7 @@ metrics of K minds. Prints a table (one column per checkpoint, all on the same t
     python evaluate.py --out_dir=out-det-synthetic                        # lm metrics on the val split it trained on
     python evaluate.py --out_dir=out-det,out-eve,out-free --mc_samples=16 --out_json=eval.json  # side by side
     python evaluate.py --out_dir=out-free --iw_samples=32                 # + Free Transformer ELBO and IW bound
-    python evaluate.py --out_dir=out-det --model=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
+    python evaluate.py --out_dir=out-det --model_type=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
     python evaluate.py --task=mc --mc_file=hellaswag_val.jsonl --out_dir=out-gpt2   # or --mc_file=arc_easy (online)
     python evaluate.py --task=population --out_dir=out-det,out-btrans --minds=8 --num_prompts=64
 
@@ -40,18 +40,13 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import cpu
-import multiple_choice
-import tasks
-import tokendata
+from nanolatent import ckpt, common, cpu, models, multiple_choice, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # what to evaluate
 out_dir = "out"  # the run to evaluate (a folder or a ckpt.pt), or several side by side: out-det,out-eve
-model = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
+model_type = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
 task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task)
 out_json = ""  # also write the results to this file
 out_items = ""  # mc: also write one JSON line per (run, example): per-choice log-likelihoods, predictions, truncation
@@ -201,12 +196,12 @@ def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
 
 
 @torch.no_grad()
-def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_samples=0, n_bins=15,
+def evaluate_lm(model, data, starts, T, n_passes, generator, *, batch_size=8, iw_samples=0, n_bins=15,
                 cvar_alpha=0.05, autocast=nullcontext()):
-    """Monte Carlo metrics of net on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
+    """Monte Carlo metrics of model on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
     stats, the sequence-level mixture's NLL, and for a model with an encoder (Free) the ELBO and the importance-weighted
     bound."""
-    device = net.tok_emb.weight.device
+    device = model.tok_emb.weight.device
     mc, stats, bounds, seq_nll, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), Counter(), 0
     for i in common.progress(range(0, len(starts), batch_size), desc="lm batches"):
         rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
@@ -215,29 +210,29 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_s
         B = x.size(0)
         with autocast:
             # The model's own diagnostics: forward(x, y) as in training (EVE band stats; Free: encoder, KL, ELBO).
-            logits, _, batch_stats = net(x, y)  # (B, T, V)
+            logits, _, batch_stats = model(x, y)  # (B, T, V)
         stats.update({k: float(v) * B for k, v in batch_stats.items()})
 
         seq_ll = []  # (B,) log prod_t p_m(y_t) of each pass: the sequence-level mixture
 
         def passes():
-            for m in range(1 if net.latent_kind == "none" else n_passes):
-                if net.latent_kind != "none":  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
+            for m in range(1 if model.latent_kind == "none" else n_passes):
+                if model.latent_kind != "none":  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
                     with autocast:
-                        pass_logits = net(x, y, latents=net.sample_latents(B, generator))[0]  # (B, T, V)
-                log_p = F.log_softmax((logits if net.latent_kind == "none" else pass_logits).float(), dim=-1)
+                        pass_logits = model(x, y, latents=model.sample_latents(B, generator))[0]  # (B, T, V)
+                log_p = F.log_softmax((logits if model.latent_kind == "none" else pass_logits).float(), dim=-1)
                 seq_ll.append(log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1).double().sum(1))  # (B,)
                 yield log_p.flatten(0, 1)  # (B*T, V)
         mc.add(passes(), y.reshape(-1))
         seq_nll["sum"] -= (torch.logsumexp(torch.stack(seq_ll), 0) - math.log(len(seq_ll))).sum().item()
-        if net.latent_kind == "code" and iw_samples:
-            bounds["iw_bound"] += iw_bound(net, x, y, iw_samples, generator, autocast).sum().item()
+        if model.latent_kind == "code" and iw_samples:
+            bounds["iw_bound"] += iw_bound(model, x, y, iw_samples, generator, autocast).sum().item()
         n_seqs += B
-    out = {"latents": LATENTS[net.latent_kind], **mc.result()}
+    out = {"latents": LATENTS[model.latent_kind], **mc.result()}
     # -1/T log mean_m prod_t p_m(y_t): the windows' likelihood under the population when a latent is frozen for a
     # whole window (a B-Trans mind, Eq. 3); nll above averages per token. Equal for a deterministic model.
     out["seq_nll"] = seq_nll["sum"] / (n_seqs * T)
-    if net.latent_kind == "code":  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
+    if model.latent_kind == "code":  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
         # -ELBO per token, nats: -log p(y|z) at one encoder sample z ~ q(Z|x) per sequence + the exact KL(q || uniform)
         out["neg_elbo"] = stats.pop("elbo") / n_seqs
         stats["ce_posterior"] = stats.pop("ce")  # CE given the encoder's Z, which reads the tokens: not a likelihood
@@ -249,21 +244,21 @@ def evaluate_lm(net, data, starts, T, n_passes, generator, *, batch_size=8, iw_s
 
 
 @torch.no_grad()
-def iw_bound(net, x, y, K, generator, autocast=nullcontext()):
+def iw_bound(model, x, y, K, generator, autocast=nullcontext()):
     """Importance-weighted bound (Burda et al. 2016) with the encoder as proposal, per sequence:
     -log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x), z_k ~ q(Z|x), p(z) uniform (-H log 2 per token). Z_t acts on every
     later token, so the weights are per sequence, not per token. Returns (B,) nats per sequence."""
     log_w = []
     for _ in range(K):
         with autocast:
-            codes, log_q = net.posterior(x, generator)  # (B, T) each
-            logits = net(x, y, latents=codes)[0]  # (B, T, V)
+            codes, log_q = model.posterior(x, generator)  # (B, T) each
+            logits = model(x, y, latents=codes)[0]  # (B, T, V)
         log_py = F.log_softmax(logits.float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        log_w.append(log_py.sum(1) + net.log_prior(codes).sum(1) - log_q.float().sum(1))  # (B,)
+        log_w.append(log_py.sum(1) + model.log_prior(codes).sum(1) - log_q.float().sum(1))  # (B,)
     return -(torch.logsumexp(torch.stack(log_w), dim=0) - math.log(K))  # (B,)
 
 
-def evaluate_mc(net, examples, encode, decode, n_passes, seed, *, autocast=nullcontext(), mixture="token", eot=None,
+def evaluate_mc(model, examples, encode, decode, n_passes, seed, *, autocast=nullcontext(), mixture="token", eot=None,
                 items=None):
     """acc: argmax of the summed log-likelihood; acc_char: of the sum / the characters scored (the whole choice, or
     the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (the Free
@@ -275,8 +270,8 @@ def evaluate_mc(net, examples, encode, decode, n_passes, seed, *, autocast=nullc
     mixtures = ("token", "sequence") if n_passes > 1 and items is not None else ()
     for i, ex in enumerate(common.progress(examples, desc="mc examples")):
         pairs = [multiple_choice.choice_tokens(encode, ex["context"], choice, eot) for choice in ex["choices"]]
-        draws = lambda: multiple_choice.example_generator(net, seed, i)  # the same latents for every mixture
-        ll, n_tokens, cut = multiple_choice.score_choices(net, pairs, n_passes, draws(), autocast, mixture)
+        draws = lambda: multiple_choice.example_generator(model, seed, i)  # the same latents for every mixture
+        ll, n_tokens, cut = multiple_choice.score_choices(model, pairs, n_passes, draws(), autocast, mixture)
         truncated += cut
         chars = [len(c) if n == len(cont) else len(decode(cont[len(cont) - n:]))
                  for c, n, (_, cont) in zip(ex["choices"], n_tokens, pairs)]
@@ -286,28 +281,28 @@ def evaluate_mc(net, examples, encode, decode, n_passes, seed, *, autocast=nullc
         for name, k in pred.items():
             hits[name] += k == ex["label"]
         if items is not None:
-            score = lambda m: multiple_choice.score_choices(net, pairs, n_passes, draws(), autocast, m)[0]
+            score = lambda m: multiple_choice.score_choices(model, pairs, n_passes, draws(), autocast, m)[0]
             lls = {m: ll if m == mixture else score(m) for m in mixtures} or {"none": ll}
             items.append({"index": i, "label": ex["label"], "loglikelihoods": lls, "tokens": n_tokens,
                           "chars": chars, "pred": pred, "truncated": cut})
-    return {"latents": LATENTS[net.latent_kind],
+    return {"latents": LATENTS[model.latent_kind],
             **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
             "mixture": mixture if n_passes > 1 else "none", "examples": len(examples), "passes": n_passes,
             "truncated": truncated}
 
 
 @torch.no_grad()
-def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_tokens=64, temperature=1.0,
+def evaluate_population(model, prompts, encode, decode, K, generator, *, max_new_tokens=64, temperature=1.0,
                         top_k=0, n=4):
     """K minds per prompt (latents from sample_latents, one generation each) on the letters task: mean pass@1 and
     pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
-    device = net.tok_emb.weight.device
+    device = model.tok_emb.weight.device
     totals = Counter()
     for prompt in common.progress(prompts, desc="population prompts"):
         idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
         # K independent draws consistent with the prompt: the Free Transformer's prompt Z from its encoder (§3.2)
-        out = net.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                           latents=net.sample_latents(K, generator, prompt=idx), generator=generator)
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                           latents=model.sample_latents(K, generator, prompt=idx), generator=generator)
         texts = [decode(row[idx.size(1):]) for row in out.tolist()]
         answers = [tasks.letters_answer(t) for t in texts]
         c = sum(a == prompt[0] for a in answers)
@@ -316,7 +311,7 @@ def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_t
         totals["majority_acc"] += tasks.majority_answer(answers) == prompt[0]
         totals[f"distinct_{n}"] += tasks.distinct_n(texts, n)
         totals["pairwise_edit"] += tasks.pairwise_distance(texts)
-    return {"latents": LATENTS[net.latent_kind],
+    return {"latents": LATENTS[model.latent_kind],
             **{k: v / len(prompts) for k, v in totals.items()}, "prompts": len(prompts), "minds": K}
 
 
@@ -327,18 +322,18 @@ def evaluate_population(net, prompts, encode, decode, K, generator, *, max_new_t
 def load_net(path, checkpoint):
     """The checkpoint as a model in eval mode (into --model when given, with the Config overrides it takes) and a
     generator, both seeded alike for every run so all see the same draws."""
-    fields = common.config_fields(model or checkpoint["model_type"])
-    net, _ = ckpt.load_model(path, device, model or None, checkpoint=checkpoint,
+    fields = models.config_fields(model_type or checkpoint["model_type"])
+    model, _ = ckpt.load_model(path, device, model_type or None, checkpoint=checkpoint,
                              **{k: v for k, v in overrides.items() if k in fields})
     torch.manual_seed(seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
-    return net.eval(), torch.Generator(device).manual_seed(seed)
+    return model.eval(), torch.Generator(device).manual_seed(seed)
 
 
-def matmuls(net):
+def matmuls(model):
     """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.inference_linears: a
     no-op elsewhere), packed in --dtype, the dtype autocast runs them in; torch's own kernels with --onednn=False
     (bit for bit what the model's forward computes)."""
-    return cpu.inference_linears(net, common.DTYPES[dtype]) if onednn else nullcontext()
+    return cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else nullcontext()
 
 
 def dataset_for(checkpoints):
@@ -375,10 +370,10 @@ def run_lm(checkpoints):
           f"mc_samples={mc_samples}" + ("" if max_tokens else " (the whole split)"))
     results = {}
     for path, checkpoint in checkpoints.items():
-        net, generator = load_net(path, checkpoint)
-        n_passes = 1 if net.latent_kind == "none" else mc_samples
-        with matmuls(net):
-            results[path] = evaluate_lm(net, data, starts, T, n_passes, generator, batch_size=batch_size,
+        model, generator = load_net(path, checkpoint)
+        n_passes = 1 if model.latent_kind == "none" else mc_samples
+        with matmuls(model):
+            results[path] = evaluate_lm(model, data, starts, T, n_passes, generator, batch_size=batch_size,
                                         iw_samples=iw_samples, n_bins=ece_bins, cvar_alpha=cvar_alpha,
                                         autocast=autocast)
     if any("neg_elbo" in r for r in results.values()):
@@ -402,18 +397,18 @@ def run_mc(checkpoints):
           f"stochastic models by a mixture of {mc_samples} passes (latents shared by the choices)")
     results, items = {}, []
     for path, checkpoint in checkpoints.items():
-        net, _ = load_net(path, checkpoint)
+        model, _ = load_net(path, checkpoint)
         encode, decode = tokendata.tokenizer(checkpoint["meta"])
-        n_passes = 1 if net.latent_kind == "none" else mc_samples
-        how = multiple_choice.mixture_for(net, mixture)
+        n_passes = 1 if model.latent_kind == "none" else mc_samples
+        how = multiple_choice.mixture_for(model, mixture)
         eot = encode("<|endoftext|>")[0] if checkpoint["meta"]["tokenizer"] == "gpt2" else None
         run_items = [] if out_items else None
-        with matmuls(net):
-            results[path] = evaluate_mc(net, examples, encode, decode, n_passes, seed, autocast=autocast,
+        with matmuls(model):
+            results[path] = evaluate_mc(model, examples, encode, decode, n_passes, seed, autocast=autocast,
                                         mixture=how, eot=eot, items=run_items)
         items += [{"out_dir": path, "mixture": results[path]["mixture"], **item} for item in run_items or []]
         if results[path]["truncated"]:
-            print(f"{path}: {results[path]['truncated']} examples longer than block_size={net.config.block_size} "
+            print(f"{path}: {results[path]['truncated']} examples longer than block_size={model.config.block_size} "
                   f"were left-truncated (their first tokens dropped)")
     if out_items:
         with open(out_items, "w") as f:
@@ -434,10 +429,10 @@ def run_population(checkpoints):
                    f"(python prepare.py synthetic, then --dataset=synthetic)")
     results = {}
     for path, checkpoint in checkpoints.items():
-        net, generator = load_net(path, checkpoint)
+        model, generator = load_net(path, checkpoint)
         encode, decode = tokendata.tokenizer(checkpoint["meta"])
-        with matmuls(net), autocast:
-            results[path] = evaluate_population(net, prompts, encode, decode, minds, generator,
+        with matmuls(model), autocast:
+            results[path] = evaluate_population(model, prompts, encode, decode, minds, generator,
                                                 max_new_tokens=max_new_tokens, temperature=temperature,
                                                 top_k=top_k, n=ngram)
     return {"dataset": name, "split": split, "minds": minds, "prompts": len(prompts),
@@ -465,7 +460,7 @@ if __name__ == "__main__":
         fields = {}
         for path in [p for p in values["out_dir"].split(",") if p]:
             checkpoints[path] = ckpt.load_checkpoint(path)
-            fields.update(common.config_fields(values["model"] or checkpoints[path]["model_type"]))
+            fields.update(models.config_fields(values["model_type"] or checkpoints[path]["model_type"]))
         return fields
 
     config, overrides = configurator.apply(globals(), model_fields=model_fields)
@@ -490,7 +485,7 @@ if __name__ == "__main__":
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
     _, autocast = common.autocast(device, dtype)
     header, results = {"lm": run_lm, "mc": run_mc, "population": run_population}[task](checkpoints)
-    results = {path: {"model_type": model or checkpoints[path]["model_type"], **r} for path, r in results.items()}
+    results = {path: {"model_type": model_type or checkpoints[path]["model_type"], **r} for path, r in results.items()}
     print_table(results)
     if out_json:
         with open(out_json, "w") as f:

@@ -235,39 +235,27 @@ class Config:
     kl_weight: float = 1e-6  # ~ 1 / training tokens: the ELBO spreads the one global KL over every token
 
     def __post_init__(self):
-        # Shapes and ranges, one line each; a value's type is checked where the scripts build a model (common.py).
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
-                     "ffn_hidden", "head_dim"):  # ffn_hidden, head_dim None: derived below
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
-        if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
+        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head} (or set head_dim), "
-                             f"and n_head by n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
+                             "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
-        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
-        if self.ffn_hidden is None:
-            hidden = int(8 * self.n_embd / 3)
-            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        if self.ffn_hidden is None:  # Llama's 8/3 * n_embd, rounded up to a multiple of ffn_multiple_of
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(int(8 * self.n_embd / 3) / self.ffn_multiple_of)
         self.n_norms = 2 * self.n_layer + 1  # every hidden-size RMSNorm is wrapped (§4: attn, mlp, final)
         self.sigmas = (self.sigma,) * self.n_norms if self.sigma_per_layer is None else tuple(self.sigma_per_layer)
         if len(self.sigmas) != self.n_norms or min(self.sigmas) < 0:
             raise ValueError(f"sigma_per_layer needs 2 * n_layer + 1 = {self.n_norms} sigmas >= 0: {self.sigmas}")
-        if self.learn_sigma and min(self.sigmas) <= 0:
-            raise ValueError("learn_sigma parametrises log(sigma): every initial sigma must be > 0")
-        if self.sigma_scale not in ("absolute", "gain", "mean_gain"):
-            raise ValueError(f"sigma_scale={self.sigma_scale!r} must be 'absolute', 'gain' or 'mean_gain'")
-        if self.learn_sigma and self.sigma_scale != "absolute":
-            raise ValueError("learn_sigma's KL is that of the offset sigma * eps: set sigma_scale='absolute' with it")
-        for name in ("noise_mode", "train_noise_mode"):
-            if getattr(self, name) not in ("sequence", "token", "mean"):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be 'sequence', 'token' or 'mean'")
-        if self.prior_sigma <= 0 or self.kl_weight < 0:
-            raise ValueError(f"prior_sigma={self.prior_sigma} must be > 0 and kl_weight={self.kl_weight} >= 0")
+        if self.learn_sigma and (min(self.sigmas) <= 0 or self.sigma_scale != "absolute"):  # the KL of sigma * eps
+            raise ValueError("learn_sigma learns log(sigma) of the offset sigma * eps: sigmas > 0, sigma_scale='absolute'")
+        if self.sigma_scale not in ("absolute", "gain", "mean_gain") or not {self.noise_mode, self.train_noise_mode} <= {
+                "sequence", "token", "mean"}:
+            raise ValueError(f"sigma_scale={self.sigma_scale!r} must be 'absolute', 'gain' or 'mean_gain'; noise_mode="
+                             f"{self.noise_mode!r}, train_noise_mode={self.train_noise_mode!r} 'sequence', 'token' or 'mean'")
 
 
 class Model(nn.Module):
@@ -290,7 +278,7 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.norm_f = BayesianBiasNorm(config, config.sigmas[-1])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)

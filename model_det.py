@@ -168,28 +168,19 @@ class Config:
     rope_scaling: tuple = None
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
-    freeze_embeddings: bool = False  # tok_emb (and a head tied to it) gets no gradient: EVE §1's frozen embeddings
-    layer_weights: bool = False  # the head reads a softmax mix of the blocks' outputs (EVE §4.2): EVE's baseline
 
     def __post_init__(self):
-        # Shapes and ranges, one line each; a value's type is checked where the scripts build a model (common.py).
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
-                     "ffn_hidden", "head_dim"):  # ffn_hidden, head_dim None: derived below
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
-        if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
+        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head} (or set head_dim), "
-                             f"and n_head by n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
+                             "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
-        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
-        if self.ffn_hidden is None:
-            hidden = int(8 * self.n_embd / 3)
-            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        if self.ffn_hidden is None:  # Llama's 8/3 * n_embd, rounded up to a multiple of ffn_multiple_of
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(int(8 * self.n_embd / 3) / self.ffn_multiple_of)
 
 
 class Model(nn.Module):
@@ -202,14 +193,11 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
-        self.tok_emb.weight.requires_grad_(not config.freeze_embeddings)  # out of configure_optimizers' groups too
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # EVE §4.2 head layer weights w_1..w_L (softmax of these logits; uniform at init, the paper gives none).
-        self.layer_logits = nn.Parameter(torch.zeros(config.n_layer)) if config.layer_weights else None
         self.apply(self._init_weights)
         # GPT-2 scaling: each residual branch adds to the stream, so its output projection starts smaller.
         for name, p in self.named_parameters():
@@ -240,25 +228,14 @@ class Model(nn.Module):
         pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, hd) each
         x = self.tok_emb(idx)  # (B, T, C)
-        outs = []
         for block in self.blocks:
             x = block(x, cos, sin, start_pos)
-            outs.append(x if targets is not None else x[:, [-1], :])
-        x = self.norm_f(self.head_input(outs))
+        x = self.norm_f(x)
         if targets is None:
-            return self.lm_head(x), None, {}  # (B, 1, V)
+            return self.lm_head(x[:, -1:, :]), None, {}  # (B, 1, V)
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss, {"ce": loss.detach()}
-
-    def head_input(self, outs):
-        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for EVE's head layer weights
-        (its §4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
-        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), the last block."""
-        if self.layer_logits is None:
-            return outs[-1]
-        w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)
-        return (torch.stack(outs, dim=-1) * w).sum(-1)  # (B, T, C)
 
     def sample_latents(self, batch_size, generator=None, prompt=None):
         return None  # nothing stochastic to pin, for any prompt

@@ -15,15 +15,15 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks. model_eve.py, model_free.py and model_btrans.py repeat these verbatim, in this order, so the
 # files diff cleanly side by side: only what each paper changes shows up in `diff model_det.py model_<x>.py`.
-# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`) and the loss. The head's layer weights
-# (§4.2) are det's too, off there by default: §4.1 keeps the head the same in both arms of the comparison.
+# EVE changes the feed-forward (VariationalMLP, kept under the name `mlp`), the loss and the head, which reads the
+# blocks through layer weights (§4.2). variational=False keeps that head with det's SwiGLU: EVE's deterministic twin,
+# since §4.1 keeps the head the same in both arms of the comparison.
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +128,19 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     """KL(N(mu_q, var_q) || N(mu_p, e^logvar_p)) per coordinate in nats (the KL of §3.3, closed form), from
     sq_dist = (mu_q - mu_p)^2. Linear in logvar_q, var_q and sq_dist: fed their means over tokens, it returns the
@@ -229,13 +242,6 @@ class VariationalMLP(nn.Module):
             self.prior_cache.mean.copy_((alpha * mu_p[:, -1] + self.ar_b * e[:, -1]).detach())
         return mu_p, self.prior_logvar.clamp(self.config.logvar_min, self.config.logvar_max)  # (B, T, D), (D,)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A checkpoint from before posterior_memory has no mem_gain: c = 0 is exactly the x-only posterior it was
-        # trained with (alpha = a when c = 0), so it loads as that model (as BatchNorm fills num_batches_tracked).
-        if self.mem_gain is not None and prefix + "ar_a" in state_dict:
-            state_dict.setdefault(prefix + "mem_gain", torch.zeros_like(self.mem_gain))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def forward(self, u, eps, start_pos=0, with_aux=False):
         """u (B, T, C) normed residual stream, eps (B, T, D) -> (update (B, T, C), aux or None).
         aux holds what the objective needs: per-unit KL_u and mu2_u (N,) averaged over tokens, L_AR, and counts."""
@@ -284,17 +290,20 @@ class VariationalMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) with variational neurons (§3.4)."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) with variational neurons (§3.4), or det's
+    SwiGLU in EVE's deterministic twin (config.variational False)."""
 
     def __init__(self, config):
         super().__init__()
         self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.mlp = VariationalMLP(config)
+        self.mlp = VariationalMLP(config) if config.variational else MLP(config)
 
     def forward(self, x, cos, sin, start_pos, eps, with_aux):
         x = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+        if eps is None:  # the deterministic twin
+            return x + self.mlp(self.mlp_norm(x)), None
         update, aux = self.mlp(self.mlp_norm(x), eps, start_pos, with_aux)  # §3.4: u = RMSNorm(x), bank, project
         return x + update, aux
 
@@ -332,8 +341,10 @@ class Config:
     rope_scaling: tuple = None
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
-    freeze_embeddings: bool = False  # tok_emb (and a head tied to it) gets no gradient: EVE §1's frozen embeddings
     layer_weights: bool = True  # §4.2 the head reads a softmax mix of the blocks' outputs (EVE's runs report w_l)
+    # False: EVE's deterministic twin, det's SwiGLU in place of the neuron bank and everything else equal (the
+    # baseline of §4: the same attention, embeddings, head and its layer weights)
+    variational: bool = True
     # EVE variational neurons (§3.2, §3.4). The paper gives no sizes or coefficients; these defaults are ours.
     n_neurons: int = None  # neurons per block; None = ffn_hidden // latent_dim: latent width D = det's SwiGLU width
     latent_dim: int = 1  # d_z, latent dimensions per neuron
@@ -363,66 +374,42 @@ class Config:
     n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
 
     def __post_init__(self):
-        # Shapes and ranges, one line each; a value's type is checked where the scripts build a model (common.py).
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
-                     "ffn_hidden", "head_dim"):  # ffn_hidden, head_dim None: derived below
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
-        if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
+        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head} (or set head_dim), "
-                             f"and n_head by n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
+                             "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
-        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
-        if self.ffn_hidden is None:
-            hidden = int(8 * self.n_embd / 3)
-            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
-        for name in ("n_neurons", "latent_dim", "n_samples"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        if self.sigma_init <= 0:
-            raise ValueError(f"sigma_init={self.sigma_init}: must be > 0")
+        if self.ffn_hidden is None:  # Llama's 8/3 * n_embd, rounded up to a multiple of ffn_multiple_of
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(int(8 * self.n_embd / 3) / self.ffn_multiple_of)
         if self.n_neurons is None:
             self.n_neurons = max(1, self.ffn_hidden // self.latent_dim)
         self.n_latent = self.n_neurons * self.latent_dim  # D, latent coordinates per block
-        if not self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max:
-            raise ValueError(f"2 log sigma_init = {2 * math.log(self.sigma_init):.2f} lies outside "
-                             f"[logvar_min, logvar_max] = [{self.logvar_min}, {self.logvar_max}]")
-        if not (-1 < self.ar_a_init < 1 and -1 < self.mem_gain_init < 1):
-            raise ValueError(f"ar_a_init={self.ar_a_init} and mem_gain_init={self.mem_gain_init} must lie in (-1, 1): "
-                             "both are tanh(.), which keeps the AR prior and the posterior's memory loop stable")
-        if any(len(getattr(self, name)) != 2 for name in ("mu2_band", "kl_band", "beta_range")):
-            raise ValueError(f"mu2_band={self.mu2_band}, kl_band={self.kl_band}, beta_range={self.beta_range}: each "
-                             "must be a pair (low, high)")
-        if not (self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1] and self.kl_band[0] <= self.kl_band[1]):
-            raise ValueError("need mu2_band[0] <= mu2_target <= mu2_band[1] and kl_band[0] <= kl_band[1]")
-        if not 0 < self.beta_range[0] <= self.beta_range[1]:
-            raise ValueError(f"beta_range={self.beta_range}: must be (low, high) with 0 < low <= high")
-        for name in ("kl_beta", "alpha_ar", "control_weight", "homeostat_warmup", "homeostat_max_step", "beta_rate"):
-            if getattr(self, name) < 0:  # a negative weight rewards what it should penalise
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.homeostat_every < 1 or not 0 <= self.homeostat_ema < 1:
-            raise ValueError(f"homeostat_every={self.homeostat_every} must be >= 1 and homeostat_ema="
-                             f"{self.homeostat_ema} in [0, 1)")
+        # §3.3: sigma_init within the clip, tanh-parametrised gains inside (-1, 1), the energy target inside its band
+        if not (self.logvar_min <= 2 * math.log(self.sigma_init) <= self.logvar_max and -1 < self.ar_a_init < 1
+                and -1 < self.mem_gain_init < 1 and self.mu2_band[0] <= self.mu2_target <= self.mu2_band[1]):
+            raise ValueError(f"need logvar_min <= 2 log sigma_init <= logvar_max, ar_a_init={self.ar_a_init} and "
+                             f"mem_gain_init={self.mem_gain_init} in (-1, 1), mu2_band[0] <= mu2_target <= mu2_band[1]")
+        if self.homeostat_ema >= 1 or self.kl_band[0] > self.kl_band[1] or not 0 < self.beta_range[0] <= self.beta_range[1]:
+            raise ValueError(f"need homeostat_ema={self.homeostat_ema} < 1, kl_band={self.kl_band} and beta_range="
+                             f"{self.beta_range} ordered (low, high), beta_range[0] > 0")
 
 
 class Model(nn.Module):
-    latent_kind = "noise"  # what each stochastic pass draws, for the scripts: a fresh eps for every neuron and token
-
     def __init__(self, config):
         super().__init__()
         self.config = config
+        # what each stochastic pass draws, for the scripts: a fresh eps for every neuron and token (twin: nothing)
+        self.latent_kind = "noise" if config.variational else "none"
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
-        self.tok_emb.weight.requires_grad_(not config.freeze_embeddings)  # out of configure_optimizers' groups too
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -434,7 +421,7 @@ class Model(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for block in self.blocks:
+        for block in self.blocks if config.variational else ():
             # u = RMSNorm(x) has unit mean square, so std sqrt(mu2_target / C) starts every neuron at E[mu_q^2] =
             # mu2_target (§3.3); a zero w_logvar starts every sigma_q at exactly sigma_init.
             nn.init.normal_(block.mlp.w_mu.weight, mean=0.0, std=math.sqrt(config.mu2_target / config.n_embd))
@@ -473,7 +460,9 @@ class Model(nn.Module):
         if S > 1:
             idx, targets = idx.repeat(S, 1), targets.repeat(S, 1)
         p = self.tok_emb.weight
-        if latents is None:
+        if not cfg.variational:
+            eps = None
+        elif latents is None:
             eps = torch.randn(S * B, T, cfg.n_layer, cfg.n_latent, device=p.device, dtype=p.dtype)  # §3.2 eps
         else:
             eps = latents[:, pos.to(latents.device)].to(p.device, p.dtype)  # (B, T, L, D)
@@ -481,7 +470,7 @@ class Model(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         outs, auxs = [], []
         for i, block in enumerate(self.blocks):
-            x, aux = block(x, cos, sin, start_pos, eps[:, :, i], targets is not None)
+            x, aux = block(x, cos, sin, start_pos, None if eps is None else eps[:, :, i], targets is not None)
             outs.append(x if targets is not None else x[:, [-1], :])
             auxs.append(aux)
         x = self.norm_f(self.head_input(outs))
@@ -489,7 +478,7 @@ class Model(nn.Module):
             return self.lm_head(x), None, {}  # (B, 1, V)
         logits = self.lm_head(x)  # (B, T, V)
         ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        loss, stats = self.objective(ce, logits, auxs)
+        loss, stats = self.objective(ce, logits, auxs) if cfg.variational else (ce, {"ce": ce.detach()})
         if S > 1:  # the logits of the S-draw predictive mean, log (1/S) sum_s softmax(y_s) (§3.5)
             logprobs = F.log_softmax(logits.float(), dim=-1).view(S, B, T, -1)
             logits = torch.logsumexp(logprobs, dim=0) - math.log(S)  # (B, T, V)
@@ -541,10 +530,10 @@ class Model(nn.Module):
         return loss, stats
 
     @torch.no_grad()
-    def update_controllers(self):
+    def update_controllers(self, all_reduce=None):
         """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()). Reads the per-unit
-        KL_u and mu2_u each block stashed in its last training forward, averaged over processes
-        so every rank applies the same update and the weights stay identical:
+        KL_u and mu2_u each block stashed in its last training forward; all_reduce, when given, averages them in
+        place over processes (train.py's, under DDP and FSDP), so every rank applies the same update:
         - EMA of each neuron's mu^2 (buffer mu2_ema);
         - beta controller (beta_control): a unit's beta grows by 1 + beta_rate while its KL is above kl_band and
           shrinks while below, within beta_range (buffer beta_unit);
@@ -554,12 +543,11 @@ class Model(nn.Module):
           mu_q = w_mu u + c h and h carries sigma_q eps too, so the move is approximate; the next EMA corrects it."""
         cfg = self.config
         mlps = [block.mlp for block in self.blocks]
-        if any(m.stash is None for m in mlps):
+        if not cfg.variational or any(m.stash is None for m in mlps):
             return  # no training forward since the last update
         measured = torch.stack([m.stash for m in mlps])  # (L, 2, N)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(measured)
-            measured /= dist.get_world_size()
+        if all_reduce is not None:
+            all_reduce(measured)
         step = int(self.ctrl_step)
         since = step - cfg.homeostat_warmup
         rescale = cfg.homeostat and since >= 0 and since % cfg.homeostat_every == 0
@@ -586,6 +574,8 @@ class Model(nn.Module):
         gives the same latents on any device. `prompt` is ignored: eps ~ N(0, I) whatever the tokens (§3.2), the
         posterior reads them in forward()."""
         cfg, p = self.config, self.tok_emb.weight
+        if not cfg.variational:
+            return None  # the deterministic twin: nothing to pin
         device = p.device if generator is None else generator.device
         eps = torch.randn(batch_size, cfg.block_size, cfg.n_layer, cfg.n_latent, generator=generator, device=device)
         return eps.to(p.device, p.dtype)
@@ -595,14 +585,15 @@ class Model(nn.Module):
         for block in self.blocks:
             block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
                                           p.device, p.dtype)
-            if self.config.ar_prior:  # §3.3: the AR prior's recurrence state travels with the KV cache
+            if self.config.variational and self.config.ar_prior:  # §3.3: the AR prior's state travels with the cache
                 block.mlp.prior_cache = PriorCache(batch_size, self.config.n_latent, p.device)
                 block.mlp.prior_cache.mean.copy_(block.mlp.prior_m0.detach())  # mu_p(0) = m0: a decode step at 0
 
     def clear_kv_cache(self):
         for block in self.blocks:
             block.attn.kv_cache = None
-            block.mlp.prior_cache = None
+            if self.config.variational:
+                block.mlp.prior_cache = None
 
     def repeat_kv_cache(self, n):
         """Continue every cached sequence n ways (rows b n, ..., b n + n - 1 continue sequence b): a context computed
@@ -656,6 +647,6 @@ class Model(nn.Module):
         cfg = self.config
         prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
         prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
-        variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent
+        variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent if cfg.variational else 0
         dense = 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
         return cfg.n_samples * (dense + variational)

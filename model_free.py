@@ -295,38 +295,25 @@ class Config:
     latent_bits: int = 8  # H: Z_t is one of 2^H codes; 8 for the tiny default (§4.3's H = 16: config/free_1b5.py)
     kappa_bits: float = 0.5  # free-bits threshold κ per token, in bits (§4.5: κ = log(2)/2, half a bit)
     mapper: str = "factored"  # Binary Mapper: "dense" builds (B, T, 2^H) as §3.4 writes it; "factored" never does
-    mapper_chunk: int = 2 ** 22  # factored backward: v is built this many values (tokens x codes) at a time, 16 MiB
-    # in float32, which stays in a CPU's last-level cache for the two passes over it; larger on a GPU
+    mapper_chunk: int = 2 ** 22  # factored backward: v is built this many values (tokens x codes) at a time
 
     def __post_init__(self):
-        # Shapes and ranges, one line each; a value's type is checked where the scripts build a model (common.py).
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_multiple_of",
-                     "ffn_hidden", "head_dim"):  # ffn_hidden, head_dim None: derived below
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        if self.rope_theta <= 0: raise ValueError(f"rope_theta={self.rope_theta!r}: must be > 0")  # 1/theta^0 is NaN
-        if self.norm_eps <= 0: raise ValueError(f"norm_eps={self.norm_eps!r}: must be > 0")  # sqrt(-eps) is NaN
+        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head} (or set head_dim), "
-                             f"and n_head by n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
+                             "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
-        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
-        if self.ffn_hidden is None:
-            hidden = int(8 * self.n_embd / 3)
-            self.ffn_hidden = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
-        if self.n_layer < 2 or self.n_layer % 2:
-            raise ValueError(f"n_layer={self.n_layer} must be even: Z enters after block n_layer/2 (§3.2)")
-        if self.mapper not in ("dense", "factored"):
-            raise ValueError(f"mapper={self.mapper!r} must be 'dense' or 'factored'")
-        if not 1 <= self.latent_bits <= 20:  # the post-sampler holds 2^H x n_embd weights: 2^30 would be 128 GiB
-            raise ValueError(f"latent_bits={self.latent_bits}: must be in 1..20 (H; §4.3 uses 16)")
+        if self.ffn_hidden is None:  # Llama's 8/3 * n_embd, rounded up to a multiple of ffn_multiple_of
+            self.ffn_hidden = self.ffn_multiple_of * math.ceil(int(8 * self.n_embd / 3) / self.ffn_multiple_of)
+        if self.n_layer % 2 or self.mapper not in ("dense", "factored") or not 1 <= self.latent_bits <= 20:
+            raise ValueError(f"n_layer={self.n_layer} must be even (Z enters after block n_layer/2, §3.2), mapper="
+                             f"{self.mapper!r} 'dense' or 'factored', latent_bits={self.latent_bits} in 1..20 (§4.3: 16)")
         if self.kappa_bits < 0:  # a negative threshold adds |κ| to every token's loss and changes nothing else
             raise ValueError(f"kappa_bits={self.kappa_bits}: must be >= 0 (0 turns the free bits off)")
-        if self.mapper_chunk < 1:
-            raise ValueError(f"mapper_chunk={self.mapper_chunk}: must be >= 1")
         self.kappa_nats = self.kappa_bits * math.log(2)  # Eq. 5 compares κ with KL in nats
 
 
@@ -348,7 +335,7 @@ class Model(nn.Module):
         self.post_sampler = nn.Linear(2 ** config.latent_bits, config.n_embd, bias=False)
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (convert.py)
+        if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
         cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)

@@ -1,7 +1,7 @@
 """Tokenize a dataset into data/<name>/{train,val}.bin (a flat uint16/uint32 token stream) and meta.json.
 
     python prepare.py synthetic                                  # Free Transformer §4.1 task, no download
-    python prepare.py arith                                      # "37*12=444" lines for rlvr.py, no download
+    python prepare.py arith                                      # "37*12=444" lines for scripts/rlvr.py, no download
     python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
     python prepare.py text --input=wp.jsonl --fields=prompt,story --name=wp
     python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json --name=shakespeare_smollm2
@@ -14,10 +14,8 @@ import sys
 
 import numpy as np
 
-import common
 import configurator
-import tasks
-import tokendata
+from nanolatent import common, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 source = ""  # what to prepare (the first argument): synthetic, arith, text, or a hub name below
@@ -31,7 +29,7 @@ input = ""
 val_input = ""  # a separate validation file ('' = split off the input)
 val_fraction = 0.1
 fields = ("text",)  # jsonl fields joined into a document, e.g. --fields=prompt,story
-tokenizer = "gpt2"  # gpt2, char, or a pretrained model's tokenizer.json (convert.py copies it beside ckpt.pt)
+tokenizer = "gpt2"  # gpt2, char, or a pretrained model's tokenizer.json (scripts/convert.py copies it beside ckpt.pt)
 bpe_file = ""  # a local gpt2.tiktoken (offline; or $NANOLATENT_GPT2_BPE)
 vocab = "full"  # gpt2: 'full' (50,257 ids) or 'used' (only the ids the train and val text use, renumbered from 0)
 max_docs = 0  # stop after this many training documents (0 = all); text and hub
@@ -92,7 +90,7 @@ def prepare_synthetic():
 
 
 def prepare_arith():
-    """Arithmetic with a verifiable answer (rlvr.py): one problem a line; validation problems never occur in training."""
+    """Arithmetic with a verifiable answer (scripts/rlvr.py): one problem a line; validation problems never occur in training."""
     rng = np.random.default_rng(seed)
     val = tasks.arith_lines(num_val or 2_000, rng)
     train = tasks.arith_lines(num_train or 200_000, rng, exclude=frozenset(val))
@@ -100,7 +98,7 @@ def prepare_arith():
     stoi = {ch: i for i, ch in enumerate(chars)}
     encode = lambda lines: [np.array([stoi[c] for c in "".join(lines)])]
     meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars, task="arith")
-    if tokenizer not in ("char", "gpt2"):  # the same problems in a pretrained model's vocabulary (convert.py)
+    if tokenizer not in ("char", "gpt2"):  # the same problems in a pretrained model's vocabulary (scripts/convert.py)
         meta, encode_text = hf_meta(tokenizer)
         meta["task"] = "arith"
         encode = lambda lines: [encode_text("".join(lines))]
@@ -191,7 +189,7 @@ def prepare_text():
     train_docs = train_docs[:max_docs or None]
     kind = tokenizer if tokenizer in ("gpt2", "char") else "hf"
     out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
-    if kind == "hf":  # a pretrained model's own vocabulary (convert.py copies its tokenizer.json next to ckpt.pt)
+    if kind == "hf":  # a pretrained model's own vocabulary (scripts/convert.py copies its tokenizer.json next to ckpt.pt)
         meta, encode_text = hf_meta(tokenizer)
         encode = lambda ds: [encode_text("\n\n".join(ds))]
         write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)

@@ -2,7 +2,7 @@
 
     python sample.py --out_dir=out --start="K>" --num_samples=8
     python sample.py --out_dir=out --latents=shared --latent_seed=3        # one Z for the whole group (Free Fig. 3)
-    python sample.py --out_dir=out-det/ckpt.pt --model=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
+    python sample.py --out_dir=out-det/ckpt.pt --model_type=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
     python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
@@ -11,14 +11,11 @@ import os
 
 import torch
 
-import ckpt
-import common
 import configurator
-import cpu
-import tokendata
+from nanolatent import ckpt, common, cpu, models, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
-model = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
+model_type = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
 start = "\n"  # the prompt, or FILE:path to read it from a file
 chat = False  # wrap --start in the run's chat template as one user message (an imported Instruct model)
 num_samples = 4
@@ -45,7 +42,7 @@ def model_fields(values):
     checkpoint read here is memory-mapped, so asking it its type costs little and its tensors are read once."""
     global checkpoint
     checkpoint = ckpt.load_checkpoint(values["out_dir"])
-    return common.config_fields(values["model"] or checkpoint["model_type"])
+    return models.config_fields(values["model_type"] or checkpoint["model_type"])
 
 
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
@@ -72,10 +69,10 @@ if not start:
 if chat:
     start = tokendata.chat_prompt(checkpoint["meta"], start)
 
-net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
+model, _ = ckpt.load_model(out_dir, device, model_type or None, checkpoint=checkpoint, **overrides)
 checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages (513 MiB for SmolLM2)
-net.eval()
-for p in net.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
+model.eval()
+for p in model.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
     p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
 if minds:
@@ -85,31 +82,31 @@ torch.manual_seed(seed)
 token_generator = torch.Generator(device).manual_seed(seed)
 latent_generator = torch.Generator(device).manual_seed(seed if latent_seed < 0 else latent_seed)
 prompt = torch.tensor([encode(start)] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
-if prompt.size(1) > net.config.block_size:
-    common.die(f"the prompt has {prompt.size(1)} tokens, more than the context (block_size={net.config.block_size})")
+if prompt.size(1) > model.config.block_size:
+    common.die(f"the prompt has {prompt.size(1)} tokens, more than the context (block_size={model.config.block_size})")
 consistent_with = prompt[:1] if prompt_latents == "encoder" else None  # Free: Z of the prompt from its encoder
 if latents == "independent":
-    pinned = net.sample_latents(num_samples, latent_generator, prompt=consistent_with)
+    pinned = model.sample_latents(num_samples, latent_generator, prompt=consistent_with)
 elif latents == "shared":  # one prompt-Z draw and one sequence of per-token codes for the whole group
-    pinned = net.sample_latents(1, latent_generator, prompt=consistent_with)
-    pinned = None if pinned is None else common.repeat_latents(pinned, num_samples)
+    pinned = model.sample_latents(1, latent_generator, prompt=consistent_with)
+    pinned = None if pinned is None else models.repeat_latents(pinned, num_samples)
 else:
-    if net.latent_kind != "code":
+    if model.latent_kind != "code":
         common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
-                   f"{net.latent_kind!r}")
+                   f"{model.latent_kind!r}")
     ref = torch.tensor([encode(reference or start)], dtype=torch.long, device=device)
-    if ref.size(1) > net.config.block_size:
+    if ref.size(1) > model.config.block_size:
         common.die(f"the {'--reference' if reference else 'prompt'} has {ref.size(1)} tokens, more than the context "
-                   f"(block_size={net.config.block_size}): the encoder reads it whole; shorten it")
-    pinned = common.repeat_latents(net.posterior_latents(ref, latent_generator), num_samples)
+                   f"(block_size={model.config.block_size}): the encoder reads it whole; shorten it")
+    pinned = models.repeat_latents(model.posterior_latents(ref, latent_generator), num_samples)
 
 # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
-step = torch.compile(net.forward, dynamic=True) if compile else None
+step = torch.compile(model.forward, dynamic=True) if compile else None
 products = contextlib.nullcontext() if compile or not onednn else \
-    cpu.inference_linears(net, common.DTYPES[dtype], batch_size=num_samples)
+    cpu.inference_linears(model, common.DTYPES[dtype], batch_size=num_samples)
 try:
     with products:
-        out = net.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
+        out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
                            generator=token_generator, step=step)
 except ValueError as e:
     common.die(str(e))

@@ -33,11 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ckpt
-import common
 import configurator
-import cpu
-import tokendata
+from nanolatent import ckpt, common, cpu, models, plan, records, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -59,10 +56,11 @@ wandb_run_name = "run"
 dataset = "synthetic"
 batch_size = 32  # sequences per micro-batch per process
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
-# model: model_<model>.py; any field of its Config (n_layer, kappa_bits, sigma, ...) may be set like the keys here
-model = "free"
+# model_type: model_<model_type>.py; any field of its Config (n_layer, kappa_bits, sigma, ...) may be set like the keys here
+model_type = "free"
 init_embeddings = ""  # a .npy (vocab_size, n_embd) matrix copied into a fresh model's token embedding (and a head
 # tied to it): pretrained embeddings, held frozen with freeze_embeddings=True (EVE §1; experiments/eve_paper_protocol)
+freeze_embeddings = False  # tok_emb (and a head tied to it) gets no gradient, and so no AdamW update or decay
 # AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 1e-3
 max_iters = 600
@@ -85,7 +83,7 @@ dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
 dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H100s reaches 0.35-0.5)
 # ----------------------------------------------------------------------------------------------------------------
-config, model_config = configurator.apply(globals(), model_fields=lambda values: common.config_fields(values["model"]))
+config, model_config = configurator.apply(globals(), model_fields=lambda values: models.config_fields(values["model_type"]))
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
@@ -93,10 +91,8 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
-MAX_LAYERS = 1024  # every layer is a Python module, built even to plan a run (meta device): ~2 ms and ~33 KB each
-if model_config.get("n_layer", 0) > MAX_LAYERS:
-    common.die(f"n_layer={model_config['n_layer']} is more than train.py builds (at most {MAX_LAYERS:,}; the deepest "
-               f"Transformers trained have about 1,000): lower n_layer")
+if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
+    common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
 common.check_device(device)
 if device == "cpu":
     cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
@@ -113,7 +109,7 @@ if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(glo
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
-    common.plan_run(model, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
+    plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
     raise SystemExit(0)
 
@@ -187,21 +183,21 @@ def get_batch(split, *key):
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
 checkpoint = ckpt.load_checkpoint(ckpt_file, device) if resume else None  # memory-mapped: tensors read on load
 if checkpoint is not None:
-    if checkpoint["model_type"] != model:
-        common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model={checkpoint['model_type']}")
+    if checkpoint["model_type"] != model_type:
+        common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model_type={checkpoint['model_type']}")
     if checkpoint["meta"]["vocab_size"] != meta["vocab_size"]:
         common.die(f"{out_dir} was trained on a vocabulary of {checkpoint['meta']['vocab_size']}, dataset {dataset!r} "
                    f"has {meta['vocab_size']}: resume with the run's --dataset={checkpoint['config']['dataset']}")
     if checkpoint["iter_num"] > max_iters and not eval_only:
         common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
-    model_config = ckpt.resume_config(model, checkpoint["model_config"], model_config, out_dir)
+    model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "
                f"drop --vocab_size (the data's is the default) or set it >= {meta['vocab_size']}")
 # fixed-length sequences (the synthetic task) default to one whole sequence per window
-default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else common.config_fields(model)["block_size"]
+default_block_size = meta["doc_len"] - 1 if "doc_len" in meta else models.config_fields(model_type)["block_size"]
 model_config.setdefault("block_size", default_block_size)
 if "doc_len" in meta and model_config["block_size"] >= meta["doc_len"]:
     common.die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
@@ -210,9 +206,9 @@ if min(len(train_data), len(val_data)) <= model_config["block_size"]:
                f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
 threads = torch.get_num_threads() if device == "cpu" else None  # common.check_device chose it
 # before a batch_size=1000000 meets the allocator
-common.check_memory(model, model_config, batch_size, device, dtype, fsdp, world_size)
+plan.check_memory(model_type, model_config, batch_size, device, dtype, fsdp, world_size)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
-raw_model = common.build_model(model, model_config).to(device)
+model = models.build_model(model_type, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
     if not os.path.isfile(init_embeddings):
         what = "is a folder" if os.path.isdir(init_embeddings) else "does not exist"
@@ -227,12 +223,13 @@ if init_embeddings and checkpoint is None:  # a resumed run has them in its chec
                    f"{'a .npz archive' if not isinstance(array, np.ndarray) else f'an array of {array.dtype}'}, not "
                    f"numbers: give a .npy of shape (vocab_size, n_embd), written by numpy.save")
     embedding = torch.from_numpy(array)
-    if embedding.shape != raw_model.tok_emb.weight.shape:
+    if embedding.shape != model.tok_emb.weight.shape:
         common.die(f"init_embeddings={init_embeddings} holds a {tuple(embedding.shape)} matrix, the model's embedding "
-                   f"is {tuple(raw_model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
+                   f"is {tuple(model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
     with torch.no_grad():
-        raw_model.tok_emb.weight.copy_(embedding)
-model_config = common.config_dict(raw_model.config)
+        model.tok_emb.weight.copy_(embedding)
+model.tok_emb.weight.requires_grad_(not freeze_embeddings)  # before configure_optimizers, which skips it then
+model_config = models.config_dict(model.config)
 
 # One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
 # all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
@@ -244,19 +241,19 @@ if fsdp:
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False) if ptdtype == torch.bfloat16 else MixedPrecisionPolicy()
-    for block in common.transformer_blocks(raw_model):
+    for block in models.transformer_blocks(model):
         if compile:
             block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(raw_model, mesh=mesh, mp_policy=mp_policy)
-    train_model = raw_model
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    train_model = model
 else:
     if device_type == "cpu" and not compile:
-        cpu.training_kernels(raw_model)  # oneDNN's products, RMSNorm's closed-form backward (cpu.py)
-    train_model = torch.compile(raw_model) if compile else raw_model
+        cpu.training_kernels(model)  # oneDNN's products, RMSNorm's closed-form backward (cpu.py)
+    train_model = torch.compile(model) if compile else model
     if ddp:
         train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
@@ -264,18 +261,18 @@ def save_checkpoint():
     """Rank 0 writes out_dir/ckpt.pt. Under FSDP every process writes its own shards of the weights and AdamW state
     (torch.distributed.checkpoint) to out_dir/ckpt_dcp, through a temporary folder renamed once complete, and
     rank 0 the plain out_dir/ckpt_meta.pt (everything of ckpt.pt but the tensors) that a resume reads first."""
-    info = {"model_type": model, "model_config": model_config, "config": config, "meta": meta,
+    info = {"model_type": model_type, "model_config": model_config, "config": config, "meta": meta,
             "iter_num": iter_num, "best_val_loss": best_val_loss}
     if not fsdp:
         if master:
-            ckpt.save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **info},
+            ckpt.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **info},
                                  ckpt_file)
         return
     path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
     if master:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state, "iter_num": iter_num}, checkpoint_id=tmp)
     if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
         shutil.rmtree(path, ignore_errors=True)
@@ -287,16 +284,16 @@ def load_checkpoint():
     """The weights and AdamW state of `checkpoint` (ckpt.pt), or under FSDP the shards of out_dir/ckpt_dcp that this
     process owns, whatever world size wrote them (DCP reshards)."""
     if not fsdp:
-        raw_model.load_state_dict(checkpoint["model"])
+        model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         return
-    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "iter_num": -1}
     dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt_dcp"))
     if state["iter_num"] != checkpoint["iter_num"]:
         common.die(f"{out_dir}/ckpt_dcp holds iter {state['iter_num']} but ckpt_meta.pt iter {checkpoint['iter_num']}:"
                    f" the run stopped while saving; resume from an earlier copy of {out_dir} or start from scratch")
-    set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 iter_num, best_val_loss = 0, float("inf")
@@ -309,11 +306,11 @@ metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
     if decay_note and not eval_only:
         print(decay_note)
-    print(f"{model} model: {raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.flops_per_token() / 1e6:.1f} "
+    print(f"{model_type} model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
           + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
     if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
-        common.keep_records(metrics_path, before_iter=iter_num if resume else 0)
+        records.keep_records(metrics_path, before_iter=iter_num if resume else 0)
     if wandb_log:
         wandb.init(project=wandb_project, name=wandb_run_name, config={**config, **model_config})
 
@@ -351,11 +348,11 @@ def estimate_loss():
                 return None
             X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
             with autocast:
-                _, loss, stats = raw_model(X, Y)
+                _, loss, stats = model(X, Y)
                 values = {"loss": loss, **stats}
-                latents = raw_model.sample_latents(X.size(0), torch.Generator(device).manual_seed(k))
+                latents = model.sample_latents(X.size(0), torch.Generator(device).manual_seed(k))
                 if latents is not None:
-                    values["ce_prior"] = raw_model(X, Y, latents=latents)[2]["ce"]
+                    values["ce_prior"] = model(X, Y, latents=latents)[2]["ce"]
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / eval_iters
         out.update({f"{split}_{name}": value for name, value in all_reduce_mean(sums).items()})
@@ -364,8 +361,8 @@ def estimate_loss():
 
 
 def log_record(record):
-    """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for plot.py."""
-    common.append_record(metrics_path, record)
+    """One JSON line per log step and per evaluation in out_dir/metrics.jsonl: the source for scripts/plot.py."""
+    records.append_record(metrics_path, record)
     if wandb_log:
         wandb.log(record, step=record["iter"])
 
@@ -470,7 +467,7 @@ while True:
         optimizer.zero_grad(set_to_none=True)
         nonfinite_total, nonfinite_streak = nonfinite_total + 1, nonfinite_streak + 1
         if nonfinite_streak >= max_nonfinite:  # hyper-parameters are checked finite and in range at the start
-            bad = next((name for name, p in raw_model.named_parameters() if not torch.isfinite(p).all()), None)
+            bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
             common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged"
                        + (f" (weight {bad} holds NaN or inf)" if bad else "") + "; lower learning_rate, keep "
                        f"grad_clip on, or resume from the last checkpoint in {out_dir}")
@@ -478,22 +475,24 @@ while True:
         nonfinite_streak = 0
         if grad_clip:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)  # the global norm of DTensors too
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # the global norm of DTensors too
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        if hasattr(raw_model, "update_controllers"):  # model-side controllers (EVE homeostat, beta controller)
+        if hasattr(model, "update_controllers"):  # model-side controllers (EVE homeostat, beta controller)
             # Under FSDP the weights they rescale are DTensor shards; implicit_replication lets the models' plain
             # per-neuron tensors act on them as replicated DTensors, so each process scales its own rows.
+            # Their per-unit measurements are averaged over processes first, so every rank applies the same update.
+            mean_over_ranks = (lambda t: dist.all_reduce(t) or t.div_(world_size)) if ddp else None
             with implicit_replication() if fsdp else nullcontext():
-                raw_model.update_controllers()
+                model.update_controllers(mean_over_ranks)
     if iter_num == start_iter:
         t_paced = time.time()
 
     if iter_num % log_interval == 0 and master:
         dt = time.time() - t0  # this one step (finite.item() above waited for the device)
         peak = common.peak_flops(device)
-        mfu = raw_model.flops_per_token() * tokens_per_iter / world_size / dt / peak if peak else None
+        mfu = model.flops_per_token() * tokens_per_iter / world_size / dt / peak if peak else None
         record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
                   "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
@@ -511,7 +510,7 @@ while True:
 if master and not eval_only:  # what to do with the run next
     start = ' --start="K>"' if dataset == "synthetic" else ""  # the synthetic task's prompt: a letter and '>'
     print(f"done. Sample from {out_dir}:\n  python sample.py --out_dir={out_dir}{start} --num_samples=8")
-    if model != "det":  # one draw of the latents for the whole group: what they carry shows as what the group shares
+    if model_type != "det":  # one draw of the latents for the whole group: what they carry shows as what the group shares
         print(f"  python sample.py --out_dir={out_dir}{start} --num_samples=8 --latents=shared --latent_seed=1")
 if ddp:
     dist.barrier()  # rank 0 may still be writing a checkpoint: tear down together (gloo can abort otherwise)

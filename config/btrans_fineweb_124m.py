@@ -6,7 +6,7 @@
 #   114,169,344 parameters, 0.80 GFLOPs per token; 495,612 tokens/s per GPU, 0.132 s per step, 0.701 h for 19,073 steps
 #   memory per GPU 11.09 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 9.39 GiB activations
 exec(open("config/det_fineweb_124m.py").read())
-model = "btrans"
+model_type = "btrans"
 out_dir = "out-btrans-124m"
 dry_run_world_size = 8
 # §4.1 Eq. 4: every RMSNorm output gets mu + sigma * eps. §5: the update phase is deterministic ("the mean shift

@@ -2,7 +2,7 @@
 # the same backbone, data, batch and steps (read from that file), so the two differ only in what the paper changes.
 # python train.py config/btrans_shakespeare_char.py
 exec(open("config/det_shakespeare_char.py").read())
-model = "btrans"
+model_type = "btrans"
 out_dir = "out-btrans-shakespeare-char"
 
 # B-Trans (§4.1 Eq. 4): every RMSNorm output gets mu + sigma * eps. §5: the update phase is deterministic ("the mean

@@ -1,4 +1,4 @@
-# The supervised phase before rlvr.py: a tiny det model on prepare.py's arithmetic lines ("37*12=444").
+# The supervised phase before scripts/rlvr.py: a tiny det model on prepare.py's arithmetic lines ("37*12=444").
 # python prepare.py arith && python train.py config/det_arith.py
 # Reached 1500 iters at val loss 1.48-1.61 in our runs (2026-11-23 to 2026-11-24, a 2-core AMD EPYC, one thread,
 # 10-12 min): when the loss jumps (the model learns to add) moves with float rounding, so one run can answer greedy
@@ -6,7 +6,7 @@
 # (docs/reproductions.md, GRPO). A model that adds is middling
 # by construction: addition greedy 0.87 (pass@1 0.76), multiplication 0.002 (the model has learned its format and
 # number of digits, not the product). Without the leading '\n' the same model gets 0.30 greedy.
-model = "det"
+model_type = "det"
 dataset = "arith"
 out_dir = "out-det-arith"
 block_size = 64  # ~5 problems of 8-15 characters per window

@@ -2,7 +2,7 @@
 #   python prepare.py fineweb_edu --max_docs=5000000
 #   torchrun --standalone --nproc_per_node=8 train.py config/det_fineweb_124m.py
 # 8 x 16 x 4 micro-batches x 1024 tokens = 524,288 tokens per step (GPT-3 small's batch), 10B tokens in 19,073 steps.
-model = "det"
+model_type = "det"
 dataset = "fineweb_edu"
 out_dir = "out-det-124m"
 vocab_size = 50304  # 50,257 padded to a multiple of 64: faster matmuls; the extra rows are never targets

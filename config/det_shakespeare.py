@@ -1,6 +1,6 @@
 # Tiny Shakespeare with GPT-2's BPE (50,257 tokens: the tied head dominates the FLOPs at this width).
 # python prepare.py text --input=input.txt --name=shakespeare      (offline: add --bpe_file=gpt2.tiktoken)
-model = "det"
+model_type = "det"
 dataset = "shakespeare"
 out_dir = "out-det-shakespeare"
 block_size = 64

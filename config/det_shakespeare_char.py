@@ -1,6 +1,6 @@
 # Character-level Tiny Shakespeare, sized for a 2-core CPU (a few minutes).
 # python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
-model = "det"
+model_type = "det"
 dataset = "shakespeare_char"
 out_dir = "out-det-shakespeare-char"
 block_size = 128

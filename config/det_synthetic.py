@@ -1,6 +1,6 @@
 # The deterministic baseline on the Free Transformer's synthetic task (§4.1): the "vanilla model" the paper's
 # lowest-kappa run should look like. ~0.3 s/iter on a 2-core CPU: python train.py config/det_synthetic.py
-model = "det"
+model_type = "det"
 dataset = "synthetic"
 out_dir = "out-det-synthetic"
 block_size = 66  # "K>" + 64 characters: one whole sequence per window

@@ -3,7 +3,7 @@
 # of the study (config/free_text*.py) read this file and change only what the paper adds.
 # python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
 # python train.py config/det_text.py
-model = "det"
+model_type = "det"
 dataset = "shakespeare_char"
 out_dir = "out-det-text"
 block_size = 128

@@ -1,8 +1,9 @@
 # The EVE paper's matched regime (Table 4, §4.5, Fig. 2) at CPU size: GPT-2 BPE on a 500 + 100-story sample of
 # WritingPrompts (the first 100 of its 500 training stories, all 100 test stories), 3 blocks, 5 epochs
 # over the small data (§4.5), the checkpoint of best validation CE kept (the paper's select_by="ce"). This is EVE's
-# deterministic baseline: the head reads the blocks through the same layer weights as EVE's (§4.1 keeps the head the
-# same in both arms), so the two differ in the feed-forward neurons alone (§3.7; tests/test_eve.py checks it).
+# deterministic twin, model_eve with variational=False: det's SwiGLU feed-forward, and the head reads the blocks
+# through the same layer weights as EVE's (§4.1 keeps the head the same in both arms), so the two differ in the
+# feed-forward neurons alone (§3.7; tests/test_eve.py checks it).
 #   python prepare.py text --input=wp_train.jsonl --val_input=wp_test.jsonl --fields=prompt,story --max_docs=100 \
 #       --vocab=used --name=wp_sample_cpu       # the jsonl files: docs/reproductions.md, "EVE's matched protocol"
 #   python train.py config/det_wp_sample.py --device=cpu --compile=False
@@ -14,12 +15,12 @@
 # The paper's width is unknown. On a GPU, all 500 stories with GPT-2's whole vocabulary (prepare the same files
 # without --max_docs and --vocab, --name=wp_sample): experiments/eve_paper_protocol.py's docstring has the command.
 # experiments/eve_paper_protocol.py runs this and config/eve_wp_sample.py over 3 seeds.
-model = "det"
+model_type = "eve"
+variational = False  # det's SwiGLU in place of the neuron bank
 dataset = "wp_sample_cpu"
 out_dir = "out-det-wp-sample"
 block_size = 256
 n_layer = 3  # the paper's 3 blocks (layer weights w_0..w_2, §4.4-4.5)
-layer_weights = True  # EVE's head (§4.2), kept in the baseline: "the language-model head [is] kept fixed" (§4.1)
 n_embd = 128
 n_head = 4
 n_kv_head = 2

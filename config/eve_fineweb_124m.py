@@ -7,7 +7,7 @@
 #   114,322,188 parameters, 0.80 GFLOPs per token; 492,961 tokens/s per GPU, 0.133 s per step, 0.704 h for 19,073 steps
 #   memory per GPU 11.09 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 9.39 GiB activations
 exec(open("config/det_fineweb_124m.py").read())
-model = "eve"
+model_type = "eve"
 out_dir = "out-eve-124m"
 dry_run_world_size = 8
 # §3.6 L = CE + beta KL + L_control + alpha_AR L_AR, §3.3 control: model_eve.Config's defaults (the paper gives none)

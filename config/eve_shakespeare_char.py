@@ -2,7 +2,7 @@
 # the same backbone, data, batch and steps (read from that file), so the two differ only in what the paper changes.
 # python train.py config/eve_shakespeare_char.py
 exec(open("config/det_shakespeare_char.py").read())
-model = "eve"
+model_type = "eve"
 out_dir = "out-eve-shakespeare-char"
 
 # EVE: the SwiGLU feed-forward becomes n_neurons = ffn_hidden = 352 variational neurons per block (§3.2, §3.4),

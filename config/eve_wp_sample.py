@@ -3,7 +3,7 @@
 # differ only in what the paper changes: the feed-forward neurons and the objective's terms for them (§3.6, §3.7).
 #   python train.py config/eve_wp_sample.py --device=cpu --compile=False
 exec(open("config/det_wp_sample.py").read())
-model = "eve"
+variational = True
 out_dir = "out-eve-wp-sample"
 # EVE: model_eve.Config's defaults, stated so that the run reads on its own (§3.3, §3.6; the paper gives no values);
 # n_neurons = ffn_hidden = 352 per block at n_embd = 128

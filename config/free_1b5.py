@@ -12,7 +12,7 @@
 # python train.py config/free_1b5.py --dry_run=True (32 GPUs, 40% MFU of an H100's 989 TFLOP/s):
 #   1,535,036,928 parameters, 11.00 GFLOPs per token; 35,972 tokens/s per GPU, 0.911 s per step, 11.3 h for 44,823 steps
 #   memory per GPU 50.59 GiB: 22.87 GiB weights, gradients, AdamW (replicated by DDP) + 27.71 GiB activations
-model = "free"
+model_type = "free"
 dataset = "fineweb_edu"
 out_dir = "out-free-1b5"
 vocab_size = 50304

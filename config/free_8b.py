@@ -14,7 +14,7 @@
 #   7,672,254,464 parameters, 51.60 GFLOPs per token; 7,666 tokens/s per GPU, 2.14 s per step, 28.3 h for 47,684 steps
 #   memory per GPU 37.81 GiB: 0.45 GiB weights, gradients, AdamW (sharded over 256 GPUs by FSDP) + 37.37 GiB activations
 #   (on one node, --dry_run_world_size=8: 51.66 GiB per GPU, of which 14.29 GiB weights, gradients, AdamW)
-model = "free"
+model_type = "free"
 dataset = "fineweb_edu"
 out_dir = "out-free-8b"
 fsdp = True

@@ -7,7 +7,7 @@
 #   170,788,608 parameters, 0.95 GFLOPs per token; 417,913 tokens/s per GPU, 0.157 s per step, 0.831 h for 19,073 steps
 #   memory per GPU 12.33 GiB: 2.54 GiB weights, gradients, AdamW (replicated by DDP) + 9.79 GiB activations
 exec(open("config/det_fineweb_124m.py").read())
-model = "free"
+model_type = "free"
 out_dir = "out-free-124m"
 dry_run_world_size = 8
 latent_bits = 16  # H (§4.3)

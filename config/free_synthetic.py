@@ -3,7 +3,7 @@
 # files set the other thresholds of Fig. 3, each with its own out_dir. Same sizes as config/det_synthetic.py.
 # python train.py config/free_synthetic.py, then python sample.py --out_dir=out-free-synthetic-k1 --start="K>"
 # --latents=shared --temperature=1 (one Z for the group, Fig. 3's green boxes).
-model = "free"
+model_type = "free"
 dataset = "synthetic"
 out_dir = "out-free-synthetic-k1"
 block_size = 66  # "K>" + 64 characters: one whole sequence per window, so the encoder sees all of it

@@ -1,5 +1,5 @@
 # GRPO on the arithmetic task from the supervised det checkpoint (python train.py config/det_arith.py first).
-# python rlvr.py config/rlvr_arith.py [--rollout=temperature|minds|token] [--reward=ttrl --train_prompts=eval]
+# python -m scripts.rlvr config/rlvr_arith.py [--rollout=temperature|minds|token] [--reward=ttrl --train_prompts=eval]
 init_from = "out-det-arith"
 out_dir = "out-rlvr-arith"
 task = "arith"

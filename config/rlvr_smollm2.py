@@ -1,7 +1,7 @@
 # GRPO (B-Trans §5.2) on a pretrained chat model: SmolLM2-135M-Instruct imported offline (README, "B-Trans minds on a
 # pretrained model"), full fine-tuning (every weight; the paper fine-tunes LoRA adapters).
-# python rlvr.py config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=DIR_WITH_GSM8K_JSONL]
-import tokendata as _tokendata  # configurator keeps no name that starts with '_'
+# python -m scripts.rlvr config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=DIR_WITH_GSM8K_JSONL]
+from nanolatent import tokendata as _tokendata
 
 init_from = "out-smollm2"
 out_dir = "out-rlvr-smollm2"

@@ -1,7 +1,7 @@
 # GRPO on the Free Transformer's letters task (§4.1) from the det baseline: python train.py config/det_synthetic.py
 # first (and python prepare.py synthetic). The verifier is evaluate.verify_letters: 64 characters of '_' and '!' with
 # one run of 8 of the prompt's letter (noise '!' allowed inside it).
-# python rlvr.py config/rlvr_synthetic.py [--rollout=temperature|minds|token] [--reward=ttrl --train_prompts=eval]
+# python -m scripts.rlvr config/rlvr_synthetic.py [--rollout=temperature|minds|token] [--reward=ttrl --train_prompts=eval]
 init_from = "out-det-synthetic"
 out_dir = "out-rlvr-synthetic"
 task = "letters"

@@ -19,11 +19,10 @@ import os
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import tokendata
-from tasks import distinct_n, pairwise_distance
+from experiments import study
+from nanolatent import ckpt, common, tokendata
+from nanolatent.tasks import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
 prompts = ("ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY VI:\n", "MENENIUS:\n", "LADY CAPULET:\n")
@@ -37,7 +36,7 @@ figure = "assets/btrans_diversity.png"
 device = "cpu"
 configurator.apply(globals())
 
-ckpt.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
+study.train_if_missing(out_dir, "config/det_shakespeare_char.py", f"--device={device}")
 det, checkpoint = ckpt.load_model(out_dir, device)
 det.eval()
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
@@ -54,14 +53,14 @@ def nll_under_det(rows, prompt_len):
 
 
 @torch.no_grad()
-def run(net, temperature):
+def run(model, temperature):
     """Generate K continuations per prompt; average the metrics over prompts."""
     generator = torch.Generator(device).manual_seed(seed)
     metrics = []
     for prompt in prompts:
         idx = torch.tensor([encode(prompt)] * K, device=device)
-        latents = net.sample_latents(K, generator)
-        rows = net.generate(idx, max_new_tokens, temperature=temperature, latents=latents, generator=generator).tolist()
+        latents = model.sample_latents(K, generator)
+        rows = model.generate(idx, max_new_tokens, temperature=temperature, latents=latents, generator=generator).tolist()
         texts = [decode(r[idx.size(1):]) for r in rows]
         metrics.append([nll_under_det(rows, idx.size(1)), distinct_n(texts, 2), distinct_n(texts, 3),
                         pairwise_distance(texts)])

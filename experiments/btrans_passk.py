@@ -24,12 +24,9 @@ import os
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import grpo
-import tasks
-import tokendata
+from experiments import study
+from nanolatent import ckpt, common, grpo, tasks, tokendata
 
 sft_dir = "out-det-arith"
 num_prompts = 128  # the first val problems
@@ -44,7 +41,7 @@ figure = "assets/btrans_passk.png"
 device = "cpu"
 configurator.apply(globals())
 
-ckpt.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
 det, checkpoint = ckpt.load_model(sft_dir, device)
 det.eval()
 spec = tasks.TASKS["arith"]
@@ -64,12 +61,12 @@ print(f"{sft_dir}: mean |gain| per wrapped norm {min(gains):.2f} ... {max(gains)
 
 def correct_counts(arm, sigma, seed):
     """Correct samples out of n for each prompt."""
-    net = det if arm == "temperature" else wrapped["minds" if arm == "greedy minds" else arm]
-    for norm in (net.norms() if net is not det else []):
+    model = det if arm == "temperature" else wrapped["minds" if arm == "greedy minds" else arm]
+    for norm in (model.norms() if model is not det else []):
         norm.fixed_sigma = sigma
     T = 0.0 if arm == "greedy minds" else temperature
     tokens, latents = (torch.Generator(device).manual_seed(common.seed_of(seed, i)) for i in range(2))
-    completions, _ = grpo.rollouts(net, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
+    completions, _ = grpo.rollouts(model, prompt_ids, n, spec.max_new_tokens, T, tokens, latents)
     ok = [spec.verify(p, decode(c)) for p, c in zip(np.repeat(prompts, n), completions.tolist())]
     return np.array(ok).reshape(len(prompts), n).sum(1)
 
@@ -82,7 +79,7 @@ for arm, sigma in runs:
     counts = [correct_counts(arm, sigma, seed) for seed in seeds]
     curves[arm, sigma] = np.array([list(tasks.pass_at_k_curve(c, n, all_k).values()) for c in counts])
     print(f"{arm}{'' if arm == 'temperature' else f', sigma={sigma:g}'}: pass@1 "
-          f"{tasks.mean_std(curves[arm, sigma][:, 0])}", flush=True)
+          f"{study.mean_std(curves[arm, sigma][:, 0])}", flush=True)
 
 
 def label(arm, sigma):
@@ -95,18 +92,18 @@ print(f"\npass@k, mean ± std over seeds {list(seeds)}; * marks a mean ± std in
 print("| source | " + " | ".join(f"k={k}" for k in ks) + " |")
 print("|---|" + "---|" * len(ks))
 for key, c in curves.items():
-    marks = ["*" if key != ("temperature", 0.0) and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else ""
+    marks = ["*" if key != ("temperature", 0.0) and study.intervals_apart(c[:, k - 1], ref[:, k - 1]) else ""
              for k in ks]
-    print(f"| {label(*key)} | " + " | ".join(f"{tasks.mean_std(c[:, k - 1])}{m}" for k, m in zip(ks, marks)) + " |")
-if tasks.one_seed_note(seeds):
-    print(f"\n{tasks.one_seed_note(seeds)}")
+    print(f"| {label(*key)} | " + " | ".join(f"{study.mean_std(c[:, k - 1])}{m}" for k, m in zip(ks, marks)) + " |")
+if study.one_seed_note(seeds):
+    print(f"\n{study.one_seed_note(seeds)}")
 os.makedirs(os.path.dirname(json_out), exist_ok=True)
 with open(json_out, "w") as f:
     json.dump({"sft_dir": sft_dir, "num_prompts": len(prompts), "n": n, "temperature": temperature,
                "sigma_scale": sigma_scale, "seeds": list(seeds), "mean_gain_per_norm": gains,
                "runs": [{"arm": arm, "sigma": sigma, "label": label(arm, sigma),
                          "pass_at_k_per_seed": curves[arm, sigma].round(6).tolist(),
-                         "apart_from_temperature": {k: tasks.intervals_apart(curves[arm, sigma][:, k - 1],
+                         "apart_from_temperature": {k: study.intervals_apart(curves[arm, sigma][:, k - 1],
                                                                              ref[:, k - 1]) for k in all_k}}
                         for arm, sigma in curves]}, f, indent=1)
 print(f"\nwrote {json_out}")

@@ -2,7 +2,7 @@
 own Qwen3 and Llama-3.x Instruct models (docs/pretrained.md), on the paper's MMLU-Pro, on GSM8K or on HellaSwag as
 lettered multiple choice (MMLU-Pro's format).
 
-    python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
+    python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
@@ -36,13 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import cpu
-import multiple_choice
-import tasks
-import tokendata
+from experiments import study
+from nanolatent import ckpt, common, cpu, multiple_choice, tasks, tokendata
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k', or lettered multiple choice: 'hellaswag' or 'mmlu_pro' (the paper's)
@@ -95,12 +91,12 @@ def report(run):
     print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " |")
     print("|---|" + "---|" * len(ks))
     for arm, c in curves.items():
-        cells = [tasks.mean_std(c[:, k - 1])
-                 + ("*" if arm != "temperature" and tasks.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
+        cells = [study.mean_std(c[:, k - 1])
+                 + ("*" if arm != "temperature" and study.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
                  for k in ks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
-    if tasks.one_seed_note(run["seeds"]):
-        print(f"\n{tasks.one_seed_note(run['seeds'])}")
+    if study.one_seed_note(run["seeds"]):
+        print(f"\n{study.one_seed_note(run['seeds'])}")
     plt = common.pyplot("the table is above; the figure")
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, c in curves.items():

@@ -1,7 +1,7 @@
 """How sigma moves a pretrained model, to pick it (B-Trans §4.1 Eq. 4 gives no value): the sweep behind the README's
 sigma guidance for a pretrained model.
 
-    python convert.py gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or convert.py hf
+    python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_sigma --out_dir=out-smollm2
 
 For each way of scaling the offset (model_btrans.Config.sigma_scale: 'absolute' is Eq. 4 as written, 'gain' and
@@ -23,10 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import tokendata
+from nanolatent import ckpt, common, tokendata
 
 out_dir = "out-smollm2"
 # held-out text: a plain-text file; '' = TinyStories' validation stories from the hub (offline: the opening 197 KB of
@@ -97,8 +95,8 @@ x, y = data[:, :-1], data[:, 1:]  # (num_seqs, seq_len) each
 
 
 @torch.no_grad()
-def log_probs(net, latents=None):
-    logits, _, _ = net(x, targets=y, latents=latents)  # (B, T, V)
+def log_probs(model, latents=None):
+    logits, _, _ = model(x, targets=y, latents=latents)  # (B, T, V)
     return F.log_softmax(logits.float(), dim=-1)
 
 
@@ -118,15 +116,15 @@ print(f"norm gains: mean |w| per norm median {mean_gains.median():.3f}, min {mea
 rows = []
 sweeps = {"absolute": absolute_sigmas, "gain": gain_sigmas, "mean_gain": mean_gain_sigmas}
 for scale in scales:
-    net = wrapped[scale]
-    latents = [net.sample_latents(num_seqs, torch.Generator().manual_seed(common.seed_of(seed, m)))
+    model = wrapped[scale]
+    latents = [model.sample_latents(num_seqs, torch.Generator().manual_seed(common.seed_of(seed, m)))
                for m in range(minds)]
     for sigma in sweeps[scale]:
-        for norm in net.norms():
+        for norm in model.norms():
             norm.fixed_sigma = sigma
         nll, flip, kl, argmaxes = [], [], [], []
         for lat in latents:
-            logp = log_probs(net, lat)
+            logp = log_probs(model, lat)
             nll.append(-logp.gather(-1, y[..., None]).mean().item())
             argmaxes.append(logp.argmax(-1))
             flip.append((argmaxes[-1] != det_argmax).float().mean().item())

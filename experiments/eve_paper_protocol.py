@@ -34,12 +34,10 @@ import sys
 
 import numpy as np
 
-import ckpt
-import common
 import configurator
-import tasks
-import tokendata
 from experiments import smollm2_embedding
+from experiments import study
+from nanolatent import ckpt, common, records, tokendata
 
 configs = {"det": "config/det_wp_sample.py", "eve": "config/eve_wp_sample.py"}
 dataset = "wp_sample_cpu"  # or wp_sample (500 stories, the whole GPT-2 vocabulary: a GPU run)
@@ -75,7 +73,7 @@ if embeddings == "smollm2":
           f"{n_embd} principal components keep {kept:.1%} of its variance")
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
 for (m, s), out in runs.items():
-    ckpt.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
+    study.train_if_missing(out, configs[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                           f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                           f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                           f"--device={device}", "--compile=False", *frozen, *extra.split())
@@ -91,7 +89,7 @@ for passes in (1, mc_samples):
 
 curves, selected, weights, trainable = {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
-    records = [r for r in common.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
+    records = [r for r in records.read_records(os.path.join(out, "metrics.jsonl")) if "val_ce" in r and r["iter"] > 0]
     curves[key] = [r["val_ce"] for r in records]
     checkpoint = ckpt.load_checkpoint(out)
     selected[key] = checkpoint["iter_num"] // epoch_iters  # the kept checkpoint's epoch
@@ -134,8 +132,8 @@ for m in configs:
     cells = [f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "")  # one seed's std is 0, not a spread
              for mean, std in summary["mean_std"][m].values()]
     print(f"| {m.upper()} | " + " | ".join(cells) + f" | {', '.join(str(selected[m, s]) for s in seeds)} |")
-if tasks.one_seed_note(seeds):
-    print(f"\n{tasks.one_seed_note(seeds)}")
+if study.one_seed_note(seeds):
+    print(f"\n{study.one_seed_note(seeds)}")
 
 print("\nvalidation CE per epoch (mean over seeds)\n")
 print("| model | " + " | ".join(f"epoch {e}" for e in range(1, n_epochs + 1)) + " |")

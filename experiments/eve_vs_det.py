@@ -5,15 +5,15 @@ SwiGLU feed-forward and one with variational neurons, compared on the paper's ta
 
 Trains config/det_shakespeare_char.py and config/eve_shakespeare_char.py (skipped when their checkpoints exist), then
 evaluate.py on the same validation tokens (CE, PPL, accuracy, MC-NLL, ECE, MI, flip rate, CVaR-NLL, ..., and EVE's
-internal diagnostics as stats/*), and plot.py for the figures: validation CE against iterations (the paper's Fig. 2)
+internal diagnostics as stats/*), and scripts/plot.py for the figures: validation CE against iterations (the paper's Fig. 2)
 and the Monte Carlo metrics on a log axis (Fig. 3).
 """
 
 import subprocess
 import sys
 
-import ckpt
 import configurator
+from experiments import study
 
 det_dir = "out-det-shakespeare-char"
 eve_dir = "out-eve-shakespeare-char"
@@ -23,13 +23,13 @@ device = "cpu"
 results = "assets/eve_vs_det.json"
 configurator.apply(globals())
 
-ckpt.train_if_missing(det_dir, "config/det_shakespeare_char.py", f"--device={device}")
-ckpt.train_if_missing(eve_dir, "config/eve_shakespeare_char.py", f"--device={device}")
+study.train_if_missing(det_dir, "config/det_shakespeare_char.py", f"--device={device}")
+study.train_if_missing(eve_dir, "config/eve_shakespeare_char.py", f"--device={device}")
 steps = [
     ["evaluate.py", f"--out_dir={det_dir},{eve_dir}", f"--mc_samples={mc_samples}", f"--max_tokens={max_tokens}",
      f"--device={device}", f"--out_json={results}"],
-    ["plot.py", det_dir, eve_dir, "--keys=val_ce,val_loss", "--out=assets/eve_vs_det_curves.png"],
-    ["plot.py", results, "--out=assets/eve_vs_det_metrics.png"],
+    ["scripts/plot.py", det_dir, eve_dir, "--keys=val_ce,val_loss", "--out=assets/eve_vs_det_curves.png"],
+    ["scripts/plot.py", results, "--out=assets/eve_vs_det_metrics.png"],
 ]
 for step in steps:
     subprocess.run([sys.executable, *step], check=True)

@@ -25,11 +25,10 @@ import os
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import tokendata
-from tasks import letters_answer
+from experiments import study
+from nanolatent import ckpt, common, models, records, tokendata
+from nanolatent.tasks import letters_answer
 
 kappas = ("1_64", "1_8", "1", "8")  # config/free_synthetic_k<kappa>.py; κ = 1 is config/free_synthetic.py
 seeds = (1, 2, 3)
@@ -81,12 +80,12 @@ def analyse(kappa, seed):
     prompt = torch.tensor([encode(letter + ">")], device=device)
     draw = lambda n: model.sample_latents(n, latent_gen, prompt=prompt if prompt_z == "encoder" else None)
     indep = generate(model, draw(independent), encode, decode, seed)
-    groups = [generate(model, common.repeat_latents(draw(1), show), encode, decode, seed + g)
+    groups = [generate(model, models.repeat_latents(draw(1), show), encode, decode, seed + g)
               for g in range(shared_groups)]
     starts = lambda texts: [s for s in map(target_start, texts) if s is not None]
     spread = lambda texts: float(np.std(starts(texts))) if len(starts(texts)) >= 2 else float("nan")
     group_spreads = [spread(g) for g in groups if len(starts(g)) >= 2]
-    last_eval = [r for r in common.read_records(os.path.join(run_dir(kappa, seed), "metrics.jsonl"))
+    last_eval = [r for r in records.read_records(os.path.join(run_dir(kappa, seed), "metrics.jsonl"))
                  if "val_loss" in r][-1]
     return dict(kappa=kappa, seed=seed, iters=last_eval["iter"], kl_bits=last_eval["val_kl"],
                 ce_posterior=last_eval["val_ce"], ce_prior=last_eval["val_ce_prior"], neg_elbo=last_eval["val_elbo"],
@@ -95,12 +94,12 @@ def analyse(kappa, seed):
                 spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
 
 
-ckpt.train_all_missing({run_dir(k, s): [config_file(k), f"--seed={s}", f"--device={device}", *train_args.split()]
+study.train_all_missing({run_dir(k, s): [config_file(k), f"--seed={s}", f"--device={device}", *train_args.split()]
                         for k in kappas for s in seeds}, parallel)
 data = os.path.splitext(figure)[0] + ".json"  # every number of the table and the figure's texts, beside it
 settings = {"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
             "show": show, "independent": independent, "train_args": train_args}
-runs = common.earlier_runs(data, settings, key=lambda r: (r["kappa"], r["seed"]))
+runs = study.earlier_runs(data, settings, key=lambda r: (r["kappa"], r["seed"]))
 runs.update({(k, s): {**analyse(k, s), "kappa_bits": KAPPA_BITS[k]} for k in kappas for s in seeds})
 results = [runs[key] for key in sorted(runs, key=lambda key: (KAPPA_BITS[key[0]], key[1]))]
 seeds = sorted({r["seed"] for r in results})  # the table and the figure show every run in the file

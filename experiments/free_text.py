@@ -42,11 +42,9 @@ import sys
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import tasks
-import tokendata
+from experiments import study
+from nanolatent import ckpt, common, models, tasks, tokendata
 
 kappas = ("1_8", "1_2", "2")  # config/free_text_k<kappa>.py; κ = 1/2 is config/free_text.py; det is always run
 seeds = (1, 2, 3)
@@ -194,7 +192,7 @@ def analyse(name, seed, evals, refs_text):
     n = groups * group_size
     indep_latents = model.sample_latents(n, latent_gen, prompt=prompt_ids)
     shared_latents = None if indep_latents is None else torch.cat(
-        [common.repeat_latents(model.sample_latents(1, latent_gen, prompt=prompt_ids), group_size)
+        [models.repeat_latents(model.sample_latents(1, latent_gen, prompt=prompt_ids), group_size)
          for _ in range(groups)])
     indep = generate(model, indep_latents, encode, decode, seed, n)
     shared = generate(model, shared_latents, encode, decode, seed + 1, n)
@@ -206,7 +204,7 @@ def analyse(name, seed, evals, refs_text):
     refs = passages(refs_text, model.config.block_size)  # as many characters as tokens fit: all of them, or more
     P = prompt_ids.size(1)  # the prompt's tokens
     posts = [model.posterior_latents(torch.tensor([encode(ref)], device=device), latent_gen) for ref in refs]
-    full = torch.cat([common.repeat_latents(p, per_reference) for p in posts])  # (R * per_reference, block_size)
+    full = torch.cat([models.repeat_latents(p, per_reference) for p in posts])  # (R * per_reference, block_size)
     only_prompt = model.sample_latents(len(full), latent_gen)  # every Z_t uniform, a draw per sequence ...
     only_prompt[:, :P] = full[:, :P]  # ... but the prompt's, from the encoder on the passage
     for condition, latents in (("full", full), ("prompt", only_prompt)):
@@ -221,12 +219,12 @@ def analyse(name, seed, evals, refs_text):
 
 
 def spread(values):
-    """mean ± std over seeds (ddof 0, as tasks.intervals_apart calls differences)."""
+    """mean ± std over seeds (ddof 0, as study.intervals_apart calls differences)."""
     values = [v for v in values if v == v]
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if values else "-"
 
 
-ckpt.train_all_missing({run_dir(m, s): [config_file(m), f"--seed={s}", f"--device={device}", *train_args.split()]
+study.train_all_missing({run_dir(m, s): [config_file(m), f"--seed={s}", f"--device={device}", *train_args.split()]
                         for s in seeds for m in MODELS}, parallel)
 data = os.path.splitext(figure)[0] + ".json"  # every number of the tables and the figure, beside it
 settings = {"prompt": prompt, "temperature": temperature, "groups": groups, "group_size": group_size,
@@ -237,7 +235,7 @@ dataset = ckpt.load_checkpoint(run_dir("det", seeds[0]))["config"]["dataset"]
 meta = tokendata.load_meta(dataset)
 # the steering test's passages come from the held-out text past the windows evaluate.py scores
 refs_text = tokendata.tokenizer(meta)[1](tokendata.load_tokens(dataset, "val", meta)[max_tokens:].tolist())
-runs = common.earlier_runs(data, settings, key=lambda r: (r["model"], r["seed"]))
+runs = study.earlier_runs(data, settings, key=lambda r: (r["model"], r["seed"]))
 evals = {K: evaluate(K) for K in iw_samples}
 for s in seeds:
     for name in MODELS:

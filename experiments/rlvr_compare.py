@@ -4,7 +4,7 @@ better than temperature sampling, at the same group size, steps and seeds?
     python -m experiments.rlvr_compare              # trains config/det_arith.py first if needed
     python -m experiments.rlvr_compare --rlvr_config=config/rlvr_smollm2.py --sft_dir=out-smollm2 ...  # README
 
-From one supervised det checkpoint on prepare.py's arithmetic task, rlvr.py runs GRPO with a verifier reward three
+From one supervised det checkpoint on prepare.py's arithmetic task, scripts/rlvr.py runs GRPO with a verifier reward three
 ways, every other setting equal (config/rlvr_arith.py):
   temperature  the det model, action-space noise only (token sampling at `temperature`)
   minds        B-Trans: each rollout of a group its own mind, eps drawn once and frozen (§4.3), same temperature
@@ -24,12 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-import ckpt
-import common
 import configurator
-import tasks
+from experiments import study
+from nanolatent import common
 
-rlvr_config = "config/rlvr_arith.py"  # rlvr.py's config: task, data, held-out split; the settings below override it
+rlvr_config = "config/rlvr_arith.py"  # scripts/rlvr.py's config: task, data, held-out split; the settings below override it
 sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
 modes = ("temperature", "minds", "token")
@@ -43,20 +42,20 @@ learning_rate = 1e-5
 eval_prompts = 200
 eval_samples = 8
 window = 20  # reward summary: mean over the first and the last `window` steps
-parallel = 2  # rlvr.py processes at once (one thread each)
+parallel = 2  # scripts/rlvr.py processes at once (one thread each)
 reuse = False  # take a run whose metrics.jsonl is in runs_dir as it is (redraw the table and figure), not run it again
-extra = ""  # more rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
+extra = ""  # more scripts/rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
 figure = "assets/rlvr_compare.png"
 device = "cpu"
 configurator.apply(globals())
 
 if rlvr_config == "config/rlvr_arith.py":
-    ckpt.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
+    study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(mode, seed):
-    """One rlvr.py run; its metrics.jsonl records."""
+    """One scripts/rlvr.py run; its metrics.jsonl records."""
     out = os.path.join(runs_dir, f"{mode}-s{seed}")
     metrics = os.path.join(out, "metrics.jsonl")
     if not (reuse and os.path.exists(metrics)):
@@ -67,10 +66,10 @@ def run(mode, seed):
                 f"--learning_rate={learning_rate}", f"--eval_prompts={eval_prompts}", f"--eval_samples={eval_samples}",
                 f"--device={device}", "--overwrite=True", *extra.split()]  # each run of the experiment starts afresh
         with open(os.path.join(out, "log.txt"), "w") as log:
-            proc = subprocess.run([sys.executable, os.path.join(root, "rlvr.py"), *args], check=False, stdout=log,
+            proc = subprocess.run([sys.executable, os.path.join(root, "scripts/rlvr.py"), *args], check=False, stdout=log,
                                   stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode:
-            common.die(f"rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
+            common.die(f"scripts/rlvr.py failed for {mode}, seed {seed}: see {out}/log.txt")
     with open(metrics) as f:
         return [json.loads(line) for line in f]
 
@@ -114,11 +113,11 @@ for mode, rows in summary.items():
     for _, key in paired:
         first, last = ("reward first", "reward last") if key == "reward" else (f"{key} before", f"{key} after")
         a, b = np.array([r[first] for r in rows]), np.array([r[last] for r in rows])
-        cells.append(f"{a.mean():.3f} -> {b.mean():.3f} ({tasks.mean_std(b - a, sign='+')})")
+        cells.append(f"{a.mean():.3f} -> {b.mean():.3f} ({study.mean_std(b - a, sign='+')})")
     cells += [f"{np.mean([r[key] for r in rows]):.3f}" for key in single]
     print(f"| {mode} | " + " | ".join(cells) + " |")
-if tasks.one_seed_note(seeds):
-    print(f"\n{tasks.one_seed_note(seeds)}")
+if study.one_seed_note(seeds):
+    print(f"\n{study.one_seed_note(seeds)}")
 
 data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)

@@ -17,9 +17,8 @@ import os
 
 import numpy as np
 
-import common
 import configurator
-import tokendata
+from nanolatent import common, tokendata
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored as Q8_0
 

@@ -17,10 +17,17 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(2)
 
 
+def pytest_configure(config):
+    # The fast tier, `python -m pytest -q -m "not slow" tests`: every model's contract in-process, in about two minutes.
+    config.addinivalue_line("markers", "slow: starts processes (the scripts, torchrun) or trains for more than a few "
+                                       "seconds; the full suite runs it")
+
+
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
-    """Run `python <script> args...` with prepared data under data_dir; returns the CompletedProcess."""
+    """Run `python <script>.py args...` or `python -m <module> args...` with prepared data under data_dir; returns the
+    CompletedProcess."""
     env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") else list(map(str, args))
+    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") or args[0] == "-m" else list(map(str, args))
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -42,7 +49,7 @@ TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--batch_si
 
 def train_det(data_root, out_dir, *args, check=True):
     """train.py on the tiny det model."""
-    return run_script("train.py", "--model=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+    return run_script("train.py", "--model_type=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
 
 
 def records(out_dir):

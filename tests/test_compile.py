@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-import common
+from nanolatent import models
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, n_head=2, n_kv_head=1)
 
@@ -19,7 +21,7 @@ TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, n_head=2, n_kv_h
 ])
 def test_training_forward_has_no_graph_breaks(model_type, extra):
     torch.manual_seed(0)
-    model = common.build_model(model_type, {**TINY, **extra}).train()
+    model = models.build_model(model_type, {**TINY, **extra}).train()
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     explanation = dynamo.explain(model)(x, y)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -32,7 +34,7 @@ def test_compiled_training_step_equals_eager_for_the_factored_mapper():
     import torch._inductor.config as inductor_config
 
     torch.manual_seed(0)
-    model = common.build_model("free", {**TINY, "latent_bits": 10, "mapper_chunk": 2 ** 12}).train()
+    model = models.build_model("free", {**TINY, "latent_bits": 10, "mapper_chunk": 2 ** 12}).train()
     x, y = torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))
 
     def step(fn):
@@ -58,7 +60,7 @@ def test_compiled_decode_step_gives_the_eager_tokens_greedy_and_sampled(model_ty
     eps and EVE's eps drawn from the generator, Free's Z_t drawn per new token). A graph per sequence length: the
     KV cache is as long as the call's prompt + new tokens, and every step of a call reuses its graph."""
     torch.manual_seed(0)
-    model = common.build_model(model_type, TINY).eval()
+    model = models.build_model(model_type, TINY).eval()
     prompts = torch.randint(0, 64, (2, 5)), torch.randint(0, 64, (2, 3))
     runs = [(prompts[0], dict(temperature=0)), (prompts[1], dict(temperature=1.0, top_k=20))]
 
@@ -78,7 +80,7 @@ def test_kv_cache_spans_the_sequence_and_each_step_attends_over_the_positions_so
     """Decoding attends over the positions filled so far: every step's keys are as many as the tokens so far, in a
     cache of prompt + new tokens, freed after the call."""
     torch.manual_seed(0)
-    model = common.build_model("det", {**TINY, "block_size": 1024}).eval()
+    model = models.build_model("det", {**TINY, "block_size": 1024}).eval()
     KVCache = sys.modules[type(model).__module__].KVCache
     cache_lens, key_lens = [], []
     update = KVCache.update

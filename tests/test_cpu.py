@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
-import cpu
+from nanolatent import cpu, models
 from conftest import ROOT
 
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, n_head=2, n_kv_head=1)
@@ -90,7 +89,7 @@ def test_training_kernels_give_every_model_its_plain_loss_and_gradients_to_float
         return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     torch.manual_seed(0)
-    model = common.build_model(model_type, TINY).train()
+    model = models.build_model(model_type, TINY).train()
     x, y = torch.randint(0, 64, (3, 32)), torch.randint(0, 64, (3, 32))
     keys = list(model.state_dict())
     loss, grads = step(model)
@@ -112,7 +111,7 @@ def test_inference_linears_give_eager_logits_and_tokens_and_restore_the_model(mo
     pinned latents, the plain weights released inside, and on leaving, the modules' own forward and weights back
     (bit-equal logits)."""
     torch.manual_seed(0)
-    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
+    model = models.build_model(model_type, {**TINY, "n_layer": 4}).eval()
     x = torch.randint(0, 64, (3, 20))
     latents = model.sample_latents(3, torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
@@ -167,7 +166,7 @@ def test_inference_linears_on_bfloat16_weights_pack_them_as_they_are(model_type)
     inside, no float32 copy): logits within bfloat16 rounding of F.linear's on the same weights, the same greedy
     tokens, and on leaving, the bfloat16 weights back bit for bit."""
     torch.manual_seed(0)
-    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval().to(torch.bfloat16)
+    model = models.build_model(model_type, {**TINY, "n_layer": 4}).eval().to(torch.bfloat16)
     x = torch.randint(0, 64, (3, 20))
     latents = model.sample_latents(3, torch.Generator().manual_seed(1))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -191,7 +190,7 @@ def test_inference_linears_under_autocast_give_autocasts_logits_and_restore_the_
     packed copies beside the float32 weights); float16, which oneDNN lacks on CPUs without AVX512-FP16, through
     autocast's kernels, every module left as it is. On leaving, the float32 model is as before, bit for bit."""
     torch.manual_seed(0)
-    model = common.build_model(model_type, {**TINY, "n_layer": 4}).eval()
+    model = models.build_model(model_type, {**TINY, "n_layer": 4}).eval()
     x = torch.randint(0, 64, (3, 20))
     latents = model.sample_latents(3, torch.Generator().manual_seed(1))
     packs = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
@@ -213,7 +212,7 @@ def test_inference_linears_under_autocast_give_autocasts_logits_and_restore_the_
 STEP_OF_FREES = """
 import ctypes, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-import cpu
+from nanolatent import cpu
 if sys.argv[2] == "keep":
     kept = cpu.keep_freed_memory()
 else:  # the control: glibc's starting mmap threshold, 128 KiB, held fixed: every large block unmapped when freed
@@ -232,6 +231,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 def test_kept_freed_memory_is_reused_without_page_faults():
     """cpu.keep_freed_memory(), which train.py calls on a CPU: once two steps have touched their memory, the next
     ones reuse it (0-7,400 faults in 20 steps, measured: a block placed anew now and then). The control, glibc's

@@ -1,5 +1,5 @@
 """The README and docs/ cannot drift from the code: every `python <script>.py ... --key=value` and
-`python -m experiments.<name> ... --key=value` they show names a key the script accepts, every config file they pass
+`python -m scripts.<name> ...` or `python -m experiments.<name> ... --key=value` they show names a key the script accepts, every config file they pass
 exists, and every local link and image resolves. Parsed, never run: the whole check takes well under a second."""
 
 import ast
@@ -15,7 +15,7 @@ from conftest import ROOT
 DOCS = ["README.md", "BENCHMARKS.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 MODEL_SCRIPTS = {"train.py", "sample.py", "evaluate.py"}  # also take any field of the model's Config
 MODELS = ("det", "eve", "free", "btrans")
-NOT_CONFIGURATOR = {"harness.py"}  # lm_eval's own command line
+NOT_CONFIGURATOR = {"scripts.harness"}  # lm_eval's own command line
 
 
 def read(path):
@@ -67,7 +67,8 @@ def code_spans(text):
 
 
 def commands(text):
-    """(script, [arguments]) for every python command of a markdown text: script is 'x.py' or 'experiments.x'."""
+    """(script, [arguments]) for every python command of a markdown text: script is 'x.py', 'scripts.x' or
+    'experiments.x'."""
     found = []
     for span in code_spans(text):
         for part in re.split(r"&&|;|\|(?!\|)", span):
@@ -78,7 +79,7 @@ def commands(text):
             for i, word in enumerate(words):
                 if word in ("python", "python3", "torchrun"):
                     rest = words[i + 1:]
-                    if rest[:1] == ["-m"] and len(rest) > 1 and rest[1].startswith("experiments."):
+                    if rest[:1] == ["-m"] and len(rest) > 1 and rest[1].startswith(("experiments.", "scripts.")):
                         found.append((rest[1], rest[2:]))
                     else:
                         scripts = [j for j, w in enumerate(rest) if w.endswith(".py") and "/" not in w]
@@ -94,7 +95,8 @@ def all_commands():
 
 def test_the_docs_show_commands_of_every_kind():
     scripts = {script for _, script, _ in all_commands()}
-    assert {"train.py", "sample.py", "evaluate.py", "prepare.py", "convert.py", "rlvr.py", "bench.py",
+    assert {"train.py", "sample.py", "evaluate.py", "prepare.py", "scripts.convert", "scripts.rlvr", "scripts.bench",
+            "scripts.bench_cpu",
             "experiments.free_synthetic"} <= scripts
 
 
@@ -112,9 +114,9 @@ def test_every_documented_command_passes_keys_its_script_accepts(doc):
         keys = script_keys(path)
         given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
         if script in MODEL_SCRIPTS:  # the model's Config fields too: the named model's, else any of the four
-            named = given.get("model")
+            named = given.get("model_type")
             keys |= fields[named] if named in fields else set().union(*fields.values())
-        if script == "rlvr.py":  # the policy is always B-Trans
+        if script == "scripts.rlvr":  # the policy is always B-Trans
             keys |= fields["btrans"]
         for key in given:
             if key not in keys:
@@ -152,11 +154,12 @@ def test_every_local_link_and_image_resolves(doc):
     assert not problems, f"{doc}:\n" + "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_the_parser_reads_keys_continuations_and_inline_commands():
     text = ("Run `python train.py --max_iters=300` first.\n\n```sh\npython -m experiments.eve_vs_det \\\n"
-            "    --device=cuda   # a GPU\nOMP_NUM_THREADS=1 python bench.py --peer=x.py && python sample.py --out_dir=out\n"
+            "    --device=cuda   # a GPU\nOMP_NUM_THREADS=1 python -m scripts.bench --peer=x.py && python sample.py --out_dir=out\n"
             "torchrun --standalone --nproc_per_node=8 train.py config/free_1b5.py --fsdp=True\n```\n")
-    assert commands(text) == [("experiments.eve_vs_det", ["--device=cuda"]), ("bench.py", ["--peer=x.py"]),
+    assert commands(text) == [("experiments.eve_vs_det", ["--device=cuda"]), ("scripts.bench", ["--peer=x.py"]),
                               ("sample.py", ["--out_dir=out"]), ("train.py", ["config/free_1b5.py", "--fsdp=True"]),
                               ("train.py", ["--max_iters=300"])]
     assert {"max_iters", "out_dir", "dataset"} <= script_keys("train.py") and "config" not in script_keys("train.py")

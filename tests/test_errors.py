@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-import ckpt
-import common
+from nanolatent import ckpt, models
 
 from conftest import ROOT, TINY, records, run_script, train_det
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
 
@@ -64,7 +65,7 @@ def write(path, text, mode="w"):
 # train.py
 
 
-FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model=free"]  # a new out_dir
+FRESH, FREE = "--out_dir={tmp}/fresh", ["--out_dir={tmp}/fresh", "--model_type=free"]  # a new out_dir
 TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scratch folder, {run} the trained run
     "scratch over a trained run": ([], "already holds a run"),
     "max_iters negative": (["--init_from=resume", "--max_iters=-5"], "--max_iters must be >= 0"),
@@ -114,7 +115,7 @@ TRAIN_CASES = {  # name: (extra arguments, what the line says); {tmp} is a scrat
     "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], "holds an array of <U5, not numbers"),
     "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], "is a folder"),
     "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"],
-                                    "n_layer=100000 is more than train.py builds (at most 1,024"),
+                                    "n_layer=100000: train.py builds at most 1,024 layers"),
     "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
                                                 "--out_dir={run}/ckpt.pt is a file (a checkpoint): out_dir is the "
                                                 "run's folder, --out_dir={run}"),
@@ -147,10 +148,10 @@ def test_every_config_refuses_a_bad_shared_shape_with_the_same_message(model_typ
     ({"rope_theta": float("inf")}, "rope_theta=inf: must be a finite float"),
 ])
 def test_every_model_value_of_the_wrong_type_is_named_where_the_scripts_build_a_model(model_type, values, message):
-    """common.typed_values, which build_model runs before a Config sees the values: one ValueError naming field,
+    """models.typed_values, which build_model runs before a Config sees the values: one ValueError naming field,
     value and type (the scripts print it as one line)."""
     with pytest.raises(ValueError) as error:
-        common.typed_values(model_type, values)
+        models.typed_values(model_type, values)
     assert str(error.value) == message
 
 
@@ -170,13 +171,13 @@ def test_a_model_value_out_of_its_range_is_named(model_type, values, message):
 
 def test_a_nan_model_value_is_named_before_a_config_sees_it():
     with pytest.raises(ValueError, match=re.escape("sigma=nan: must be a finite float")):
-        common.typed_values("btrans", {"sigma": float("nan")})
+        models.typed_values("btrans", {"sigma": float("nan")})
 
 
 def test_a_config_from_json_takes_lists_for_tuples_and_ints_for_floats():
-    typed = common.typed_values("eve", {"mu2_band": [0.08, 0.145], "kl_beta": 1})
+    typed = models.typed_values("eve", {"mu2_band": [0.08, 0.145], "kl_beta": 1})
     assert typed["mu2_band"] == (0.08, 0.145) and type(typed["kl_beta"]) is float
-    config = common.build_model("eve", {**typed, "vocab_size": 50, "n_layer": 2, "n_embd": 32}).config
+    config = models.build_model("eve", {**typed, "vocab_size": 50, "n_layer": 2, "n_embd": 32}).config
     assert config.mu2_band == (0.08, 0.145) and type(config.kl_beta) is float
 
 
@@ -269,7 +270,7 @@ def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_r
 
 
 def test_log_lines_show_progress_and_fit_120_columns(data_root, tmp_path):
-    proc = run_script("train.py", "--model=eve", f"--out_dir={tmp_path}", *TINY, "--max_iters=3", "--eval_interval=3",
+    proc = run_script("train.py", "--model_type=eve", f"--out_dir={tmp_path}", *TINY, "--max_iters=3", "--eval_interval=3",
                       data_dir=data_root)  # EVE logs the most stats
     lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
     assert lines and all(len(line) <= 120 for line in lines), max(lines, key=len)
@@ -295,7 +296,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_ro
 
 
 def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp_path):
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", "--eval_interval=6", "--min_lr=1e-4", data_dir=data_root)
     assert "lr_decay_iters = max_iters = 6 (was 600)" in proc.stdout
     cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 2) / (6 - 2))) * (1e-3 - 1e-4)  # warmup_iters=2
@@ -312,7 +313,7 @@ def test_a_quick_look_decays_its_learning_rate_over_its_own_steps(data_root, tmp
 def test_the_lr_decay_note_comes_after_the_checks_not_above_a_refusal(data_root, tmp_path, refusal, phrase):
     """A quick look (--max_iters below lr_decay_iters, which is not set) prints lr_decay_iters = max_iters when it
     trains; a run refused for another reason prints only its one line."""
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path}", *[a for a in TINY if "lr_decay" not in a],
                       "--max_iters=6", *refusal, data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase)
     assert proc.stdout == ""
@@ -327,7 +328,7 @@ def run_with(sitecustomize, tmp_path, *args, data_root):
     write(tmp_path / "hook" / "sitecustomize.py", sitecustomize)
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(tmp_path / "hook")}
-    return subprocess.run([sys.executable, "train.py", "--model=det", *TINY, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "train.py", "--model_type=det", *TINY, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -342,7 +343,7 @@ def assert_checkpoint_at(folder, iter_num):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "train.py", "--model=det", *TINY, f"--out_dir={tmp_path}",
+    proc = subprocess.Popen([sys.executable, "train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}",
                              "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -423,12 +424,12 @@ def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
 
 
 @pytest.mark.parametrize("script, args", [
-    ("rlvr.py", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
-    ("convert.py", ["hf", "--src={tmp}", "--out_dir={run}"]),
+    ("scripts.rlvr", ["--task=letters", "--init_from={run}", "--out_dir={run}"]),
+    ("scripts.convert", ["hf", "--src={tmp}", "--out_dir={run}"]),
 ])
 def test_no_script_replaces_a_run_unasked(script, args, run, data_root, tmp_path):
     before = snapshot(run)
-    proc = run_script(script, *[a.format(run=run, tmp=tmp_path) for a in args], data_dir=data_root, check=False)
+    proc = run_script("-m", script, *[a.format(run=run, tmp=tmp_path) for a in args], data_dir=data_root, check=False)
     assert_one_line_error(proc, f"{run} already holds a run ({run / 'ckpt.pt'})", "--overwrite=True")
     assert snapshot(run) == before
 
@@ -439,14 +440,14 @@ def test_to_hf_refuses_a_folder_that_is_not_empty(run, data_root, tmp_path):
     write(dst / "config.json", '{"model_type": "llama"}')
     write(dst / "model.safetensors", "weights")
     before = snapshot(dst)
-    proc = run_script("convert.py", "to_hf", f"--out_dir={run}", f"--dst={dst}", data_dir=data_root, check=False)
+    proc = run_script("-m", "scripts.convert", "to_hf", f"--out_dir={run}", f"--dst={dst}", data_dir=data_root, check=False)
     assert_one_line_error(proc, f"--dst={dst} is not empty (config.json, model.safetensors)", "--overwrite=True")
     assert snapshot(dst) == before
 
 
 def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
     write(tmp_path / "src" / "config.json", '{"model_type": "llama", "hidden_size": ')
-    proc = run_script("convert.py", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
+    proc = run_script("-m", "scripts.convert", "hf", f"--src={tmp_path / 'src'}", f"--out_dir={tmp_path / 'out'}",
                       data_dir=data_root, check=False)
     assert_one_line_error(proc, f"{tmp_path / 'src' / 'config.json'} is malformed (JSONDecodeError")
     assert not (tmp_path / "out" / "ckpt.pt").exists()
@@ -455,7 +456,7 @@ def test_convert_hf_on_a_malformed_config_is_one_line(data_root, tmp_path):
 def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     write(tmp_path / "hook" / "safetensors" / "__init__.py", "raise ImportError('not installed')\n")
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook")}
-    proc = subprocess.run([sys.executable, "convert.py", "to_hf", f"--out_dir={run}", f"--dst={tmp_path / 'hf'}"],
+    proc = subprocess.run([sys.executable, "-m", "scripts.convert", "to_hf", f"--out_dir={run}", f"--dst={tmp_path / 'hf'}"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert_one_line_error(proc, "pip install safetensors")
     assert not (tmp_path / "hf").exists() or not os.listdir(tmp_path / "hf")
@@ -476,7 +477,7 @@ def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     (["--seed=-1"], "--seed must be >= 0, got -1"),
     (["--latent_seed=-2"], "--latent_seed must be >= 0, or -1"),
     (["--device=mps"], "has no Apple GPU"),
-    (["--model=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
+    (["--model_type=free", "--latents=posterior", "--reference=" + "_" * 80], "the --reference has 80 tokens"),
 ])
 def test_sample_mistake_is_one_line(args, phrase, trained, data_root):
     assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False),
@@ -590,7 +591,7 @@ def test_prepare_input_that_is_a_folder_says_so(tmp_path):
 def test_a_refused_gguf_import_leaves_no_trace(src, phrase, data_root, tmp_path):
     write(tmp_path / "half.gguf", "GGUF cut short")
     out = tmp_path / "new" / "run"
-    proc = run_script("convert.py", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
+    proc = run_script("-m", "scripts.convert", "gguf", f"--src={src.format(tmp=tmp_path)}", f"--out_dir={out}",
                       data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase.format(tmp=tmp_path))
     assert not (tmp_path / "new").exists()  # not even a folder holding a .lock
@@ -618,6 +619,6 @@ def test_plot_skips_a_partial_last_line(trained, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is optional (pip install matplotlib); CI installs it")
     shutil.copytree(trained, tmp_path / "run")
     write(tmp_path / "run" / "metrics.jsonl", '{"iter": 9, "val_lo', mode="a")
-    proc = run_script("plot.py", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
+    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
     assert "ends in a partial line" in proc.stderr and (tmp_path / "p.png").exists()
     assert json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())["iter"] == 0

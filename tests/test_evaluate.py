@@ -13,11 +13,8 @@ import torch.nn.functional as F
 
 from conftest import SHARED_DATA, TINY, run_script
 
-import ckpt
-import common
 import evaluate
-import multiple_choice
-import tasks
+from nanolatent import ckpt, models, multiple_choice, tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
 CHARS = " abcdefghijklmnopqrstuvwxyz.:"
@@ -34,7 +31,7 @@ def decode(ids):
 
 def tiny(model_type, **kwargs):
     torch.manual_seed(0)
-    return common.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
+    return models.build_model(model_type, {**TINY_MODEL, "vocab_size": len(CHARS), **kwargs}).eval()
 
 
 def log(probs):
@@ -124,15 +121,15 @@ def windows(data, starts, T):
 
 
 def test_det_model_gives_exactly_zero_mi_and_flip_and_the_plain_cross_entropy():
-    net = tiny("det")
+    model = tiny("det")
     data = np.random.default_rng(0).integers(len(CHARS), size=400).astype(np.uint16)
     T = 20
     starts = evaluate.lm_windows(len(data), T)
-    out = evaluate.evaluate_lm(net, data, starts, T, n_passes=4, generator=torch.Generator().manual_seed(0),
+    out = evaluate.evaluate_lm(model, data, starts, T, n_passes=4, generator=torch.Generator().manual_seed(0),
                                batch_size=3)
     assert out["mi"] == 0.0 and out["flip_rate"] == 0.0 and out["cond_var"] == 0.0 and out["passes"] == 1
     x, y = windows(data, starts, T)
-    logits = net(x, y)[0]
+    logits = model(x, y)[0]
     assert out["tokens"] == len(starts) * T == 19 * 20
     assert out["nll"] == pytest.approx(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item(), abs=1e-5)
     assert out["acc"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
@@ -140,14 +137,14 @@ def test_det_model_gives_exactly_zero_mi_and_flip_and_the_plain_cross_entropy():
 
 
 def test_btrans_metrics_average_the_softmaxes_of_one_fresh_mind_per_pass():
-    net = tiny("btrans", sigma=1.0)
+    model = tiny("btrans", sigma=1.0)
     data = np.random.default_rng(1).integers(len(CHARS), size=200).astype(np.uint16)
     T, M, B = 16, 3, 4
     starts = evaluate.lm_windows(len(data), T)
-    out = evaluate.evaluate_lm(net, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
+    out = evaluate.evaluate_lm(model, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
     gen = torch.Generator().manual_seed(5)  # the same minds, drawn in the same order: per batch, per pass
     x, y = windows(data, starts, T)
-    probs = torch.cat([torch.stack([F.softmax(net(xb, yb, latents=net.sample_latents(xb.size(0), gen))[0], -1)
+    probs = torch.cat([torch.stack([F.softmax(model(xb, yb, latents=model.sample_latents(xb.size(0), gen))[0], -1)
                                     for _ in range(M)]) for xb, yb in zip(x.split(B), y.split(B))], dim=1)
     p_bar = probs.mean(0)  # (N windows, T, V)
     ent = lambda p: -(p * p.log()).sum(-1)
@@ -157,23 +154,23 @@ def test_btrans_metrics_average_the_softmaxes_of_one_fresh_mind_per_pass():
 
 
 def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
-    net = tiny("free", latent_bits=3)
+    model = tiny("free", latent_bits=3)
     data = np.random.default_rng(2).integers(len(CHARS), size=100).astype(np.uint16)
     T, K = 16, 5
     x, y = windows(data, [0, 20], T)
-    bound = evaluate.iw_bound(net, x, y, K, torch.Generator().manual_seed(3))
+    bound = evaluate.iw_bound(model, x, y, K, torch.Generator().manual_seed(3))
     gen, log_w = torch.Generator().manual_seed(3), []
     for _ in range(K):
-        codes, log_q = net.posterior(x, gen)
-        log_py = F.log_softmax(net(x, y, latents=codes)[0], -1).gather(-1, y[..., None]).squeeze(-1).sum(1)
+        codes, log_q = model.posterior(x, gen)
+        log_py = F.log_softmax(model(x, y, latents=codes)[0], -1).gather(-1, y[..., None]).squeeze(-1).sum(1)
         log_w.append(log_py - T * 3 * math.log(2) - log_q.sum(1))  # uniform prior over 2^3 codes per token
     log_w = torch.stack(log_w)  # (K, 2)
     assert torch.allclose(bound, -(log_w.exp().mean(0).log()), atol=1e-4)
 
     torch.manual_seed(0)
-    out = evaluate.evaluate_lm(net, data, [0, 20], T, 2, torch.Generator().manual_seed(3), iw_samples=K)
+    out = evaluate.evaluate_lm(model, data, [0, 20], T, 2, torch.Generator().manual_seed(3), iw_samples=K)
     torch.manual_seed(0)
-    assert out["neg_elbo"] == pytest.approx(net(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
+    assert out["neg_elbo"] == pytest.approx(model(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
     assert "stats/ce" not in out and "stats/ce_posterior" in out  # the posterior CE is never the model's loss
     assert out["iw_bound"] > 0 and out["iw_samples"] == K and out["latents"].startswith("every Z_t from the uniform prior")
 
@@ -182,11 +179,11 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
 # multiple choice
 
 
-def direct_loglik(net, ctx, cont, latents_list):
+def direct_loglik(model, ctx, cont, latents_list):
     """log p̄ of the continuation from one unpadded forward per pass (left-truncated to block_size + 1 tokens)."""
-    ids = torch.tensor([(ctx + cont)[-(net.config.block_size + 1):]])
+    ids = torch.tensor([(ctx + cont)[-(model.config.block_size + 1):]])
     n = min(len(cont), ids.size(1) - 1)
-    lps = torch.stack([F.log_softmax(net(ids[:, :-1], ids[:, 1:], latents=lat)[0][0], -1) for lat in latents_list])
+    lps = torch.stack([F.log_softmax(model(ids[:, :-1], ids[:, 1:], latents=lat)[0][0], -1) for lat in latents_list])
     lp_bar = torch.logsumexp(lps, 0) - math.log(len(latents_list))  # (L, V)
     L = ids.size(1) - 1
     return sum(lp_bar[t, ids[0, t + 1]].item() for t in range(L - n, L))
@@ -194,29 +191,29 @@ def direct_loglik(net, ctx, cont, latents_list):
 
 @pytest.mark.parametrize("model_type,passes", [("det", 1), ("btrans", 3)])
 def test_choice_scores_equal_a_direct_per_choice_forward(model_type, passes):
-    net = tiny(model_type, **({"sigma": 0.5} if model_type == "btrans" else {}))
+    model = tiny(model_type, **({"sigma": 0.5} if model_type == "btrans" else {}))
     context = "the cat sat on the"
     choices = ["mat.", "moon", "a"]
     pairs = [multiple_choice.choice_tokens(encode, context, c) for c in choices]
     assert pairs[0] == (encode(context), encode(" mat."))
-    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, passes, torch.Generator().manual_seed(7))
+    ll, n_tokens, truncated = multiple_choice.score_choices(model, pairs, passes, torch.Generator().manual_seed(7))
     for (ctx, cont), got in zip(pairs, ll):
         gen = torch.Generator().manual_seed(7)  # the choices of an example share the latents of each pass
-        latents = [net.sample_latents(1, gen) for _ in range(passes)]
-        assert got == pytest.approx(direct_loglik(net, ctx, cont, latents), abs=1e-4)
+        latents = [model.sample_latents(1, gen) for _ in range(passes)]
+        assert got == pytest.approx(direct_loglik(model, ctx, cont, latents), abs=1e-4)
     assert n_tokens == [5, 5, 2] and not truncated
 
 
 def test_long_contexts_are_left_truncated_to_the_block_size():
-    net = tiny("det")
+    model = tiny("det")
     pairs = [multiple_choice.choice_tokens(encode, "a long context " * 4, c) for c in ("yes", "no")]  # 60 + tokens > 24
-    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, 1, None)
+    ll, n_tokens, truncated = multiple_choice.score_choices(model, pairs, 1, None)
     assert truncated and n_tokens == [5, 4]  # "  yes": the context's trailing space moved onto the continuation
-    assert ll[0] == pytest.approx(direct_loglik(net, *pairs[0], [None]), abs=1e-4)
+    assert ll[0] == pytest.approx(direct_loglik(model, *pairs[0], [None]), abs=1e-4)
 
 
 def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
-    net = tiny("det")
+    model = tiny("det")
     examples = [{"context": "the cat sat on the", "choices": ["mat.", "moon", "hat"], "label": 0},
                 {"context": "one two", "choices": ["three", "four.", "a"], "label": 1},
                 {"context": "x: y", "choices": ["zz", "y y y y"], "label": 1}]
@@ -224,13 +221,13 @@ def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
     path.write_text("\n".join(json.dumps(e) for e in examples) + "\n")
     loaded = multiple_choice.load_mc_examples(str(path))
     assert loaded == examples
-    out = evaluate.evaluate_mc(net, loaded, encode, decode, 1, None)
+    out = evaluate.evaluate_mc(model, loaded, encode, decode, 1, None)
     hits = {"acc": 0, "acc_char": 0, "acc_completion": 0}
     for ex in examples:
         ll, n = [], []
         for c in ex["choices"]:
             cont = encode(ex["context"] + " " + c)[len(encode(ex["context"])):]
-            ll.append(direct_loglik(net, encode(ex["context"]), cont, [None]))
+            ll.append(direct_loglik(model, encode(ex["context"]), cont, [None]))
             n.append(len(cont))
         hits["acc"] += int(np.argmax(ll)) == ex["label"]
         hits["acc_char"] += int(np.argmax([s / len(c) for s, c in zip(ll, ex["choices"])])) == ex["label"]
@@ -308,12 +305,12 @@ def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
 def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     torch.manual_seed(0)
     chars = sorted(set("\n!>_" + tasks.LETTERS))
-    net = common.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
+    model = models.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
     enc = lambda s: [chars.index(ch) for ch in s]
     dec = lambda ids: "".join(chars[i] for i in ids)
-    out = evaluate.evaluate_population(net, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
+    out = evaluate.evaluate_population(model, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
                                        temperature=0.0)
-    texts = [dec(net.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
+    texts = [dec(model.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
     correct = [tasks.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
     assert out["pairwise_edit"] == 0.0 and out["pass@1"] == out["pass@3"] == sum(correct) / 2
     assert out["distinct_4"] == pytest.approx(sum(tasks.distinct_n([t] * 3, 4) for t in texts) / 2)
@@ -326,11 +323,12 @@ def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
 @pytest.fixture(scope="module")
 def det_ckpt(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("det")
-    run_script("train.py", "--model=det", f"--out_dir={out}", *TINY, "--max_iters=2", "--eval_interval=2",
+    run_script("train.py", "--model_type=det", f"--out_dir={out}", *TINY, "--max_iters=2", "--eval_interval=2",
                data_dir=data_root)
     return out
 
 
+@pytest.mark.slow
 def test_script_writes_json_whose_nll_is_the_models_cross_entropy_on_the_same_windows(data_root, det_ckpt, tmp_path):
     path = tmp_path / "eval.json"
     run_script("evaluate.py", f"--out_dir={det_ckpt}", "--max_tokens=300", f"--out_json={path}", data_dir=data_root)
@@ -341,14 +339,15 @@ def test_script_writes_json_whose_nll_is_the_models_cross_entropy_on_the_same_wi
                 "epistemic_ratio", "cond_var", "flip_rate", "cvar_nll", "tokens", "passes", "stats/ce"}
     assert expected <= set(r)
     assert r["mi"] == 0.0 and r["flip_rate"] == 0.0 and r["passes"] == 1
-    net, checkpoint = ckpt.load_model(det_ckpt)
+    model, checkpoint = ckpt.load_model(det_ckpt)
     data = np.fromfile(data_root / "synthetic" / "val.bin", dtype=np.uint16)
     x, y = windows(data, [0, 67, 134, 201, 268], 66)  # ceil(300 / 66) = 5 whole sequences
     assert r["tokens"] == 5 * 66
-    assert r["nll"] == pytest.approx(F.cross_entropy(net(x, y)[0].flatten(0, 1), y.flatten()).item(), abs=1e-5)
+    assert r["nll"] == pytest.approx(F.cross_entropy(model(x, y)[0].flatten(0, 1), y.flatten()).item(), abs=1e-5)
     assert r["ppl"] == pytest.approx(math.exp(r["nll"]))
 
 
+@pytest.mark.slow
 def test_population_task_runs_on_the_letters_prompts(data_root, det_ckpt, tmp_path):
     path = tmp_path / "pop.json"
     proc = run_script("evaluate.py", f"--out_dir={det_ckpt}", "--task=population", "--num_prompts=2", "--minds=2",
@@ -358,6 +357,7 @@ def test_population_task_runs_on_the_letters_prompts(data_root, det_ckpt, tmp_pa
     assert "majority_acc" in proc.stdout and "distinct_4" in proc.stdout
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_one_clear_error(data_root, tmp_path):
     proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'nowhere'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1
@@ -372,11 +372,11 @@ def test_choice_tokens_follow_the_harness_encode_pair():
 
 def test_acc_char_divides_by_the_characters_actually_scored():
     """A choice cut to its tail by the context window is normalised by the tail's length, as it is scored."""
-    net = tiny("det")
+    model = tiny("det")
     examples = [{"context": "ab", "choices": ["c" * 30, "d"], "label": 0}]  # 30 + 1 characters > block_size 24
     pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for ex in examples for c in ex["choices"]]
-    ll, n_tokens, truncated = multiple_choice.score_choices(net, pairs, 1, None)
-    out = evaluate.evaluate_mc(net, examples, encode, decode, 1, None)
+    ll, n_tokens, truncated = multiple_choice.score_choices(model, pairs, 1, None)
+    out = evaluate.evaluate_mc(model, examples, encode, decode, 1, None)
     chars = [n_tokens[0], 2]  # the char tokenizer: a token is a character; " d" is two
     expected = max(range(2), key=lambda i: ll[i] / chars[i]) == 0
     assert truncated and n_tokens[0] == 24 and out["acc_char"] == float(expected)
@@ -384,23 +384,23 @@ def test_acc_char_divides_by_the_characters_actually_scored():
 
 def test_sequence_mixture_is_the_likelihood_of_a_frozen_mind():
     """mixture='sequence': log mean_m prod_t p_m(y_t) over minds shared by the choices (B-Trans Eq. 3)."""
-    net = tiny("btrans", sigma=0.5)
+    model = tiny("btrans", sigma=0.5)
     pairs = [multiple_choice.choice_tokens(encode, "the cat sat on the", c) for c in ("mat.", "moon")]
-    ll, _, _ = multiple_choice.score_choices(net, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
+    ll, _, _ = multiple_choice.score_choices(model, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
     for (ctx, cont), got in zip(pairs, ll):
         gen = torch.Generator().manual_seed(7)
-        per_mind = [direct_loglik(net, ctx, cont, [net.sample_latents(1, gen)]) for _ in range(3)]
+        per_mind = [direct_loglik(model, ctx, cont, [model.sample_latents(1, gen)]) for _ in range(3)]
         assert got == pytest.approx(torch.logsumexp(torch.tensor(per_mind), 0).item() - math.log(3), abs=1e-4)
 
 
 def test_free_choices_take_the_context_z_from_the_encoder_on_the_context_alone():
     """The choices' codes at context positions are the encoder's on the context (never on context + choice), the
     same for every choice; the choice positions get uniform codes, also shared."""
-    net = tiny("free", latent_bits=4)
+    model = tiny("free", latent_bits=4)
     pairs = [multiple_choice.choice_tokens(encode, "the cat sat", c) for c in ("on", "under the")]
     contexts = [ctx for ctx, _ in pairs]
-    codes = multiple_choice.example_latents(net, contexts, torch.Generator().manual_seed(3))
-    expected = net.sample_latents(1, torch.Generator().manual_seed(3), prompt=torch.tensor([contexts[0]]))
+    codes = multiple_choice.example_latents(model, contexts, torch.Generator().manual_seed(3))
+    expected = model.sample_latents(1, torch.Generator().manual_seed(3), prompt=torch.tensor([contexts[0]]))
     assert torch.equal(codes, expected.expand(2, -1))
 
 

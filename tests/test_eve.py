@@ -468,30 +468,6 @@ def test_memory_gain_receives_gradient_and_the_loop_stays_stable_for_any_b_and_c
     assert model.blocks[0].mlp.mem_gain.grad.abs().sum() > 0
 
 
-def test_checkpoint_from_before_the_memory_term_loads_and_computes_the_same_logits():
-    # A model saved without posterior_memory (its state_dict has no mem_gain) loads strictly into the default
-    # model: the missing gain is filled with c = 0, exactly the x-only posterior it was trained with.
-    old = make(posterior_memory=False, ar_b_init=0.3)
-    with torch.no_grad():
-        for block in old.blocks:
-            block.mlp.prior_m0.normal_(generator=gen(5))
-    state = old.state_dict()
-    assert not any("mem_gain" in key for key in state)
-    new = make(seed=1)  # posterior_memory=True, different initial weights
-    missing, unexpected = new.load_state_dict(state, strict=True)
-    assert missing == [] and unexpected == []
-    assert all(torch.equal(block.mlp.mem_gain, torch.zeros_like(block.mlp.mem_gain)) for block in new.blocks)
-    idx, latents = tokens(), old.sample_latents(3, gen(0))
-    logits_old, loss_old, _ = old(idx, targets=idx, latents=latents)
-    logits_new, loss_new, _ = new(idx, targets=idx, latents=latents)
-    assert torch.allclose(logits_new, logits_old, atol=1e-6) and torch.allclose(loss_new, loss_old, atol=1e-6)
-    # and a memory checkpoint keeps its learned gain
-    trained = make_with_memory()
-    fresh = make(seed=2)
-    fresh.load_state_dict(trained.state_dict())
-    assert torch.equal(fresh.blocks[0].mlp.mem_gain, trained.blocks[0].mlp.mem_gain)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The matched comparison (§3.7, §4.1: attention and the head kept fixed) and frozen embeddings (§1).
 
@@ -508,19 +484,20 @@ def config_file(path):
     return {k: v for k, v in values.items() if not k.startswith("__")}
 
 
-def test_the_experiments_baseline_differs_from_eve_in_the_feed_forward_neurons_alone():
-    det_values, eve_values = config_file("config/det_wp_sample.py"), config_file("config/eve_wp_sample.py")
-    # the same training: data, batches, optimiser, schedule, selection (only the model and its folder differ)
-    train_keys = set(det_values) - {f.name for f in dataclasses.fields(model_det.Config)} - {"model", "out_dir"}
-    assert {k: det_values[k] for k in train_keys} == {k: eve_values[k] for k in train_keys}
-    models = {}
-    for module, values in ((model_det, det_values), (model_eve, eve_values)):
-        fields = {f.name for f in dataclasses.fields(module.Config)}
+def test_the_experiments_twin_differs_from_eve_in_the_feed_forward_neurons_alone():
+    twin_values, eve_values = config_file("config/det_wp_sample.py"), config_file("config/eve_wp_sample.py")
+    fields = {f.name for f in dataclasses.fields(model_eve.Config)}
+    # the same training: data, batches, optimiser, schedule, selection (only the neurons and the folder differ)
+    train_keys = set(twin_values) - fields - {"out_dir"}
+    assert {k: twin_values[k] for k in train_keys} == {k: eve_values[k] for k in train_keys}
+    assert twin_values["variational"] is False and eve_values["variational"] is True
+    built = []
+    for values in (twin_values, eve_values):
         torch.manual_seed(0)
-        models[module] = module.Model(module.Config(**{**{k: v for k, v in values.items() if k in fields},
-                                                       "vocab_size": 97}))
-    det, eve = models[model_det], models[model_eve]
-    shapes = [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in (det, eve)]
+        built.append(model_eve.Model(model_eve.Config(**{**{k: v for k, v in values.items() if k in fields},
+                                                         "vocab_size": 97})))
+    twin, eve = built
+    shapes = [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in (twin, eve)]
     outside = [{n: s for n, s in sh.items() if ".mlp." not in n} for sh in shapes]
     assert outside[0] == outside[1]  # embedding, attention, norms, head and its layer weights: name and shape
     assert "layer_logits" in outside[0]  # EVE's head layer weights (§4.2) in both arms
@@ -528,47 +505,35 @@ def test_the_experiments_baseline_differs_from_eve_in_the_feed_forward_neurons_a
     assert inside[0] == {f"blocks.{i}.mlp.{w}.weight" for i in range(3) for w in ("w1", "w2", "w3")}
     assert inside[0] != inside[1]  # the feed-forward is what differs
     # equal width: EVE's bank has as many neurons as det's SwiGLU has hidden units, both project back from it
-    assert eve.config.n_neurons == det.config.ffn_hidden
+    assert eve.config.n_neurons == twin.config.ffn_hidden
     assert shapes[0]["blocks.0.mlp.w2.weight"] == shapes[1]["blocks.0.mlp.w2.weight"]
 
 
-def test_det_layer_weights_mix_the_blocks_and_a_one_hot_mix_is_the_plain_head():
+def test_the_twin_is_det_under_a_head_that_mixes_the_blocks():
+    """variational=False: with all the head's weight on the last block the twin computes det's logits from the same
+    weights; otherwise its head reads the softmax mix sum_l w_l x^(l) of the blocks' outputs (§4.2)."""
     torch.manual_seed(0)
-    mixed = model_det.Model(model_det.Config(**SMALL, layer_weights=True)).eval()
-    plain = model_det.Model(model_det.Config(**SMALL)).eval()
-    plain.load_state_dict({k: v for k, v in mixed.state_dict().items() if k != "layer_logits"})
+    twin = model_eve.Model(model_eve.Config(**SMALL, variational=False)).eval()
+    det = model_det.Model(model_det.Config(**SMALL)).eval()
+    det.load_state_dict({k: v for k, v in twin.state_dict().items() if k not in ("layer_logits", "ctrl_step")})
     idx = tokens()
+    assert twin.sample_latents(3) is None and twin.latent_kind == "none"
     with torch.no_grad():
-        mixed.layer_logits.copy_(torch.tensor([-1e4, 0.0]))  # all weight on the last block: det's own head
-        assert torch.allclose(mixed(idx, targets=idx)[0], plain(idx, targets=idx)[0], atol=1e-5)
-        assert torch.allclose(mixed(idx)[0], plain(idx)[0], atol=1e-5)  # the inference path too
-        mixed.layer_logits.copy_(torch.tensor([0.3, -0.2]))
-        outs = []  # the softmax mix of the blocks' outputs, computed here from the blocks themselves
-        x = mixed.tok_emb(idx)
-        cos, sin = mixed.rope_cos[:idx.size(1)], mixed.rope_sin[:idx.size(1)]
-        for block in mixed.blocks:
+        twin.layer_logits.copy_(torch.tensor([-1e4, 0.0]))  # all weight on the last block: det's own head
+        assert torch.allclose(twin(idx, targets=idx)[0], det(idx, targets=idx)[0], atol=1e-5)
+        assert torch.allclose(twin(idx)[0], det(idx)[0], atol=1e-5)  # the inference path too
+        assert torch.equal(twin.generate(idx[:, :4], 6, temperature=0.0), det.generate(idx[:, :4], 6, temperature=0.0))
+        twin.layer_logits.copy_(torch.tensor([0.3, -0.2]))
+        outs = []  # the softmax mix of the blocks' outputs, computed here from det's blocks
+        x = det.tok_emb(idx)
+        cos, sin = det.rope_cos[:idx.size(1)], det.rope_sin[:idx.size(1)]
+        for block in det.blocks:
             x = block(x, cos, sin, 0)
             outs.append(x)
         w = torch.softmax(torch.tensor([0.3, -0.2]), 0)
-        expected = mixed.lm_head(mixed.norm_f(w[0] * outs[0] + w[1] * outs[1]))
-        assert torch.allclose(mixed(idx, targets=idx)[0], expected, atol=1e-5)
-
-
-def test_freeze_embeddings_gets_no_gradient_and_leaves_the_embedding_as_it_was():
-    for module in (model_det, model_eve):
-        torch.manual_seed(0)
-        model = module.Model(module.Config(**SMALL, freeze_embeddings=True)).train()
-        before, wq = model.tok_emb.weight.detach().clone(), model.blocks[0].attn.wq.weight.detach().clone()
-        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
-        grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        assert id(model.tok_emb.weight) not in grouped and model.lm_head.weight is model.tok_emb.weight
-        assert len(grouped) == sum(1 for p in model.parameters() if p is not model.tok_emb.weight)
-        idx = tokens()
-        for _ in range(3):
-            model(idx, targets=idx)[1].backward()
-            assert model.tok_emb.weight.grad is None
-            assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        assert torch.equal(model.tok_emb.weight, before)  # weight decay never touched it either
-        assert not torch.equal(model.blocks[0].attn.wq.weight, wq)  # while the rest trained
+        expected = det.lm_head(det.norm_f(w[0] * outs[0] + w[1] * outs[1]))
+        logits, loss, stats = twin(idx, targets=idx)
+        assert torch.allclose(logits, expected, atol=1e-5) and set(stats) == {"ce"} and loss == stats["ce"]
+    assert twin.flops_per_token() == det.flops_per_token() + 6 * SMALL["n_layer"]  # det's, and the L layer weights
+    twin.train()(idx, targets=idx)
+    twin.update_controllers()  # nothing to control: no neurons, no state

@@ -12,10 +12,11 @@ import torch
 
 from conftest import SHARED_DATA, TINY, records, run_script
 
-import ckpt
-import tasks
-import tokendata
 from experiments import smollm2_embedding
+from experiments import study
+from nanolatent import ckpt, tasks, tokendata
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
@@ -35,21 +36,21 @@ def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
 
 def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
     # [0.30, 0.32] (mean 0.31, std 0.01) against [0.27, 0.29] (0.28 ± 0.01): 0.30 > 0.29, apart
-    assert tasks.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
-    assert tasks.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
+    assert study.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
+    assert study.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
     # 0.31 ± 0.01 against 0.30 ± 0.01: the intervals share [0.30, 0.31], no call, either way round
-    assert tasks.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
-    assert tasks.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
-    assert tasks.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
+    assert study.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
+    assert study.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
+    assert study.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
 
 
 def test_one_seed_calls_no_difference_and_prints_no_spread():
     """A single seed's std is 0 by construction: its 'interval' is a point, and two distinct points are not evidence
     of a difference. No call, no ± in the cell, and a line saying why."""
-    assert tasks.intervals_apart([0.9], [0.1]) == 0 and tasks.intervals_apart([0.9, 0.9], [0.1]) == 0
-    assert tasks.mean_std([0.25]) == "0.250" and tasks.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
-    assert tasks.mean_std([0.05], sign="+") == "+0.050"
-    assert "no interval test" in tasks.one_seed_note((1,)) and tasks.one_seed_note((1, 2)) == ""
+    assert study.intervals_apart([0.9], [0.1]) == 0 and study.intervals_apart([0.9, 0.9], [0.1]) == 0
+    assert study.mean_std([0.25]) == "0.250" and study.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
+    assert study.mean_std([0.05], sign="+") == "+0.050"
+    assert "no interval test" in study.one_seed_note((1,)) and study.one_seed_note((1, 2)) == ""
 
 
 def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_path):
@@ -66,7 +67,7 @@ def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_pat
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[2] == "| minds | " + " | ".join(["0.900"] * 5) + " |", proc.stdout + proc.stderr
     assert not any("*" in line or "±" in line for line in table)
-    assert tasks.one_seed_note([1]) in proc.stdout
+    assert study.one_seed_note([1]) in proc.stdout
 
 
 def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
@@ -81,7 +82,7 @@ def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_numbe
 def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp_path, select_by):
     # EVE's loss adds beta KL and control terms to the CE, so the two criteria are distinct numbers
     out = tmp_path / "eve"
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
                "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
     evals = [r for r in records(out) if "val_ce" in r and r["iter"] > 0]
     best = min(evals, key=lambda r: r[f"val_{select_by}"])
@@ -101,15 +102,15 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
     embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
     np.save(tmp_path / "emb.npy", embedding)
     out = tmp_path / "eve"
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
                f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
                data_dir=data_root)
     checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 6 and checkpoint["model_config"]["freeze_embeddings"] is True
+    assert checkpoint["iter_num"] == 6 and checkpoint["config"]["freeze_embeddings"] is True
     assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
     assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
     # a resumed run keeps it frozen: the flag comes back with the model's config
-    run_script("train.py", "--model=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
                "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
     checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == 9
@@ -118,10 +119,10 @@ def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_r
 
 def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
     np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
                       f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("train.py", "--model=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
                       f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import SHARED_DATA, run_script
 
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+
 SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
 # A 2-layer, 32-wide backbone trained 6 steps: the study's code paths in seconds. det and two κ, one seed.
 TOY = ["--kappas=1_8,2", "--seeds=1,", "--max_tokens=4096", "--groups=2", "--group_size=3", "--references=2",

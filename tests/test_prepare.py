@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SHARED_DATA, run_script
 
-import tokendata
+from nanolatent import tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
@@ -21,6 +21,7 @@ def read(data_root, name, split):
     return np.fromfile(os.path.join(data_root, name, f"{split}.bin"), dtype=meta["dtype"]), meta
 
 
+@pytest.mark.slow
 def test_synthetic_sequences_follow_the_papers_recipe(data_root):
     tokens, meta = read(data_root, "synthetic", "train")
     text = "".join(meta["chars"][i] for i in tokens)
@@ -39,12 +40,14 @@ def test_synthetic_sequences_follow_the_papers_recipe(data_root):
     assert min(starts) == 0 and max(starts) == 56
 
 
+@pytest.mark.slow
 def test_synthetic_is_seeded(tmp_path):
     for name in ("a", "b"):
         run_script("prepare.py", "synthetic", "--num_train=50", "--num_val=5", f"--name={name}", data_dir=tmp_path)
     assert np.array_equal(read(tmp_path, "a", "train")[0], read(tmp_path, "b", "train")[0])
 
 
+@pytest.mark.slow
 def test_char_text_round_trips_and_splits_ninety_ten(tmp_path):
     text = "hello world, the quick brown fox.\n" * 30
     (tmp_path / "in.txt").write_text(text)
@@ -56,6 +59,7 @@ def test_char_text_round_trips_and_splits_ninety_ten(tmp_path):
     assert len(train) == int(len(text) * 0.9) and encode("fox") == [meta["chars"].index(c) for c in "fox"]
 
 
+@pytest.mark.slow
 def test_jsonl_fields_become_one_document_each(tmp_path):
     rows = [{"prompt": f"p{i}", "story": f"s{i}", "other": 1} for i in range(10)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -68,6 +72,7 @@ def test_jsonl_fields_become_one_document_each(tmp_path):
     assert proc.returncode == 2 and "available: prompt, story, other" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_path):
     run_script("prepare.py", "text", f"--input={SHAKESPEARE}", f"--bpe_file={GPT2_BPE}", "--name=s",
@@ -81,6 +86,7 @@ def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_
     assert encode("Hello world") == [15496, 995] and decode(train[:200].tolist()) in open(SHAKESPEARE).read()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_path):
     rows = [{"text": f"The {w} sat on the mat, story {i}."} for i, w in enumerate(["cat", "dog", "owl"] * 4)]
@@ -120,6 +126,7 @@ def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tm
     assert used == os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken") and encoding.encode("Hello world") == [15496, 995]
 
 
+@pytest.mark.slow
 def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_path):
     run_script("prepare.py", "arith", "--num_train=3000", "--num_val=300", data_dir=tmp_path)
     lines = {}
@@ -134,6 +141,7 @@ def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_
     assert {line[line.index("+") if "+" in line else line.index("*")] for line in lines["val"]} == {"+", "*"}
 
 
+@pytest.mark.slow
 def test_arith_data_is_the_same_whatever_the_string_hash_seed(tmp_path, monkeypatch):
     """The problems' order depends on the seed alone: Python's per-process string hashing must not reach it."""
     for hash_seed in ("1", "2"):

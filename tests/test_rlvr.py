@@ -15,20 +15,17 @@ import torch
 
 from conftest import ROOT, records, run_script, train_det
 
-import ckpt
-import common
 import configurator
-import grpo
-import rlvr
-import tasks
-import tokendata
+from nanolatent import ckpt, grpo, models
+from scripts import rlvr
+from nanolatent import tasks, tokendata
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=32, vocab_size=14)
 
 
 def tiny(model_type="btrans", seed=0, **kwargs):
     torch.manual_seed(seed)
-    return common.build_model(model_type, {**TINY_MODEL, **kwargs}).eval()
+    return models.build_model(model_type, {**TINY_MODEL, **kwargs}).eval()
 
 
 def gen(seed):
@@ -60,27 +57,27 @@ def test_clipped_objective_and_k3_kl_match_a_hand_computation():
 
 
 def test_minds_differ_within_a_group_and_each_stays_frozen_through_its_rollout_kv_cache_included():
-    net = tiny(sigma=0.5)
+    model = tiny(sigma=0.5)
     with torch.no_grad():  # larger weights than at init, so that greedy decoding does not just repeat a token
-        for p in net.parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     prompt, G, L = [3, 7, 1, 5, 13], 4, 12
-    completions, latents = grpo.rollouts(net, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
-    assert latents.shape == (G, net.config.n_norms, 32)
+    completions, latents = grpo.rollouts(model, [prompt], G, L, 0.0, gen(0), gen(1))  # greedy: only minds differ
+    assert latents.shape == (G, model.config.n_norms, 32)
     assert all((latents[i] - latents[j]).abs().max() > 0.5 for i in range(G) for j in range(i))
     assert len({tuple(c) for c in completions.tolist()}) > 1  # one prompt, several answers: the minds differ
     # Regenerated with the same latents: the same tokens, and at every step the cached decode's logits equal a full
     # forward of the whole prefix with the same latents, so no mind changed mid-rollout.
     step_logits = []
-    handle = net.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out))
-    again = net.generate(torch.tensor([prompt] * G), L, temperature=0, latents=latents)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out))
+    again = model.generate(torch.tensor([prompt] * G), L, temperature=0, latents=latents)
     handle.remove()
     assert torch.equal(again[:, len(prompt):], completions)
     assert len(step_logits) == L
     with torch.no_grad():
         for s, cached in enumerate(step_logits):
-            full, _, _ = net(again[:, :len(prompt) + s], latents=latents)  # (G, 1, V)
+            full, _, _ = model(again[:, :len(prompt) + s], latents=latents)  # (G, 1, V)
             assert torch.allclose(cached, full, atol=1e-5)
     assert (step_logits[0][0] - step_logits[0][1]).abs().max() > 1e-2  # same prompt, different minds
 
@@ -140,15 +137,15 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
         with open(tmp_path / "gsm8k" / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps({"question": f"{split} {i}?", "answer": f"{i}+1=<<{i}+1={i + 1}>>" * (i + 1)
                                      + f"\n#### {i + 1}"}) + "\n" for i in range(n))  # problem i: i + 1 steps
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "train") == [("train 0?", 1.0), ("train 1?", 2.0),
                                                                         ("train 2?", 3.0)]
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
-    assert rlvr.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "val") == [("test 0?", 1.0), ("test 1?", 2.0)]
+    assert tasks.chat_problems("gsm8k", tmp_path / "gsm8k", "train", max_calc_steps=2) == [("train 0?", 1.0),
                                                                                           ("train 1?", 2.0)]
     items = [{"context": "The cat", "choices": ["sat.", "flew.", "sang."], "label": 2}]
     with open(tmp_path / "mc.jsonl", "w") as f:
         f.writelines(json.dumps(item) + "\n" for item in items)
-    ((question, label),) = rlvr.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
+    ((question, label),) = tasks.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
     assert label == "C" and question == tasks.lettered_question("The cat", ["sat.", "flew.", "sang."])
 
 
@@ -162,7 +159,7 @@ def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_l
     template = tmp_path / "chat_template.jinja"  # beside the run's tokenizer, as convert.py writes it
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
     meta = {"tokenizer": "hf", "tokenizer_file": str(tmp_path / "tokenizer.json")}
-    load, verify = rlvr.chat_task("hellaswag", tmp_path / "mc.jsonl", meta)
+    load, verify = tasks.chat_task("hellaswag", tmp_path / "mc.jsonl", meta)
     prompts = load("val")
     assert prompts == [f"<user>{tasks.lettered_question(i['context'], i['choices'])}<assistant>" for i in items]
     assert verify(prompts[0], "B. b") and not verify(prompts[0], "A") and verify(prompts[1], "A")
@@ -175,41 +172,41 @@ def test_completion_mask_keeps_tokens_up_to_and_including_the_first_stop():
 
 
 def test_one_grpo_step_raises_logprobs_of_positive_advantage_rollouts_and_lowers_negative_ones():
-    net = tiny(sigma=0.3, noise_mode="sequence")
-    ref = copy.deepcopy(net).requires_grad_(False)
+    model = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(model).requires_grad_(False)
     ref.config.noise_mode = "mean"
     prompt_ids = [[3, 7, 1, 13]] * 4
-    completions, _ = grpo.rollouts(net, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
+    completions, _ = grpo.rollouts(model, prompt_ids[:1], 4, 6, 1.0, gen(0), gen(1))
     mask = grpo.completion_mask(completions, stop_id=0)
     advantages = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).flatten()
 
     def logp():
-        with torch.no_grad(), grpo.noise_mode(net, "mean"):  # the update's model: the mean offset only (§5)
-            return (grpo.completion_logprobs(net, prompt_ids, completions) * mask).sum(1)
+        with torch.no_grad(), grpo.noise_mode(model, "mean"):  # the update's model: the mean offset only (§5)
+            return (grpo.completion_logprobs(model, prompt_ids, completions) * mask).sum(1)
 
     before = logp()
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-    stats = grpo.grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    stats = grpo.grpo_update(model, ref, optimizer, prompt_ids, completions, mask, advantages, grad_clip=0.0)
     change = logp() - before
     assert torch.equal(change > 0, advantages > 0) and change.abs().min() > 1e-5
-    assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: net == reference, ratio exactly 1
-    assert net.config.noise_mode == "sequence"  # restored after the update
+    assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0  # first step: model == reference, ratio exactly 1
+    assert model.config.noise_mode == "sequence"  # restored after the update
 
 
 def test_a_chunked_update_takes_the_whole_batchs_step():
     """update_batch: gradients summed over chunks of rollouts (each weighed by its share) give the one-batch update,
     through two clipped steps (updates=2: ratios away from 1) with a KL term, and the same stats."""
-    net = tiny(sigma=0.3, noise_mode="sequence")
-    ref = copy.deepcopy(net).requires_grad_(False)
+    model = tiny(sigma=0.3, noise_mode="sequence")
+    ref = copy.deepcopy(model).requires_grad_(False)
     prompt_ids = [[3, 7, 1, 13]] * 3 + [[5, 2]] * 3  # two prompt lengths: each chunk pads to its own
-    completions = torch.cat([grpo.rollouts(net, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
+    completions = torch.cat([grpo.rollouts(model, [ids], 3, 6, 1.0, gen(s), gen(s + 1))[0]
                              for s, ids in enumerate(prompt_ids[::3])])  # (6, 6)
     mask = grpo.completion_mask(completions, stop_id=0)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
     results = []
     for chunk in (0, 2, 4):
         torch.manual_seed(0)
-        net_c = copy.deepcopy(net)
+        net_c = copy.deepcopy(model)
         optimizer = torch.optim.SGD(net_c.parameters(), lr=0.5)  # Adam's first step, g / |g|, would amplify rounding
         stats = grpo.grpo_update(net_c, ref, optimizer, prompt_ids, completions, mask, advantages, updates=2,
                                  clip_eps=0.2, kl_coef=0.1, grad_clip=1.0, chunk=chunk)
@@ -218,7 +215,7 @@ def test_a_chunked_update_takes_the_whole_batchs_step():
     assert 0 < whole_stats["clip_frac"] < 1 and whole_stats["kl"] > 0  # the 2nd step clips some, left the reference
     for params, stats in chunked:
         assert torch.allclose(params, whole, atol=1e-6) and not torch.equal(params, torch.cat(
-            [p.flatten() for p in net.parameters()]))
+            [p.flatten() for p in model.parameters()]))
         assert all(math.isclose(stats[k], whole_stats[k], rel_tol=1e-4, abs_tol=1e-7) for k in whole_stats)
 
 
@@ -235,6 +232,7 @@ def arith_ckpt(tmp_path_factory):
     return root, out
 
 
+@pytest.mark.slow
 def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith_ckpt, monkeypatch):
     root, _ = arith_ckpt
     monkeypatch.setenv("NANOLATENT_DATA", str(root))
@@ -247,15 +245,16 @@ def test_arith_prompts_are_the_val_problems_and_every_data_answer_verifies(arith
     assert not any(tasks.verify_arith(p, "0" + line.split("=")[1]) for p, line in zip(prompts, lines))
 
 
+@pytest.mark.slow
 def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(arith_ckpt, tmp_path):
     root, det_out = arith_ckpt
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=2",
                       "--eval_interval=2", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
                       "--group_size=3", "--sigma=0.1", "--device=cpu", data_dir=root)
     assert "step 1/2: reward" in proc.stdout
-    net, checkpoint = ckpt.load_model(tmp_path)
+    model, checkpoint = ckpt.load_model(tmp_path)
     assert checkpoint["model_type"] == "btrans" and checkpoint["iter_num"] == 2
-    assert net.config.sigma == 0.1 and net.config.noise_mode == "sequence"
+    assert model.config.sigma == 0.1 and model.config.noise_mode == "sequence"
     assert checkpoint["config"]["dataset"] == "arith" and checkpoint["config"]["rollout"] == "minds"
     assert set(checkpoint) == {"model", "optimizer", "ref_model", "model_type", "model_config", "config", "meta",
                                "iter_num", "best_val_loss"}
@@ -277,6 +276,7 @@ torch.multinomial = multinomial
 """
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards_of_an_uninterrupted_one(
         arith_ckpt, tmp_path):
     """TTRL rewards (agreement with the group's majority) give this barely trained model's groups a learning signal,
@@ -285,19 +285,19 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
     root, det_out = arith_ckpt
     args = ["--max_steps=12", "--eval_interval=5", "--eval_prompts=6", "--eval_samples=2", "--prompts_per_step=2",
             "--group_size=4", "--sigma=0.1", "--learning_rate=1e-3", "--reward=ttrl", "--device=cpu"]
-    run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path / 'whole'}", *args, data_dir=root)
+    run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path / 'whole'}", *args, data_dir=root)
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(SIGTERM_MID_ROLLOUT)
     env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "hook")}
     stopped = tmp_path / "stopped"
-    proc = subprocess.run([sys.executable, "rlvr.py", f"--init_from={det_out}", f"--out_dir={stopped}", *args],
+    proc = subprocess.run([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={stopped}", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert proc.stderr.splitlines() == [f"stopped by SIGTERM: {stopped / 'ckpt.pt'} holds step 5; continue with the "
                                         f"same command and --init_from=resume"]
     assert "step 4/12: reward" in proc.stdout and "step 5/12: reward" not in proc.stdout  # step 4 was finished
     assert torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"] == 5
-    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={stopped}", *args, data_dir=root)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={stopped}", *args, data_dir=root)
     assert "resuming at step 5" in proc.stdout
     whole, resumed = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "whole", stopped))
     assert resumed["iter_num"] == whole["iter_num"] == 12
@@ -313,6 +313,7 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
         assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("existing, message", [
     (None, "does not exist: start one with --init_from=<a trained model>"),
     ("det", "is a train.py or convert.py checkpoint: give it as --init_from="),
@@ -320,17 +321,19 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
 def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path, existing, message):
     root, det_out = arith_ckpt
     out = det_out if existing else tmp_path / "none"
-    proc = run_script("rlvr.py", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatch):
     root, det_out = arith_ckpt
     monkeypatch.setenv("RANK", "0")
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "runs in one process" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--task=gsm8k"], "task=gsm8k prompts a chat model in its chat template, and "),  # a char-level model
     (["--task=nope"], "--task must be one of"),
@@ -338,7 +341,7 @@ def test_script_refuses_ddp_with_one_clear_line(arith_ckpt, tmp_path, monkeypatc
 ])
 def test_script_refuses_a_task_the_model_cannot_take_in_one_line(arith_ckpt, tmp_path, args, message):
     root, det_out = arith_ckpt
-    proc = run_script("rlvr.py", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
+    proc = run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", *args, data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
@@ -349,7 +352,7 @@ def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
     Config field (configure dies otherwise, naming the key), each value as the file gives it (of its default's type)."""
     defaults = {k: v for k, v in vars(rlvr).items() if not k.startswith("_") and isinstance(v, configurator.TYPES)}
     values, model_values = configurator.configure(defaults, [os.path.join(ROOT, config)],
-                                                  model_fields=lambda values: common.config_fields("btrans"))
+                                                  model_fields=lambda values: models.config_fields("btrans"))
     file_values = configurator.read_config_file(os.path.join(ROOT, config))
     assert values["task"] in tasks.TASKS and len(file_values) > 3
     assert all({**values, **model_values}[k] == v for k, v in file_values.items())

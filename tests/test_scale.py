@@ -15,8 +15,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, TINY, run_script
 
-import ckpt
-import common
+from nanolatent import ckpt, models
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 # an evaluation and a checkpoint every 3 steps; 2 micro-batches per step, one per process on 2 processes
 STEPS = ["--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
@@ -56,12 +57,12 @@ def det_runs(data_root, tmp_path_factory):
     """A tiny det model for 6 steps: on one process; under FSDP on 2; under FSDP stopped at step 3 and resumed on 2
     processes, and on 1."""
     root = tmp_path_factory.mktemp("det_runs")
-    train(data_root, root / "single", "--model=det", "--max_iters=6")
-    train(data_root, root / "fsdp", "--model=det", "--max_iters=6", "--fsdp=True", nproc=2)
-    train(data_root, root / "part", "--model=det", "--max_iters=3", "--fsdp=True", nproc=2)
+    train(data_root, root / "single", "--model_type=det", "--max_iters=6")
+    train(data_root, root / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True", nproc=2)
+    train(data_root, root / "part", "--model_type=det", "--max_iters=3", "--fsdp=True", nproc=2)
     shutil.copytree(root / "part", root / "part_on_1")
-    train(data_root, root / "part", "--model=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=2)
-    train(data_root, root / "part_on_1", "--model=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=1)
+    train(data_root, root / "part", "--model_type=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=2)
+    train(data_root, root / "part_on_1", "--model_type=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=1)
     return root
 
 
@@ -108,7 +109,7 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
 ])
 def test_fsdp_gives_the_same_weights_as_ddp_for_stochastic_models(model_type, extra, data_root, tmp_path):
     """Noise is drawn per process, so a stochastic model is compared with DDP on as many processes."""
-    args = [f"--model={model_type}", "--max_iters=3", *extra]
+    args = [f"--model_type={model_type}", "--max_iters=3", *extra]
     train(data_root, tmp_path / "ddp", *args, nproc=2)
     train(data_root, tmp_path / "fsdp", *args, "--fsdp=True", nproc=2)
     sharded = sharded_weights(tmp_path / "fsdp", tmp_path)["model"]
@@ -128,7 +129,7 @@ def dry_run(*args, data_dir):
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_dry_run_prints_the_parameter_count_flops_speed_and_memory_of_its_formulas(fsdp, tmp_path):
     V, T, L, d, heads, kv, B = 50304, 1024, 8, 1024, 16, 4, 8
-    out = dry_run("--model=det", f"--vocab_size={V}", f"--block_size={T}", f"--n_layer={L}", f"--n_embd={d}",
+    out = dry_run("--model_type=det", f"--vocab_size={V}", f"--block_size={T}", f"--n_layer={L}", f"--n_embd={d}",
                   f"--n_head={heads}", f"--n_kv_head={kv}", f"--batch_size={B}", "--gradient_accumulation_steps=8",
                   f"--fsdp={fsdp}", "--dry_run_world_size=4", "--dry_run_mfu=0.5", "--max_iters=1000",
                   data_dir=tmp_path)  # an empty data folder: vocab_size is given, nothing is read
@@ -174,10 +175,10 @@ def test_every_config_parses_and_dry_runs(config, tmp_path):
         os.makedirs(tmp_path / values["dataset"])
         (tmp_path / values["dataset"] / "meta.json").write_text(json.dumps({"vocab_size": 65, "tokenizer": "char"}))
     out = dry_run(config, data_dir=tmp_path)
-    fields = common.config_fields(model_type)
+    fields = models.config_fields(model_type)
     model_values = {k: v for k, v in values.items() if k in fields and k not in ("block_size", "vocab_size")}
     with torch.device("meta"):
-        model = common.build_model(model_type, {**model_values, "vocab_size": values.get("vocab_size", 65),
+        model = models.build_model(model_type, {**model_values, "vocab_size": values.get("vocab_size", 65),
                                                 "block_size": values.get("block_size", fields["block_size"])})
     assert f"dry run: {model_type} model, {model.num_params():,} parameters" in out
 
@@ -187,9 +188,9 @@ def test_paper_scale_configs_have_the_papers_sizes():
     Llama-3 8B's parameter count; free_1b5.py's baseline is 1.5B with the paper's 2^17-token vocabulary (§4.2)."""
     def det_params(config, vocab_size):
         values = config_values(os.path.join(ROOT, "config", config))
-        fields = common.config_fields("det")
+        fields = models.config_fields("det")
         with torch.device("meta"):
-            model = common.build_model("det", {**{k: v for k, v in values.items() if k in fields},
+            model = models.build_model("det", {**{k: v for k, v in values.items() if k in fields},
                                                "vocab_size": vocab_size})
         return model.num_params()
     assert det_params("free_8b.py", 128256) + 128256 * 4096 == 8_030_261_248

@@ -3,12 +3,14 @@
 import os
 import sys
 
+import pytest
 import torch
 
 from conftest import TINY, records, run_script, train_det as train
 
-import ckpt
-import common
+from nanolatent import ckpt, models
+
+pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 
 def test_unknown_config_key_is_one_clear_error(data_root, tmp_path):
@@ -45,7 +47,7 @@ def test_checkpoint_round_trip_gives_identical_logits(data_root, tmp_path):
     train(data_root, tmp_path, "--max_iters=3", "--eval_interval=3")
     model, checkpoint = ckpt.load_model(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in checkpoint["model"])
-    fresh = common.build_model("det", checkpoint["model_config"])
+    fresh = models.build_model("det", checkpoint["model_config"])
     fresh.load_state_dict(checkpoint["model"])
     idx = torch.randint(0, checkpoint["model_config"]["vocab_size"], (2, 10))
     assert torch.equal(model(idx)[0], fresh(idx)[0])
@@ -78,7 +80,7 @@ def test_two_process_ddp_averages_gradients_like_one_process_with_the_same_micro
     args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
     train(data_root, tmp_path / "single", *args)
     run_script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               "--model=det", f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
+               "--model_type=det", f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
     a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 

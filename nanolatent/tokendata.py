@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from common import die
+from nanolatent.common import die
 
 GPT2_BPE_ENV = "NANOLATENT_GPT2_BPE"  # path to a gpt2.tiktoken file, used when tiktoken cannot download GPT-2's BPE
 
@@ -104,11 +104,11 @@ def gpt2_encoding(bpe_file=None):
 
 
 def hf_tokenizer(path):
-    """A Hugging Face tokenizer.json (a pretrained model's own BPE, recorded by convert.py or prepare.py), read with
+    """A Hugging Face tokenizer.json (a pretrained model's own BPE, recorded by scripts/convert.py or prepare.py), read with
     the tokenizers package: an optional dependency, imported only here."""
     if not os.path.exists(path):
         die(f"tokenizer file {path} not found (checkpoints and datasets record it by absolute path): put it back, "
-            f"or run convert.py or prepare.py --tokenizer=... again")
+            f"or run scripts/convert.py or prepare.py --tokenizer=... again")
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -118,7 +118,7 @@ def hf_tokenizer(path):
 
 def chat_template(meta):
     """The chat template of a run with a Hugging Face tokenizer, or None: chat_template.jinja beside its tokenizer.json
-    (transformers 5, convert.py gguf), else tokenizer_config.json's chat_template (older saves)."""
+    (transformers 5, scripts/convert.py gguf), else tokenizer_config.json's chat_template (older saves)."""
     if meta.get("tokenizer") != "hf":
         return None
     folder = os.path.dirname(meta["tokenizer_file"])
@@ -158,7 +158,7 @@ def chat_prompt(meta, text, **variables):
     if template is None:
         die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
             "tokenizer_config.json, beside its tokenizer.json): prompt it with plain --start, or import an Instruct "
-            "model with convert.py hf or gguf")
+            "model with scripts/convert.py hf or gguf")
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -4,13 +4,11 @@ and a model loaded from a checkpoint (into its own type or another)."""
 import contextlib
 import os
 import re
-import subprocess
-import sys
 
 import torch
 
-import common
-from common import die, free_space
+from nanolatent import models
+from nanolatent.common import die, free_space
 
 
 _locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
@@ -70,7 +68,7 @@ RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.
 
 
 def refuse_existing_run(out_dir, overwrite, resumable=False):
-    """The guard of every script that writes a run into out_dir (train.py from scratch, rlvr.py, convert.py hf and
+    """The guard of every script that writes a run into out_dir (train.py from scratch, scripts/rlvr.py, scripts/convert.py hf and
     gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
     before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
     held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
@@ -81,7 +79,7 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
 
 
 def refuse_nonempty_dir(dst, overwrite, what="--dst"):
-    """The guard of a writer whose output is a whole folder of someone else's format (convert.py to_hf): a file, or
+    """The guard of a writer whose output is a whole folder of someone else's format (scripts/convert.py to_hf): a file, or
     a folder that holds anything, is written into only with --overwrite=True."""
     if os.path.exists(dst) and not os.path.isdir(dst):
         die(f"{what}={dst} is a file: give a folder to write into")
@@ -93,7 +91,7 @@ def refuse_nonempty_dir(dst, overwrite, what="--dst"):
 
 def saved_shapes(model_type, model_values):
     """{name: shape} of every tensor a checkpoint of this config holds, from a model built on the meta device."""
-    return {k: tuple(v.shape) for k, v in common.meta_model(model_type, model_values).state_dict().items()}
+    return {k: tuple(v.shape) for k, v in models.meta_model(model_type, model_values).state_dict().items()}
 
 
 def resume_config(model_type, saved, overrides, out_dir):
@@ -155,7 +153,7 @@ def load_checkpoint(path, device="cpu"):
             f"it may be truncated or not a nanolatent checkpoint: retrain, or resume from another out_dir")
     if not isinstance(checkpoint, dict) or not {"model_type", "model_config", "meta"} <= set(checkpoint):
         die(f"{path} is a torch file but not a nanolatent checkpoint (no model_type, model_config and meta): "
-            f"point to a ckpt.pt that train.py, rlvr.py or convert.py wrote")
+            f"point to a ckpt.pt that train.py, scripts/rlvr.py or scripts/convert.py wrote")
     return checkpoint
 
 
@@ -166,10 +164,10 @@ def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides
     checkpoint = checkpoint or load_checkpoint(path, device)
     source_type = checkpoint["model_type"]
     model_type = model_type or source_type
-    fields = common.config_fields(model_type)
+    fields = models.config_fields(model_type)
     model_values = {k: v for k, v in checkpoint["model_config"].items() if k in fields}
     model_values.update(overrides)
-    model = common.build_model(model_type, model_values)
+    model = models.build_model(model_type, model_values)
     try:
         missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
     except RuntimeError as e:  # a tensor of another shape: the overrides or the data changed the architecture
@@ -185,32 +183,3 @@ def load_model(path, device="cpu", model_type=None, checkpoint=None, **overrides
     return model.to(device), checkpoint
 
 
-TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
-
-
-def train_if_missing(out_dir, *train_args):
-    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
-    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"], check=True)
-
-
-def train_all_missing(runs, parallel=1):
-    """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
-    whose out_dir holds no checkpoint, `parallel` processes at a time, each logging to out_dir/train.log; one line
-    naming the logs when a run failed."""
-    running = []
-    for out_dir, train_args in runs.items():
-        if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-            continue
-        os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"]
-        if len(running) == parallel:
-            running.pop(0).wait()
-        print(" ".join(cmd))
-        with open(os.path.join(out_dir, "train.log"), "w") as log:  # the child holds its own copy of the file
-            running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-    for process in running:
-        process.wait()
-    failed = [out_dir for out_dir in runs if not os.path.exists(os.path.join(out_dir, "ckpt.pt"))]
-    if failed:
-        die(f"training failed for {', '.join(failed)}: see train.log in each")

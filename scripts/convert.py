@@ -1,13 +1,13 @@
 """Convert checkpoints between nanolatent's det model and the Hugging Face Llama and Qwen3 formats, both ways.
 
-    python convert.py hf --src=HuggingFaceTB/SmolLM2-135M --out_dir=out-smollm2    # from the hub (online)
-    python convert.py hf --src=path/to/saved_model --out_dir=out-x --block_size=2048  # a local folder (offline)
-    python convert.py gguf --src=model.gguf --out_dir=out-smollm2  # a llama.cpp file, quantized or not (offline)
-    python convert.py to_hf --out_dir=out-det --dst=hf-det          # for transformers and lm_eval --model hf
+    python -m scripts.convert hf --src=HuggingFaceTB/SmolLM2-135M --out_dir=out-smollm2    # from the hub (online)
+    python -m scripts.convert hf --src=path/to/saved_model --out_dir=out-x --block_size=2048  # a local folder (offline)
+    python -m scripts.convert gguf --src=model.gguf --out_dir=out-smollm2  # a llama.cpp file, quantized or not (offline)
+    python -m scripts.convert to_hf --out_dir=out-det --dst=hf-det          # for transformers and lm_eval --model hf
 
 `hf` reads a Llama or Qwen3 checkpoint (config.json and *.safetensors, sharded or not) into <out_dir>/ckpt.pt for
 model_det, and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and
---model=btrans (B-Trans minds) then use it as they use a run of ours. Llama 3.1's RoPE remap (rope_type llama3), an
+--model_type=btrans (B-Trans minds) then use it as they use a run of ours. Llama 3.1's RoPE remap (rope_type llama3), an
 explicit head_dim and Qwen3's per-head q/k RMSNorms are det's own settings (rope_scaling, head_dim, qk_norm); a
 checkpoint with something model_det does not compute (biases, sliding windows, another RoPE type, activation or
 architecture) is refused with one line naming the field or tensor.
@@ -32,11 +32,8 @@ import shutil
 
 import torch
 
-import ckpt
-import common
 import configurator
-import llama
-import tokendata
+from nanolatent import ckpt, common, llama, models, tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
@@ -92,8 +89,8 @@ def config_from_hf(hf, block_size=0):
     field."""
 
     def refuse(field, why):
-        common.die(f"config.json has {field}={json.dumps(hf.get(field))}: {why}; convert.py reads Llama and Qwen3 "
-                   f"checkpoints (SmolLM2, Llama 3.x, Qwen3 and the like)")
+        common.die(f"config.json has {field}={json.dumps(hf.get(field))}: {why}; scripts/convert.py reads Llama and "
+                   f"Qwen3 checkpoints (SmolLM2, Llama 3.x, Qwen3 and the like)")
 
     family = hf.get("model_type")
     if family not in FAMILIES:
@@ -150,7 +147,7 @@ def read_safetensors(src):
     try:
         from safetensors.torch import load_file
     except ImportError:
-        common.die("convert.py hf reads *.safetensors, which needs the safetensors package: pip install safetensors")
+        common.die("scripts/convert.py hf reads *.safetensors, which needs the safetensors package: pip install safetensors")
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -158,7 +155,7 @@ def read_safetensors(src):
     elif os.path.exists(os.path.join(src, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        common.die(f"{src} has no model.safetensors nor model.safetensors.index.json: convert.py reads safetensors "
+        common.die(f"{src} has no model.safetensors nor model.safetensors.index.json: scripts/convert.py reads safetensors "
                    f"checkpoints only (load a pytorch_model.bin with transformers and save_pretrained it)")
     tensors = {}
     for name in files:
@@ -214,7 +211,7 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
         common.die(f"{src} has no tokenizer.json, which sample.py and evaluate.py need (a sentencepiece "
                    f"tokenizer.model is not read: save the tokenizer with transformers' AutoTokenizer first)")
     with torch.device("meta"):
-        model = common.build_model("det", values)
+        model = models.build_model("det", values)
     state = state_from_hf(read_safetensors(src), model)
 
     os.makedirs(out_dir, exist_ok=True)
@@ -226,10 +223,10 @@ def import_hf(hub_or_dir, out_dir, block_size=0):
 
 def save_import(out_dir, model, state, config):
     """ckpt.pt of an imported model whose tokenizer.json is already in out_dir."""
-    values = common.config_dict(model.config)
+    values = models.config_dict(model.config)
     meta = {"tokenizer": "hf", "tokenizer_file": os.path.abspath(os.path.join(out_dir, "tokenizer.json")),
             "vocab_size": values["vocab_size"]}
-    # train.py's checkpoint format, without an optimizer: sample.py, evaluate.py and rlvr.py's --init_from read it.
+    # train.py's checkpoint format, without an optimizer: sample.py, evaluate.py and scripts/rlvr.py's --init_from read it.
     # "config" says where the weights came from; to_hf takes the special token ids back from hf_config.
     checkpoint = {"model_type": "det", "model_config": values, "model": state, "config": config, "meta": meta,
                   "iter_num": 0, "best_val_loss": float("inf")}
@@ -325,8 +322,8 @@ def config_from_gguf(metadata, tensors, path):
     import numpy as np
 
     def refuse(key, why):
-        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; convert.py gguf reads llama and qwen3 "
-                   f"files with a byte-level BPE (SmolLM2, Llama 3.x, Qwen3 and the like)")
+        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; scripts/convert.py gguf reads llama and "
+                   f"qwen3 files with a byte-level BPE (SmolLM2, Llama 3.x, Qwen3 and the like)")
 
     arch = metadata.get("general.architecture")
     if arch not in FAMILIES:
@@ -348,7 +345,7 @@ def config_from_gguf(metadata, tensors, path):
         name = key.removeprefix(f"{arch}.")
         if key.startswith(f"{arch}.") and name not in GGUF_CONFIG:
             if name not in harmless:
-                refuse(key, "a setting convert.py does not read, so model_det may not compute what it asks")
+                refuse(key, "a setting scripts/convert.py does not read, so model_det may not compute what it asks")
             if value != harmless[name][0]:
                 refuse(key, harmless[name][1])
     if "rope_freqs.weight" in tensors:  # Llama 3.1 and 3.2 files: the remap as one divisor per frequency
@@ -409,11 +406,11 @@ def gguf_tokenizer(metadata, path):
         common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}")
 
     if metadata.get("tokenizer.ggml.model") != "gpt2":
-        refuse("tokenizer.ggml.model", "convert.py rebuilds byte-level BPE vocabularies (gpt2) only, not a "
+        refuse("tokenizer.ggml.model", "scripts/convert.py rebuilds byte-level BPE vocabularies (gpt2) only, not a "
                                        "sentencepiece one; convert the model from its Hugging Face folder instead")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_SPLITS:
-        refuse("tokenizer.ggml.pre", f"a pre-tokenizer convert.py does not rebuild (it knows {', '.join(GGUF_SPLITS)})")
+        refuse("tokenizer.ggml.pre", f"a pre-tokenizer scripts/convert.py does not rebuild (it knows {', '.join(GGUF_SPLITS)})")
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges,
@@ -430,14 +427,14 @@ def gguf_tokenizer(metadata, path):
 
 def import_gguf(gguf_file, out_dir, block_size=0):
     if os.path.isdir(gguf_file):
-        common.die(f"--src={gguf_file} is a folder: pass the path of a .gguf file in it (convert.py hf takes a "
+        common.die(f"--src={gguf_file} is a folder: pass the path of a .gguf file in it (scripts/convert.py hf takes a "
                    f"Hugging Face model folder)")
     if not os.path.isfile(gguf_file):
         common.die(f"--src={gguf_file}: no such file; pass the path of a .gguf file")
     try:
         from gguf import GGUFReader
     except ImportError:
-        common.die("convert.py gguf needs the gguf package: pip install gguf")
+        common.die("scripts/convert.py gguf needs the gguf package: pip install gguf")
     try:
         reader = GGUFReader(gguf_file)
     except Exception as e:  # not a GGUF, or one cut short
@@ -448,7 +445,7 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     values = config_from_hf(hf, block_size)
     tok = gguf_tokenizer(metadata, gguf_file)
     with torch.device("meta"):
-        model = common.build_model("det", values)
+        model = models.build_model("det", values)
     state = state_from_hf(gguf_tensors(tensors, hf, gguf_file), model)
 
     os.makedirs(out_dir, exist_ok=True)
@@ -559,7 +556,7 @@ def export_hf(out_dir, dst):
     try:
         from safetensors.torch import save_file
     except ImportError:
-        common.die("convert.py to_hf writes model.safetensors, which needs the safetensors package: "
+        common.die("scripts/convert.py to_hf writes model.safetensors, which needs the safetensors package: "
                    "pip install safetensors")
     checkpoint = ckpt.load_checkpoint(out_dir)
     path = ckpt.checkpoint_path(out_dir)
@@ -586,13 +583,13 @@ def main(argv=None):
     configurator.require(globals(), non_negative=("block_size",), choices={"direction": ("hf", "gguf", "to_hf")})
     needed = {"hf": ("src", "out_dir"), "gguf": ("src", "out_dir"), "to_hf": ("out_dir", "dst")}[direction]
     if not all(globals()[key] for key in needed):
-        common.die(f"convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
+        common.die(f"scripts/convert.py {direction} needs {' and '.join(f'--{key}=...' for key in needed)}")
     if direction in ("hf", "gguf"):  # a run is written like train.py's: one writer, a trained run never replaced unasked
         made = os.path.abspath(out_dir)  # the outermost folder the lock creates: a refused import removes it again
         while not os.path.exists(os.path.dirname(made)):
             made = os.path.dirname(made)
         made = None if os.path.exists(made) else made
-        ckpt.lock_out_dir(out_dir, "convert.py")
+        ckpt.lock_out_dir(out_dir, "scripts/convert.py")
         imported = False
         try:
             ckpt.refuse_existing_run(out_dir, overwrite)

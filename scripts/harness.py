@@ -1,14 +1,14 @@
 """EleutherAI's lm-evaluation-harness on nanolatent runs: the `nanolatent` model scores a run of any of the four
 models, the stochastic ones with Monte Carlo latents exactly as evaluate.py does.
 
-    python harness.py --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
-    python harness.py --model nanolatent --model_args out_dir=out-det,model=btrans,sigma=0.05 --tasks ...  # minds
+    python -m scripts.harness --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
+    python -m scripts.harness --model nanolatent --model_args out_dir=out-det,model_type=btrans,sigma=0.05 --tasks ...  # minds
 
-`python harness.py ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
+`python -m scripts.harness ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
 plugins; every flag and every other model works as with `lm_eval`). From Python, `import harness` registers it:
 lm_eval.simple_evaluate(model="nanolatent", model_args={"out_dir": "out-eve"}, ...).
 
-model_args: out_dir (the run), model ('' or a type to load it into, with its Config overrides, e.g. sigma), mc_samples
+model_args: out_dir (the run), model_type ('' or a type to load it into, with its Config overrides, e.g. sigma), mc_samples
 (M passes), mixture (auto | token | sequence, evaluate.py's --mixture), seed, dtype (float32 | bfloat16 | float16),
 max_gen_toks; --device and --batch_size come from lm_eval's flags.
 
@@ -38,12 +38,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
-import cpu
-import llama
-import multiple_choice
-import tokendata
+from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
 
 try:
     # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
@@ -54,7 +49,7 @@ try:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:
-    common.die(f"harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
+    common.die(f"scripts/harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
 
 
 def model_arg(key, value, default, at_least=None, choices=None):
@@ -78,7 +73,7 @@ def model_arg(key, value, default, at_least=None, choices=None):
 
 @register_model("nanolatent")
 class NanoLatentLM(LM):
-    def __init__(self, out_dir="", model="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
+    def __init__(self, out_dir="", model_type="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
                  batch_size=1, max_batch_size=None, max_gen_toks=256, **overrides):
         super().__init__()
         # every value before anything loads: a typo costs one line, not a checkpoint read and a traceback
@@ -86,7 +81,7 @@ class NanoLatentLM(LM):
             common.die("--model_args needs out_dir=RUN, the run to evaluate (its folder or a ckpt.pt): "
                        "--model_args out_dir=out-eve,mc_samples=8")
         out_dir = model_arg("out_dir", str(out_dir) if type(out_dir) is int else out_dir, "")  # a folder "123"
-        model = model_arg("model", model, "", choices=("", *common.MODEL_TYPES))
+        model_type = model_arg("model_type", model_type, "", choices=("", *models.MODEL_TYPES))
         mc_samples = model_arg("mc_samples", mc_samples, 8, at_least=1)
         mixture = model_arg("mixture", mixture, "auto", choices=("auto", "token", "sequence"))
         seed = model_arg("seed", seed, 1337, at_least=0)
@@ -95,26 +90,26 @@ class NanoLatentLM(LM):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         common.check_device(device)
         checkpoint = ckpt.load_checkpoint(out_dir)
-        fields = common.config_fields(model or checkpoint["model_type"])
+        fields = models.config_fields(model_type or checkpoint["model_type"])
         unknown = sorted(set(overrides) - set(fields))
         if unknown:
             common.die(f"model_args {', '.join(unknown)}: not an argument of nanolatent nor a Config field of the "
-                       f"{model or checkpoint['model_type']} model")
+                       f"{model_type or checkpoint['model_type']} model")
         overrides = {k: model_arg(k, v, fields[k]) for k, v in overrides.items()}
-        self.net, _ = ckpt.load_model(out_dir, device, model or None, checkpoint=checkpoint, **overrides)
-        self.net.eval()
+        self.model, _ = ckpt.load_model(out_dir, device, model_type or None, checkpoint=checkpoint, **overrides)
+        self.model.eval()
         self._device = torch.device(device)
         _, self.autocast = common.autocast(device, dtype)
         self.encode, self.decode = tokendata.tokenizer(checkpoint["meta"])
-        self.passes = 1 if self.net.latent_kind == "none" else mc_samples
-        self.mixture = multiple_choice.mixture_for(self.net, mixture)
+        self.passes = 1 if self.model.latent_kind == "none" else mc_samples
+        self.mixture = multiple_choice.mixture_for(self.model, mixture)
         self.seed, self.max_gen_toks = seed, max_gen_toks
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # accepted; one document a forward
         # the products through oneDNN's packed weights for every request of the run, packed once (a no-op off a CPU)
         self.packed = contextlib.ExitStack()
-        self.packed.enter_context(cpu.inference_linears(self.net, common.DTYPES[dtype]))
+        self.packed.enter_context(cpu.inference_linears(self.model, common.DTYPES[dtype]))
         self.eot = eot_token(checkpoint)
-        self.block_size = self.net.config.block_size
+        self.block_size = self.model.config.block_size
 
     @property
     def eot_token_id(self):
@@ -133,8 +128,8 @@ class NanoLatentLM(LM):
         for (_, doc_id), members in common.progress(docs.items(), desc="nanolatent loglikelihood", total=len(docs)):
             pairs = [multiple_choice.choice_tokens(self.encode, *requests[i].args, eot=self.eot, delimiter="")
                      for i in members]
-            draws = multiple_choice.example_generator(self.net, self.seed, doc_id)
-            ll, _, _ = multiple_choice.score_choices(self.net, pairs, self.passes, draws, self.autocast, self.mixture)
+            draws = multiple_choice.example_generator(self.model, self.seed, doc_id)
+            ll, _, _ = multiple_choice.score_choices(self.model, pairs, self.passes, draws, self.autocast, self.mixture)
             truncated += sum(len(ctx) + len(cont) > self.block_size + 1 for ctx, cont in pairs)
             greedy = len(members) == 1 and self.is_greedy(pairs[0], doc_id)
             for i, score in zip(members, ll):
@@ -153,11 +148,11 @@ class NanoLatentLM(LM):
         seq = (ctx + cont)[-(self.block_size + 1):]
         n = min(len(cont), len(seq) - 1)
         x, y = torch.tensor([seq[:-1]], device=self._device), torch.tensor([seq[1:]], device=self._device)  # (1, L)
-        generator, p_bar = multiple_choice.example_generator(self.net, self.seed, doc_id), 0
+        generator, p_bar = multiple_choice.example_generator(self.model, self.seed, doc_id), 0
         for _ in range(self.passes):
-            latents = multiple_choice.example_latents(self.net, [seq[:len(seq) - n]], generator)
+            latents = multiple_choice.example_latents(self.model, [seq[:len(seq) - n]], generator)
             with self.autocast:
-                logits = self.net(x, y, latents=latents)[0]  # (1, L, V), as score_choices calls it
+                logits = self.model(x, y, latents=latents)[0]  # (1, L, V), as score_choices calls it
             p_bar = p_bar + F.softmax(logits[0, -n:].float(), dim=-1) / self.passes  # (n, V)
         return p_bar.argmax(-1).tolist() == seq[-n:]
 
@@ -168,8 +163,8 @@ class NanoLatentLM(LM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.encode(text), prefix_token=self.eot, max_seq_len=self.block_size, context_len=1)]
             doc_id = req.doc_id if req.doc_id is not None else i
-            draws = multiple_choice.example_generator(self.net, self.seed, doc_id)
-            ll, _, _ = multiple_choice.score_choices(self.net, [(list(c), list(t)) for c, t in windows], self.passes,
+            draws = multiple_choice.example_generator(self.model, self.seed, doc_id)
+            ll, _, _ = multiple_choice.score_choices(self.model, [(list(c), list(t)) for c, t in windows], self.passes,
                                                      draws, self.autocast, self.mixture)
             out.append(sum(ll))
         return out
@@ -199,8 +194,8 @@ class NanoLatentLM(LM):
             repeat[key] += 1
             idx = torch.tensor([ids], device=self._device)
             with self.autocast:
-                latents = self.net.sample_latents(1, generator, prompt=idx)
-                new = self.net.generate(idx, max_new, temperature=temperature, top_k=top_k or None, latents=latents,
+                latents = self.model.sample_latents(1, generator, prompt=idx)
+                new = self.model.generate(idx, max_new, temperature=temperature, top_k=top_k or None, latents=latents,
                                         generator=generator)[0, len(ids):]
             out.append(postprocess_generated_text(self.decode(new.tolist()), until, None))
         return out

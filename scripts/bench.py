@@ -1,15 +1,15 @@
-"""Benchmark training and decoding for the four models at equal size, one table (nanoGPT's bench.py role).
+"""Benchmark training and decoding for the four models at equal size, one table (nanoGPT's scripts/bench.py role).
 
-    python bench.py                                            # det, btrans, eve, free at 8 layers, d=256, T=256, B=8
-    python bench.py --models=det,free:latent_bits=16,free:latent_bits=16:mapper=dense
-    python bench.py --device=cuda --dtype=bfloat16 --compile=True --n_layer=12 --n_embd=768 --block_size=1024 ...
-    python bench.py --models=det --peer=nanoGPT/model.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
-    python bench.py --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
-    python bench.py --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
-    python bench.py --models=det --peer=nanoGPT/model.py ... --profile=True   # and each training step op by op
-    python bench.py --peer=transformers --src=out-smollm2 --mc_baseline=HEAD~5   # multiple choice against an older revision
-    python bench.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
-    python bench.py --n_layer=30 --n_embd=576 --n_head=9 --n_kv_head=3 --vocab_size=49152 --layouts=True  # SmolLM2
+    python -m scripts.bench                                            # det, btrans, eve, free at 8 layers, d=256, T=256, B=8
+    python -m scripts.bench --models=det,free:latent_bits=16,free:latent_bits=16:mapper=dense
+    python -m scripts.bench --device=cuda --dtype=bfloat16 --compile=True --n_layer=12 --n_embd=768 --block_size=1024 ...
+    python -m scripts.bench --models=det --peer=nanoGPT/model.py --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65
+    python -m scripts.bench --models=det,eve --compile_decode=True --decode_contexts=64,   # decode eager and compiled
+    python -m scripts.bench --peer=transformers --src=out-smollm2 --repeats=2   # det against transformers, same weights
+    python -m scripts.bench --models=det --peer=nanoGPT/model.py ... --profile=True   # and each training step op by op
+    python -m scripts.bench --peer=transformers --src=out-smollm2 --mc_baseline=HEAD~5   # multiple choice against an older revision
+    python -m scripts.bench --n_layer=6 --n_embd=384 --n_head=6 --n_kv_head=6 --vocab_size=65 --linears=True  # GEMM kernels
+    python -m scripts.bench --n_layer=30 --n_embd=576 --n_head=9 --n_kv_head=3 --vocab_size=49152 --layouts=True  # SmolLM2
 
 A model spec is `type[:field=value...]`. Each spec runs in its own process, so its peak memory is its own: CUDA's
 max_memory_allocated on a GPU, the process's peak resident set on a CPU (which includes the ~0.3 GB of torch itself).
@@ -25,7 +25,7 @@ cpu.training_kernels on a CPU, as train.py does (oneDNN's products on x86; --cpu
 files). It has no KV cache, so its decode columns stay empty. On a CPU every model's process keeps its freed memory
 as train.py's does (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's default).
 
---peer=transformers --src=<a det run, e.g. one convert.py imported> times det against transformers'
+--peer=transformers --src=<a det run, e.g. one scripts/convert.py imported> times det against transformers'
 LlamaForCausalLM built from the same tensors, in one process, taking turns, at one and two threads: greedy decode
 ms per token at batch 1 and 16 (sixteen minds), prefill tokens/s, and multiple-choice items/s (multiple_choice's
 score_choices against one forward over every choice, as lm-evaluation-harness scores), and whether both decode the
@@ -63,13 +63,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import ckpt
-import common
 import configurator
-import cpu
-import llama
-import multiple_choice
-import tokendata
+from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -116,7 +111,7 @@ device_type, autocast = common.autocast(device, dtype)
 keeps_freed_memory = keep_freed_memory and device_type == "cpu"  # the setting acts on a CPU's malloc only
 PEER = "peer"  # the spec of the peer's row
 if peer == "transformers" and not src:
-    common.die("--peer=transformers needs --src=<a det run>: import one with python convert.py hf --src=... "
+    common.die("--peer=transformers needs --src=<a det run>: import one with python -m scripts.convert hf --src=... "
                "--out_dir=...")
 if peer and peer != "transformers" and not os.path.isfile(peer):
     common.die(f"no peer model at {os.path.normpath(peer)}: pass --peer=<path to a nanoGPT model.py> (git clone "
@@ -145,7 +140,7 @@ def build(model_type, overrides, context):
     if model_type == PEER:
         return build_peer(context).to(device)
     sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
-    return common.build_model(model_type, {**sizes, **overrides, "block_size": context}).to(device)
+    return models.build_model(model_type, {**sizes, **overrides, "block_size": context}).to(device)
 
 
 def build_peer(context):
@@ -258,7 +253,7 @@ def bench_one(spec):
 
 
 def transformers_peer(run):
-    """det (from the run's checkpoint) and LlamaForCausalLM (from the same tensors, renamed as convert.py to_hf
+    """det (from the run's checkpoint) and LlamaForCausalLM (from the same tensors, renamed as scripts/convert.py to_hf
     does) timed in turns, at every thread count: decode ms per token at each batch, prefill tokens/s and HellaSwag
     items/s. Each figure is the best of `repeats` turns; the two models alternate within a turn."""
     import transformers
@@ -418,11 +413,11 @@ def sample_memory(run):
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
-        print(f"\nsample.py --model=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
+        print(f"\nsample.py --model_type=btrans --minds={memory_minds}: {len(encode(prompt))}-token prompt, "
               f"{memory_new_tokens} new tokens, one thread")
         print("sample.py flags | seconds | weights MiB | peak resident MiB | weights + 1 GiB | peak within")
         sample = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py"),
-                  f"--out_dir={run}", "--model=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
+                  f"--out_dir={run}", "--model_type=btrans", f"--minds={memory_minds}", f"--start=FILE:{f.name}",
                   f"--max_new_tokens={memory_new_tokens}", "--temperature=1.0", "--top_k=50", "--device=cpu"]
         # A small parent runs it: a child's peak resident set counts what it inherited before exec, and this process
         # holds two models.
@@ -494,7 +489,7 @@ def bench_linears():
     """--linears=True: torch's GEMM against oneDNN (cpu.onednn_linear on plain weights) for the three products of
     each Linear shape of det, as the module's docstring says."""
     cfg = dict(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
-    model = common.build_model("det", {**cfg, "block_size": block_size})
+    model = models.build_model("det", {**cfg, "block_size": block_size})
     shapes = {}  # (out, in) -> the Linears of that shape
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear):
@@ -528,7 +523,7 @@ def bench_layouts():
     forward: nn.Linear's own and cpu.inference_linears' (its choice for the batch and thread count), at every batch
     of decode_batches."""
     cfg = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size)
-    model, plain = (common.build_model("det", {**cfg, "block_size": block_size}).eval() for _ in range(2))
+    model, plain = (models.build_model("det", {**cfg, "block_size": block_size}).eval() for _ in range(2))
     plain.load_state_dict(model.state_dict())
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight.detach() for m in linears]

@@ -2,14 +2,14 @@
 test-time RL with a majority-vote reward (§5.3), at CPU scale:
 
     python prepare.py arith && python train.py config/det_arith.py      # the supervised phase: a tiny det model
-    python rlvr.py config/rlvr_arith.py                                 # GRPO, each rollout of a group its own mind
-    python rlvr.py config/rlvr_arith.py --rollout=temperature           # the det baseline: token sampling alone
-    python rlvr.py config/rlvr_arith.py --rollout=token                 # §6.1 ablation: a fresh eps at every step
-    python rlvr.py config/rlvr_arith.py --reward=ttrl --train_prompts=eval   # §5.3 TTRL: no labels read
-    python rlvr.py config/rlvr_synthetic.py                             # the letters task (Free Transformer §4.1)
+    python -m scripts.rlvr config/rlvr_arith.py                                 # GRPO, each rollout of a group its own mind
+    python -m scripts.rlvr config/rlvr_arith.py --rollout=temperature           # the det baseline: token sampling alone
+    python -m scripts.rlvr config/rlvr_arith.py --rollout=token                 # §6.1 ablation: a fresh eps at every step
+    python -m scripts.rlvr config/rlvr_arith.py --reward=ttrl --train_prompts=eval   # §5.3 TTRL: no labels read
+    python -m scripts.rlvr config/rlvr_synthetic.py                             # the letters task (Free Transformer §4.1)
     python -m experiments.rlvr_compare                                  # temperature vs minds vs token, 3 seeds
-    python rlvr.py config/rlvr_smollm2.py                               # a pretrained chat model (SmolLM2)
-    python rlvr.py config/rlvr_smollm2.py --init_from=resume            # go on after Ctrl-C, SIGTERM or a crash
+    python -m scripts.rlvr config/rlvr_smollm2.py                               # a pretrained chat model (SmolLM2)
+    python -m scripts.rlvr config/rlvr_smollm2.py --init_from=resume            # go on after Ctrl-C, SIGTERM or a crash
 
 Ctrl-C or SIGTERM lets the current step finish, saves it and says how to continue: the same command with
 --init_from=resume, which goes on from the saved step as if never stopped (the same prompts, rollouts and updates:
@@ -24,7 +24,6 @@ the deterministic mean model. The paper fine-tunes LoRA adapters; at this scale 
 """
 
 import copy
-import json
 import os
 import signal
 import sys
@@ -34,21 +33,16 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-import ckpt
-import common
 import configurator
-import cpu
-import grpo
-import tasks
-import tokendata
+from nanolatent import ckpt, common, cpu, grpo, models, records, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
 # I/O
 out_dir = "out-rlvr"
-overwrite = False  # an out_dir that holds a run (a trained model, an earlier rlvr.py run) is replaced only when True
+overwrite = False  # an out_dir that holds a run (a trained model, an earlier scripts/rlvr.py run) is replaced only when True
 init_from = "out-det-arith"  # a checkpoint (folder or ckpt.pt), det or btrans; det is wrapped into B-Trans; or
-# 'resume' to continue the rlvr.py run in out_dir (stopped by Ctrl-C, SIGTERM or a crash) with the same command
+# 'resume' to continue the scripts/rlvr.py run in out_dir (stopped by Ctrl-C, SIGTERM or a crash) with the same command
 log_interval = 1
 eval_interval = 25  # held-out evaluation (and a checkpoint) every eval_interval steps and after the last
 # task
@@ -90,15 +84,15 @@ PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the stream
 
 
 @torch.no_grad()
-def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
+def evaluate_heldout(model, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
     """The mean model (the one the updates train) on held-out prompts: greedy accuracy, and pass@1 and pass@k of k
     samples at `temperature`."""
-    device = net.tok_emb.weight.device
+    device = model.tok_emb.weight.device
     ids = [encode(p) for p in prompts]
     generator = torch.Generator(device).manual_seed(seed)
-    with grpo.noise_mode(net, "mean"), cpu.inference_linears(net):  # on a CPU, the weights laid out for decoding
-        greedy, _ = grpo.rollouts(net, ids, 1, max_new_tokens, 0.0, generator, generator)
-        sampled, _ = grpo.rollouts(net, ids, k, max_new_tokens, temperature, generator, generator)
+    with grpo.noise_mode(model, "mean"), cpu.inference_linears(model):  # on a CPU, the weights laid out for decoding
+        greedy, _ = grpo.rollouts(model, ids, 1, max_new_tokens, 0.0, generator, generator)
+        sampled, _ = grpo.rollouts(model, ids, k, max_new_tokens, temperature, generator, generator)
     greedy_ok = [verify(p, t) for p, t in zip(prompts, grpo.replies(greedy, decode, stop_id))]
     sampled_ok = np.array([verify(p, t) for p, t in zip(np.repeat(prompts, k), grpo.replies(sampled, decode, stop_id))])
     correct = sampled_ok.reshape(len(prompts), k).sum(1)
@@ -107,54 +101,11 @@ def evaluate_heldout(net, prompts, encode, decode, verify, k, temperature, max_n
             f"eval_pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
 
 
-def chat_problems(task, dataset, split, max_calc_steps=0):
-    """(question, answer) of every problem of a chat task's split, in data order. gsm8k: `dataset` is a folder with
-    GSM8K's train.jsonl and test.jsonl (openai/grade-school-math), else the hub's openai/gsm8k; 'val' is its test
-    split; max_calc_steps > 0 keeps the problems whose reference takes at most that many calculator steps (the easier
-    real split of experiments/btrans_passk_pretrained). hellaswag: a jsonl file or hub name, as evaluate.py's
-    --mc_file; HellaSwag's labelled items are its validation split, so they are all 'val'."""
-    if task == "hellaswag":
-        if split == "train":
-            common.die("hellaswag has labelled validation items only: use --train_prompts=val (the items past the "
-                       "held-out ones)")
-        import multiple_choice
-        return [(tasks.lettered_question(ex["context"], ex["choices"]), tasks.LETTERS[ex["label"]])
-                for ex in multiple_choice.load_mc_examples(dataset)]
-    name = "test" if split == "val" else "train"
-    path = os.path.join(dataset, f"{name}.jsonl")
-    if os.path.isfile(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        try:
-            import datasets
-            rows = datasets.load_dataset("openai/gsm8k", "main", split=name)
-        except Exception as e:
-            common.die(f"no {path}, and the hub's openai/gsm8k did not load ({type(e).__name__}); offline, pass "
-                       f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>")
-    return [(row["question"], tasks.gsm8k_answer(row["answer"])) for row in rows
-            if not max_calc_steps or tasks.gsm8k_steps(row["answer"]) <= max_calc_steps]
-
-
-def chat_task(task, dataset, meta, max_calc_steps=0):
-    """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
-    (tokendata.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of
-    the question it replies to."""
-    labels = {}
-
-    def load(split):
-        pairs = [(tokendata.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split, max_calc_steps)]
-        labels.update(pairs)
-        return [p for p, _ in pairs]
-    answer = tasks.TASKS[task].answer
-    return load, lambda prompt, reply: answer(reply) == labels[prompt]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the script
 
 
-def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new):
+def grpo_step(model, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new):
     """One GRPO step: prompts_per_step prompts drawn from pool, group_size rollouts of each, their rewards (the
     verifier, or agreement with the group's majority for TTRL), group-normalised advantages, updates_per_batch
     AdamW steps. Every draw derives from (seed, stream, step). -> the step's log record"""
@@ -165,8 +116,8 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     torch.manual_seed(common.seed_of(seed, ROLLOUT_NOISE, step))  # 'token' mode draws its eps from the global RNG
     # On a CPU the rollouts decode through the weights laid out for it (cpu.inference_linears), anew each step: the
     # updates change them
-    with cpu.inference_linears(net):
-        completions, _ = grpo.rollouts(net, prompt_ids, group_size, max_new, temperature,
+    with cpu.inference_linears(model):
+        completions, _ = grpo.rollouts(model, prompt_ids, group_size, max_new, temperature,
                                        torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_TOKENS, step)),
                                        torch.Generator(device).manual_seed(common.seed_of(seed, ROLLOUT_LATENTS, step)))
     texts = grpo.replies(completions, decode, stop_id)
@@ -177,7 +128,7 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
     rewards = correct if reward == "verifier" else np.array([r for g in groups for r in grpo.ttrl_rewards(g)])
     rewards = torch.tensor(rewards, dtype=torch.float32, device=device).view(-1, group_size)  # (P, G)
     advantages = grpo.group_advantages(rewards, adv_eps)  # (P, G)
-    stats = grpo.grpo_update(net, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
+    stats = grpo.grpo_update(model, ref, optimizer, [ids for ids in prompt_ids for _ in range(group_size)], completions,
                              grpo.completion_mask(completions, stop_id), advantages.flatten(), updates_per_batch, clip_eps,
                              kl_coef, grad_clip, update_batch)
     return {"iter": step, "reward": rewards.mean().item(), "pass_rate": correct.mean(),
@@ -189,9 +140,9 @@ def grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, ma
 
 def main():
     if "RANK" in os.environ:
-        common.die("rlvr.py runs in one process (RANK is set, as under torchrun): run it with plain python")
-    # the net is always B-Trans: sigma etc. are its Config fields
-    config, overrides = configurator.apply(globals(), model_fields=lambda values: common.config_fields("btrans"))
+        common.die("scripts/rlvr.py runs in one process (RANK is set, as under torchrun): run it with plain python")
+    # the model is always B-Trans: sigma etc. are its Config fields
+    config, overrides = configurator.apply(globals(), model_fields=lambda values: models.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
                                            "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
                          non_negative=("max_new_tokens", "max_calc_steps", "update_batch", "temperature",
@@ -214,15 +165,15 @@ def main():
     # recorded in the checkpoint, where evaluate.py looks for a prepared dataset: a chat task's jsonl is none
     config["dataset"], config["chat_dataset"] = ("", data) if spec.chat else (data, "")
     max_new = max_new_tokens or spec.max_new_tokens
-    ckpt.lock_out_dir(out_dir, "rlvr.py")
+    ckpt.lock_out_dir(out_dir, "scripts/rlvr.py")
     ckpt_file = os.path.join(out_dir, "ckpt.pt")
     resume = init_from == "resume"
     rlvr_run = lambda: "ref_model" in ckpt.load_checkpoint(ckpt_file)  # memory-mapped: asking costs little
     if resume and not os.path.exists(ckpt_file):
-        common.die(f"init_from=resume continues the rlvr.py run in {out_dir}, and {ckpt_file} does not exist: start "
+        common.die(f"init_from=resume continues the scripts/rlvr.py run in {out_dir}, and {ckpt_file} does not exist: start "
                    f"one with --init_from=<a trained model>")
     if resume and not rlvr_run():
-        common.die(f"init_from=resume continues an rlvr.py run, and {ckpt_file} is a train.py or convert.py "
+        common.die(f"init_from=resume continues an scripts/rlvr.py run, and {ckpt_file} is a train.py or scripts/convert.py "
                    f"checkpoint: give it as --init_from={out_dir} with another --out_dir")
     if not resume:
         ckpt.refuse_existing_run(out_dir, overwrite,
@@ -231,20 +182,20 @@ def main():
 
     # the policy: the checkpoint as B-Trans, noise_mode set by the rollout mode; a frozen copy of the starting model
     # as the KL reference, which a resumed run reads back from its checkpoint
-    net, checkpoint = ckpt.load_model(source, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
+    model, checkpoint = ckpt.load_model(source, device, "btrans", **overrides, noise_mode=NOISE_MODE[rollout])
     checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages
-    net.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
+    model.eval()  # config.noise_mode alone decides the noise, switched here: rollout's mode, then 'mean' to update (§5)
     meta = checkpoint["meta"] if spec.chat else tokendata.load_meta(data)  # a chat task: the model's own tokenizer
     if (checkpoint["meta"]["tokenizer"], checkpoint["meta"].get("chars")) != (meta["tokenizer"], meta.get("chars")):
         common.die(f"{source} was trained with another tokenizer or vocabulary than dataset {data!r}")
-    ref = copy.deepcopy(net).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
+    ref = copy.deepcopy(model).requires_grad_(False)  # kept even at kl_coef = 0: the KL is logged as the drift
     ref.config.noise_mode = "mean"
     if resume:
         ref.load_state_dict(checkpoint.pop("ref_model"))
         config["init_from"] = checkpoint["config"]["init_from"]  # the run's starting model, not 'resume'
     if spec.chat and tokendata.chat_template(meta) is None:
         common.die(f"task={task} prompts a chat model in its chat template, and {source} has none: import an "
-                   f"Instruct model with convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
+                   f"Instruct model with scripts/convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
     encode, decode = tokendata.tokenizer(meta)
     # a reply ends at the chat turn's end, a problem at '\n'
     stop_id = tokendata.turn_end(meta, encode) if spec.chat else encode("\n")[0]
@@ -252,7 +203,7 @@ def main():
         common.die(f"task={task} needs a chat model whose tokenizer_config.json names its end of turn as one token "
                    f"(eos_token: <|im_end|>, <|eot_id|>); {source}'s does not")
     device_type = "cuda" if device.startswith("cuda") else "cpu"
-    optimizer = net.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
     start = checkpoint["iter_num"] if resume else 0
     if resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -262,7 +213,7 @@ def main():
     # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
     # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
     # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
-    load, verify = chat_task(task, data, meta, max_calc_steps) if spec.chat else (
+    load, verify = tasks.chat_task(task, data, meta, max_calc_steps) if spec.chat else (
         lambda split: tasks.load_prompts(task, data, split, meta), spec.verify)
     spec = SimpleNamespace(**{**vars(spec), "verify": verify})
     val = load("val")
@@ -272,12 +223,12 @@ def main():
     if len(pool) < prompts_per_step or not eval_set:
         common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
                    f"prompts_per_step={prompts_per_step} (prepare more, or lower eval_prompts)")
-    print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={net.config.sigma}), rollout={rollout}, "
+    print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={model.config.sigma}), rollout={rollout}, "
           f"reward={reward}; {prompts_per_step} prompts x {group_size} rollouts per step from "
           f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts"
           + (f"; resuming at step {start}" if resume else ""))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    common.keep_records(metrics_path, before_iter=start)  # a resumed run logs its steps again from `start` on
+    records.keep_records(metrics_path, before_iter=start)  # a resumed run logs its steps again from `start` on
     stop = common.Stop()  # Ctrl-C and SIGTERM from here on: the current step finishes, is saved, and the run stops
     saved = start if resume else None  # the step the checkpoint in out_dir holds
 
@@ -285,9 +236,9 @@ def main():
         """train.py's format (RL has no validation loss, so a train.py resume saves at its first eval), and the KL
         reference: a resumed run needs the starting model, which init_from may no longer hold."""
         nonlocal saved
-        ckpt.save_checkpoint({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+        ckpt.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                               "ref_model": ref.state_dict(), "model_type": "btrans",
-                              "model_config": common.config_dict(net.config), "config": config, "meta": meta,
+                              "model_config": models.config_dict(model.config), "config": config, "meta": meta,
                               "iter_num": step, "best_val_loss": float("inf")}, ckpt_file)
         saved = step
 
@@ -306,22 +257,22 @@ def main():
         if stop:
             save_and_stop(step)
         if step % eval_interval == 0 or step == max_steps:
-            evals = evaluate_heldout(net, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
+            evals = evaluate_heldout(model, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
                                      max_new, seed, stop_id)
             print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
-            common.append_record(metrics_path, {"iter": step, **evals})
+            records.append_record(metrics_path, {"iter": step, **evals})
             if step > 0 and saved != step:
                 save(step)
             if stop and step < max_steps:  # before a GRPO step, which can take minutes (after the last: done)
                 save_and_stop(step)
         if step == max_steps:
             break
-        record = grpo_step(net, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
+        record = grpo_step(model, ref, optimizer, spec, pool, step, encode, decode, stop_id, max_new)
         if step % log_interval == 0:
             print(f"step {step}/{max_steps}: reward {record['reward']:.3f}, pass {record['pass_rate']:.3f}, adv_std "
                   f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "
                   f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {record['step_s'] * 1000:.0f} ms")
-            common.append_record(metrics_path, record)
+            records.append_record(metrics_path, record)
     print(f"saved {ckpt_file}")
 
 

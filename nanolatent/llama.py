@@ -1,10 +1,10 @@
 """The det model as a Llama-3 or a Qwen3: Hugging Face's tensor names and config.json for a det checkpoint, the
-config.json an import recorded, and the det model inside a checkpoint (convert.py's conversions, harness.py, bench.py's
-peer)."""
+config.json an import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions,
+scripts/harness.py, scripts/bench.py's peer)."""
 
 import dataclasses
 
-import common
+from nanolatent import common, models
 
 # One block's tensors: (ours under blocks.{i}., Hugging Face's under model.layers.{i}.).
 LAYER_NAMES = [
@@ -70,11 +70,9 @@ def hf_config(cfg, dtype, bos_token_id, eos_token_id):
 
 
 def imported_hf_config(checkpoint):
-    """The config.json an imported model came with (convert.py hf and gguf record it in the checkpoint's config), or
-    {}: its special token ids, which an export and lm-evaluation-harness take back. Revisions of 2026-11-25 wrote it
-    under the key 'llama.hf_config'; both keys are read."""
-    config = checkpoint.get("config") or {}
-    return config.get("hf_config") or config.get("llama.hf_config") or {}
+    """The config.json an imported model came with (scripts/convert.py hf and gguf record it in the checkpoint's config), or
+    {}: its special token ids, which an export and lm-evaluation-harness take back."""
+    return (checkpoint.get("config") or {}).get("hf_config") or {}
 
 
 def det_state(checkpoint, path):
@@ -93,9 +91,6 @@ def det_state(checkpoint, path):
         state = {k: v for k, v in state.items() if not k.endswith((".mu", ".log_sigma"))}
     elif model_type != "det":
         common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama or a Qwen3")
-    if values.get("layer_weights"):
-        common.die(f"{path} was trained with layer_weights=True (EVE's head mixes the blocks' outputs), which a Llama "
-                   f"cannot hold: export a det run without it")
-    module = common.import_model("det")
+    module = models.import_model("det")
     fields = {f.name for f in dataclasses.fields(module.Config)}
     return module.Config(**{k: v for k, v in values.items() if k in fields}), state

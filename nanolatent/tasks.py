@@ -1,20 +1,23 @@
 """The synthetic tasks with a checkable answer, and the metrics of a population of answers: what prepare.py writes,
-what evaluate.py, rlvr.py and the experiments score. No model in here.
+what evaluate.py, scripts/rlvr.py and the experiments score. No model in here.
 
     letters  the Free Transformer's synthetic task (Fleuret, §4.1): "K>" then 64 characters holding the letter 8 times
-    arith    "37*12=444" lines: two- and three-digit addition and multiplication, verified exactly (rlvr.py)
+    arith    "37*12=444" lines: two- and three-digit addition and multiplication, verified exactly (scripts/rlvr.py)
 and two real ones for a pretrained chat model, asked in its chat template: GSM8K (the number after "####") and
 HellaSwag as lettered multiple choice (the format of B-Trans §5.1's MMLU-Pro: the answer is a letter).
 """
 
+import json
 import math
+import os
 import re
 from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 
-import tokendata
+from nanolatent import tokendata
+from nanolatent.common import die
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -133,7 +136,7 @@ def letter_answer(text, n_choices=4):
     return match.group(1) if match and LETTERS.index(match.group(1)) < n_choices else None
 
 
-TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier (chat: rlvr.py's, from labels)
+TASKS = {  # dataset, default max_new_tokens, answer extraction (TTRL's vote), verifier (chat: scripts/rlvr.py's, from labels)
     "arith": SimpleNamespace(dataset="arith", max_new_tokens=8, answer=arith_answer, verify=verify_arith, chat=False),
     "letters": SimpleNamespace(dataset="synthetic", max_new_tokens=64, answer=letters_answer, verify=verify_letters,
                                chat=False),
@@ -174,33 +177,6 @@ def pass_at_k_curve(correct, n, ks):
     return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
 
 
-def intervals_apart(a, b):
-    """+1 when the mean ± std interval of the values a (one per seed) lies wholly above b's, -1 wholly below, 0 when
-    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it). Also 0
-    when either side has fewer than two seeds: its std is 0 by construction, not a measured spread, and any two
-    distinct points would be 'apart'."""
-    if min(len(a), len(b)) < 2:
-        return 0
-    (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v))) for v in (a, b))
-    return int(ma - sa > mb + sb) - int(ma + sa < mb - sb)
-
-
-def mean_std(values, digits=3, sign=""):
-    """'mean ± std' of the values (one per seed) for a table; the mean alone for one seed, whose std of 0 says
-    nothing. sign='+' prints the mean's sign (a change)."""
-    mean = f"{float(np.mean(values)):{sign}.{digits}f}"
-    return mean if len(values) < 2 else f"{mean} ± {float(np.std(values)):.{digits}f}"
-
-
-def one_seed_note(seeds):
-    """The line a study prints under a table of fewer than two seeds, saying why it shows no spread and calls no
-    difference; '' otherwise."""
-    if len(seeds) >= 2:
-        return ""
-    return (f"one seed ({', '.join(map(str, seeds))}): no spread over seeds, so no ± and no interval test (nothing is "
-            f"marked *); give two or more seeds, --seeds=1,2,3, for them")
-
-
 def majority_answer(answers):
     """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
     goes to the answer seen first. None when no answer parses."""
@@ -231,3 +207,46 @@ def pairwise_distance(seqs):
     if not pairs:
         return 0.0
     return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)
+
+
+def chat_problems(task, dataset, split, max_calc_steps=0):
+    """(question, answer) of every problem of a chat task's split, in data order. gsm8k: `dataset` is a folder with
+    GSM8K's train.jsonl and test.jsonl (openai/grade-school-math), else the hub's openai/gsm8k; 'val' is its test
+    split; max_calc_steps > 0 keeps the problems whose reference takes at most that many calculator steps (the easier
+    real split of experiments/btrans_passk_pretrained). hellaswag: a jsonl file or hub name, as evaluate.py's
+    --mc_file; HellaSwag's labelled items are its validation split, so they are all 'val'."""
+    if task == "hellaswag":
+        if split == "train":
+            die("hellaswag has labelled validation items only: use --train_prompts=val (the items past the "
+                       "held-out ones)")
+        from nanolatent import multiple_choice
+        return [(lettered_question(ex["context"], ex["choices"]), LETTERS[ex["label"]])
+                for ex in multiple_choice.load_mc_examples(dataset)]
+    name = "test" if split == "val" else "train"
+    path = os.path.join(dataset, f"{name}.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        try:
+            import datasets
+            rows = datasets.load_dataset("openai/gsm8k", "main", split=name)
+        except Exception as e:
+            die(f"no {path}, and the hub's openai/gsm8k did not load ({type(e).__name__}); offline, pass "
+                       f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>")
+    return [(row["question"], gsm8k_answer(row["answer"])) for row in rows
+            if not max_calc_steps or gsm8k_steps(row["answer"]) <= max_calc_steps]
+
+
+def chat_task(task, dataset, meta, max_calc_steps=0):
+    """A chat task's (load(split) -> prompts, verify(prompt, reply) -> bool): each question in the run's chat template
+    (tokendata.chat_prompt, as sample.py --chat=True), and a reply right when its answer (the task's) is the label of
+    the question it replies to."""
+    labels = {}
+
+    def load(split):
+        pairs = [(tokendata.chat_prompt(meta, q), a) for q, a in chat_problems(task, dataset, split, max_calc_steps)]
+        labels.update(pairs)
+        return [p for p, _ in pairs]
+    answer = TASKS[task].answer
+    return load, lambda prompt, reply: answer(reply) == labels[prompt]

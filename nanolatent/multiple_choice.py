@@ -1,5 +1,5 @@
 """Multiple-choice scoring for every model: examples from a local .jsonl or the hub, each choice's log-likelihood
-under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, harness.py, bench.py)."""
+under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, scripts/harness.py, scripts/bench.py)."""
 
 import json
 import math
@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import common
+from nanolatent import common, models
 
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 
@@ -101,7 +101,7 @@ def choice_tokens(encode, context, choice, eot=None, delimiter=" "):
     """(context ids, continuation ids) of the continuation delimiter + choice, as lm-evaluation-harness's
     _encode_pair makes them: trailing whitespace of the context moves onto the continuation, the pair is encoded whole
     and the continuation is the tokens past the context's. An empty context conditions on the end-of-text token
-    `eot`. (The harness' requests carry their delimiter in the continuation: harness.py passes delimiter="".)"""
+    `eot`. (The harness' requests carry their delimiter in the continuation: scripts/harness.py passes delimiter="".)"""
     continuation = delimiter + choice
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
@@ -115,25 +115,25 @@ def choice_tokens(encode, context, choice, eot=None, delimiter=" "):
     return ctx, encode(context + continuation)[len(ctx):]
 
 
-def example_latents(net, contexts, generator):
+def example_latents(model, contexts, generator):
     """One draw of latents for all the choices of an example, consistent with its context: the Free Transformer's Z
     for the context from its encoder on the context alone, for the choice tokens from the uniform prior (§3.2: the
     encoder never reads the answer). When left-truncation leaves the choices different contexts (Free only: the
     other models' latents ignore the tokens), each gets its own encoder draw on the same uniform codes."""
-    device = net.tok_emb.weight.device
-    if net.latent_kind != "code" or all(c == contexts[0] for c in contexts):
-        latents = net.sample_latents(1, generator, prompt=torch.tensor([contexts[0]], device=device))
-        return None if latents is None else common.repeat_latents(latents, len(contexts))
+    device = model.tok_emb.weight.device
+    if model.latent_kind != "code" or all(c == contexts[0] for c in contexts):
+        latents = model.sample_latents(1, generator, prompt=torch.tensor([contexts[0]], device=device))
+        return None if latents is None else models.repeat_latents(latents, len(contexts))
     state = generator.get_state()
     rows = []
     for context in contexts:
         generator.set_state(state)
-        rows.append(net.sample_latents(1, generator, prompt=torch.tensor([context], device=device)))
+        rows.append(model.sample_latents(1, generator, prompt=torch.tensor([context], device=device)))
     return torch.cat(rows)  # (n_choices, block_size)
 
 
 @torch.no_grad()
-def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixture="token"):
+def score_choices(model, pairs, n_passes, generator, autocast=nullcontext(), mixture="token"):
     """Log-likelihood of each choice's continuation tokens under n_passes passes whose latents all choices of the
     example share. mixture 'token': sum over tokens of log p̄(token), p̄ the mean of the passes' softmaxes; 'sequence':
     log mean_m prod_t p_m(token_t), the likelihood under the population when a latent is frozen for the whole sequence
@@ -144,13 +144,13 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     their context and the latents do not depend on the tokens (det, B-Trans minds), the context goes through the
     model once per pass, into a KV cache that every choice's continuation then reads; otherwise each row is the whole
     sequence. The passes' latents are drawn as one pass after another would draw them."""
-    device, T, V = net.tok_emb.weight.device, net.config.block_size, net.config.vocab_size
+    device, T, V = model.tok_emb.weight.device, model.config.block_size, model.config.vocab_size
     seqs = [(ctx + cont)[-(T + 1):] for ctx, cont in pairs]  # left-truncate
     n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(pairs, seqs)]
     contexts = [seq[:len(seq) - n] for seq, n in zip(seqs, n_cont)]  # what precedes each continuation
     C = len(seqs)
-    latents = [example_latents(net, contexts, generator) for _ in range(n_passes)]  # (C, ...) each, pass by pass
-    if net.latent_kind in ("none", "mind") and all(c == contexts[0] for c in contexts):
+    latents = [example_latents(model, contexts, generator) for _ in range(n_passes)]  # (C, ...) each, pass by pass
+    if model.latent_kind in ("none", "mind") and all(c == contexts[0] for c in contexts):
         # Rows are [last context token, continuation but its last token], right-padded: causal, so padding changes
         # nothing before it; the context but its last token is the prefix in the cache.
         prefix, L = contexts[0][:-1], max(n_cont)
@@ -175,15 +175,15 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
         with autocast:
             if prefix:
                 first = None if lat is None else lat[::C]  # a row a pass
-                net.setup_kv_cache(m1 - m0, len(prefix) + L)
+                model.setup_kv_cache(m1 - m0, len(prefix) + L)
                 try:
-                    net(torch.tensor([prefix], device=device).expand(m1 - m0, -1), latents=first)
-                    net.repeat_kv_cache(C)  # row m C + c continues pass m's context with choice c
-                    logits = net(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat, start_pos=len(prefix))[0]
+                    model(torch.tensor([prefix], device=device).expand(m1 - m0, -1), latents=first)
+                    model.repeat_kv_cache(C)  # row m C + c continues pass m's context with choice c
+                    logits = model(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat, start_pos=len(prefix))[0]
                 finally:
-                    net.clear_kv_cache()
+                    model.clear_kv_cache()
             else:
-                logits = net(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat)[0]  # (rows, L, V)
+                logits = model(x.repeat(m1 - m0, 1), y.repeat(m1 - m0, 1), latents=lat)[0]  # (rows, L, V)
         log_probs = F.log_softmax(logits.float(), dim=-1)  # (rows, L, V)
         del logits
         target = log_probs.gather(-1, y.repeat(m1 - m0, 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (rows, L)
@@ -198,15 +198,15 @@ def score_choices(net, pairs, n_passes, generator, autocast=nullcontext(), mixtu
     return log_mix.tolist(), n_cont, truncated
 
 
-def mixture_for(net, mixture):
+def mixture_for(model, mixture):
     """--mixture=auto: 'sequence' for B-Trans minds (one mind frozen for the whole sequence), 'token' otherwise."""
-    return mixture if mixture != "auto" else "sequence" if net.latent_kind == "mind" else "token"
+    return mixture if mixture != "auto" else "sequence" if model.latent_kind == "mind" else "token"
 
 
-def example_generator(net, seed, index):
+def example_generator(model, seed, index):
     """The draws of multiple-choice example `index` (its position in the file, the harness' doc_id): a generator of
     its own, seeded from (seed, index), so an example's latents depend on neither the examples before it nor how
     they are batched. seed None: torch's global generator."""
     if seed is None:
         return None
-    return torch.Generator(net.tok_emb.weight.device).manual_seed(common.seed_of(seed, index))
+    return torch.Generator(model.tok_emb.weight.device).manual_seed(common.seed_of(seed, index))

@@ -1,8 +1,8 @@
 """Turn run records into pictures (needs matplotlib: pip install matplotlib).
 
-    python plot.py out-det out-eve --keys=val_ce,kl --out=curves.png      # metrics.jsonl of each run, vs iter
-    python plot.py out-det out-eve --keys=val_loss --x=tokens
-    python plot.py det.json eve.json --out=epistemic.png                   # evaluate.py's MC metrics, log axis
+    python -m scripts.plot out-det out-eve --keys=val_ce,kl --out=curves.png      # metrics.jsonl of each run, vs iter
+    python -m scripts.plot out-det out-eve --keys=val_loss --x=tokens
+    python -m scripts.plot det.json eve.json --out=epistemic.png                   # evaluate.py's MC metrics, log axis
 
 A run's default panels are val_loss, and beside it val_ce_prior where the run logs it (the stochastic models' CE with
 latents from the prior: the Free Transformer's honest number, its val_loss reading the future through the encoder).
@@ -11,8 +11,8 @@ latents from the prior: the Free Transformer's honest number, its val_loss readi
 import json
 import os
 
-import common
 import configurator
+from nanolatent import common, records as run_records
 
 # ----------------------------------------------------------------------------------------------------------------
 paths = ()  # train.py out_dirs, or evaluate.py --out_json files (*.json): the arguments that are not --key=value
@@ -31,7 +31,7 @@ def read_records(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         common.die(f"{run_dir} has no metrics.jsonl: is it a train.py out_dir?")
-    records = common.read_records(path)
+    records = run_records.read_records(path)
     if not records:
         common.die(f"{path} is empty: the run logged nothing yet")
     return records
@@ -45,7 +45,7 @@ def plot_runs(run_dirs, keys, x_key, out):
     for key in keys:
         if key not in known:
             common.die(f"unknown key {key!r}; the records have: {', '.join(known)}")
-    plt = common.pyplot("plot.py")  # imported only once the input has been read and checked
+    plt = common.pyplot("scripts/plot.py")  # imported only once the input has been read and checked
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for name, records in runs.items():
@@ -80,7 +80,7 @@ def plot_eval(paths, out, floor=1e-6):
     keys = [k for k in EVAL_KEYS if any(k in m for m in runs.values())]
     if not keys:
         common.die(f"none of the Monte Carlo metrics {', '.join(EVAL_KEYS)} is in {', '.join(paths)}")
-    plt = common.pyplot("plot.py")  # imported only once the input has been read and checked
+    plt = common.pyplot("scripts/plot.py")  # imported only once the input has been read and checked
     fig, ax = plt.subplots(figsize=(0.5 * len(keys) * len(runs) + 3, 4))
     width = 0.8 / len(runs)
     for i, (name, metrics) in enumerate(runs.items()):
@@ -99,7 +99,7 @@ def plot_eval(paths, out, floor=1e-6):
 
 
 if not paths:
-    common.die("what to plot? give train.py out_dirs, or evaluate.py JSON files: python plot.py out-det out-eve")
+    common.die("what to plot? give train.py out_dirs, or evaluate.py JSON files: python -m scripts.plot out-det out-eve")
 if all(path.endswith(".json") for path in paths):
     plot_eval(paths, out)
 elif any(path.endswith(".json") for path in paths):

@@ -1,40 +1,40 @@
 """GRPO with B-Trans minds (Yang & Zhang, "Many Minds from One Model", §5): rollouts of a population of minds, group
 advantages, the clipped policy-gradient objective (Shao et al. 2024, DeepSeekMath Eq. 3) and its update, and the
-majority-vote reward of label-free test-time RL (§5.3). rlvr.py runs them; the studies reuse the rollouts."""
+majority-vote reward of label-free test-time RL (§5.3). scripts/rlvr.py runs them; the studies reuse the rollouts."""
 
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-import tasks
+from nanolatent import tasks
 
 @contextmanager
-def noise_mode(net, mode):
+def noise_mode(model, mode):
     """Switch the B-Trans offsets for a while: 'mean' (mu only) to update and evaluate (§5)."""
-    saved, net.config.noise_mode = net.config.noise_mode, mode
+    saved, model.config.noise_mode = model.config.noise_mode, mode
     try:
         yield
     finally:
-        net.config.noise_mode = saved
+        model.config.noise_mode = saved
 
 
 @torch.no_grad()
-def rollouts(net, prompt_ids, G, max_new_tokens, temperature, generator, latent_generator):
-    """G completions of each prompt, as the net's noise_mode samples them: (P * G, max_new_tokens) token ids,
+def rollouts(model, prompt_ids, G, max_new_tokens, temperature, generator, latent_generator):
+    """G completions of each prompt, as the model's noise_mode samples them: (P * G, max_new_tokens) token ids,
     prompt-major, and the latents of each row ((P * G, n_norms, C) in 'sequence' mode, else None).
 
     In 'sequence' mode row r is mind latents[r], drawn once before its first token and frozen through the prefill
     and every cached decode step (§4.3). Latents come from their own generator, so the token draws are those of the
     det model at the same seed (at sigma = 0 the rollouts are the det model's, tested). Prompts of equal length share
     one generate() call; the model has no padding mask, so prompts of other lengths go in other calls."""
-    P, device = len(prompt_ids), net.tok_emb.weight.device
+    P, device = len(prompt_ids), model.tok_emb.weight.device
     completions, latents = torch.empty(P, G, max_new_tokens, dtype=torch.long, device=device), None
     for T in sorted({len(ids) for ids in prompt_ids}):
         rows = [i for i, ids in enumerate(prompt_ids) if len(ids) == T]
         idx = torch.tensor([prompt_ids[i] for i in rows], device=device).repeat_interleave(G, dim=0)  # (n*G, T)
-        pinned = net.sample_latents(idx.size(0), latent_generator)  # None for det, 'token' and 'mean'
-        out = net.generate(idx, max_new_tokens, temperature=temperature, latents=pinned, generator=generator)
+        pinned = model.sample_latents(idx.size(0), latent_generator)  # None for det, 'token' and 'mean'
+        out = model.generate(idx, max_new_tokens, temperature=temperature, latents=pinned, generator=generator)
         completions[rows] = out[:, T:].view(len(rows), G, max_new_tokens)
         if pinned is not None:
             if latents is None:
@@ -50,8 +50,8 @@ def completion_mask(completions, stop_id):
     return (is_stop.cumsum(1) - is_stop) == 0  # no stop strictly before this position
 
 
-def completion_logprobs(net, prompt_ids, completions):
-    """log pi(token | prefix) of every completion token under net as it is (its noise_mode), (N, L), in one forward.
+def completion_logprobs(model, prompt_ids, completions):
+    """log pi(token | prefix) of every completion token under model as it is (its noise_mode), (N, L), in one forward.
     Rows are right-padded to the longest prompt: the model is causal, so padding changes nothing before it."""
     N, L = completions.shape
     lens = torch.tensor([len(ids) for ids in prompt_ids], device=completions.device)
@@ -59,7 +59,7 @@ def completion_logprobs(net, prompt_ids, completions):
     for i, ids in enumerate(prompt_ids):
         seqs[i, :len(ids)] = torch.tensor(ids)
         seqs[i, len(ids):len(ids) + L] = completions[i]
-    logits, _, _ = net(seqs[:, :-1], targets=seqs[:, 1:])  # (N, T, V): targets ask for every position
+    logits, _, _ = model(seqs[:, :-1], targets=seqs[:, 1:])  # (N, T, V): targets ask for every position
     pos = (lens - 1)[:, None] + torch.arange(L, device=lens.device)  # (N, L) positions predicting the completion
     logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.size(-1)))  # (N, L, V)
     return F.log_softmax(logits.float(), dim=-1).gather(-1, completions[..., None]).squeeze(-1)  # (N, L)
@@ -94,7 +94,7 @@ def grpo_loss(logp, old_logp, ref_logp, mask, advantages, clip_eps=0.2, kl_coef=
     return loss, {"kl": per_seq(kl).mean().item(), "clip_frac": per_seq(clipped).mean().item()}
 
 
-def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, updates=1, clip_eps=0.2,
+def grpo_update(model, ref, optimizer, prompt_ids, completions, mask, advantages, updates=1, clip_eps=0.2,
                 kl_coef=0.0, grad_clip=1.0, chunk=0):
     """updates optimizer steps on one batch of rollouts; the stats of the last. With chunk > 0, each step's forward
     and backward take `chunk` rollouts at a time and their gradients add up to the whole batch's (grpo_loss is a mean
@@ -111,7 +111,7 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
     the plain policy gradient mean A grad log pi_mean (the clip matters only for updates > 1)."""
     N = len(prompt_ids)
     parts = [slice(i, i + (chunk or N)) for i in range(0, N, chunk or N)]
-    with noise_mode(net, "mean"):
+    with noise_mode(model, "mean"):
         with torch.no_grad():
             ref_logp = [completion_logprobs(ref, prompt_ids[p], completions[p]) for p in parts]
         old_logp = [None] * len(parts)
@@ -119,7 +119,7 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
             optimizer.zero_grad(set_to_none=True)
             totals = {}  # the stats of the whole batch: each chunk's weighed by its share
             for j, p in enumerate(parts):
-                logp = completion_logprobs(net, prompt_ids[p], completions[p])
+                logp = completion_logprobs(model, prompt_ids[p], completions[p])
                 if u == 0:
                     old_logp[j] = logp.detach()
                 loss, stats = grpo_loss(logp, old_logp[j], ref_logp[j], mask[p], advantages[p], clip_eps, kl_coef)
@@ -128,7 +128,7 @@ def grpo_update(net, ref, optimizer, prompt_ids, completions, mask, advantages, 
                 for key, value in {"loss": loss.item(), **stats}.items():
                     totals[key] = totals.get(key, 0.0) + value * weight
             if grad_clip:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
     return totals
 

@@ -1,0 +1,86 @@
+"""What every study shares beside its protocol: train.py run once per run folder (alone, or a grid in parallel), the
+runs an earlier invocation analysed, kept, and the statistics its tables and verdicts use (mean ± std over seeds,
+intervals apart)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from nanolatent.common import die
+
+
+TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+
+
+def train_if_missing(out_dir, *train_args):
+    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
+    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"], check=True)
+
+
+def train_all_missing(runs, parallel=1):
+    """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
+    whose out_dir holds no checkpoint, `parallel` processes at a time, each logging to out_dir/train.log; one line
+    naming the logs when a run failed."""
+    running = []
+    for out_dir, train_args in runs.items():
+        if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+            continue
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"]
+        if len(running) == parallel:
+            running.pop(0).wait()
+        print(" ".join(cmd))
+        with open(os.path.join(out_dir, "train.log"), "w") as log:  # the child holds its own copy of the file
+            running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    for process in running:
+        process.wait()
+    failed = [out_dir for out_dir in runs if not os.path.exists(os.path.join(out_dir, "ckpt.pt"))]
+    if failed:
+        die(f"training failed for {', '.join(failed)}: see train.log in each")
+
+
+def earlier_runs(path, settings, key):
+    """The runs another invocation of a study wrote to its JSON at `path` with the same settings, by key(run): a seed
+    trained at another time joins the table instead of replacing it, and a run analysed before keeps its row without
+    being trained again. Written with other settings: none kept."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)
+    if any(earlier.get(name) != value for name, value in settings.items()):
+        print(f"{path} was written with other settings: its runs are replaced, not merged")
+        return {}
+    return {key(r): r for r in earlier["runs"]}
+
+
+
+
+def intervals_apart(a, b):
+    """+1 when the mean ± std interval of the values a (one per seed) lies wholly above b's, -1 wholly below, 0 when
+    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it). Also 0
+    when either side has fewer than two seeds: its std is 0 by construction, not a measured spread, and any two
+    distinct points would be 'apart'."""
+    if min(len(a), len(b)) < 2:
+        return 0
+    (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v))) for v in (a, b))
+    return int(ma - sa > mb + sb) - int(ma + sa < mb - sb)
+
+
+def mean_std(values, digits=3, sign=""):
+    """'mean ± std' of the values (one per seed) for a table; the mean alone for one seed, whose std of 0 says
+    nothing. sign='+' prints the mean's sign (a change)."""
+    mean = f"{float(np.mean(values)):{sign}.{digits}f}"
+    return mean if len(values) < 2 else f"{mean} ± {float(np.std(values)):.{digits}f}"
+
+
+def one_seed_note(seeds):
+    """The line a study prints under a table of fewer than two seeds, saying why it shows no spread and calls no
+    difference; '' otherwise."""
+    if len(seeds) >= 2:
+        return ""
+    return (f"one seed ({', '.join(map(str, seeds))}): no spread over seeds, so no ± and no interval test (nothing is "
+            f"marked *); give two or more seeds, --seeds=1,2,3, for them")

@@ -1,0 +1,140 @@
+"""What every script shares: one-line errors, seeded draws, devices and dtypes, run records, picking and building a
+model file, and planning a run's memory. Model files never import this module; they stay self-contained."""
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+from nanolatent import cpu
+
+
+# Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(device):
+    if not str(device).startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def progress(iterable, desc="", every=10.0, total=None):
+    """A progress bar with rate and ETA on a terminal (tqdm comes with datasets). In a log or CI, where a bar would
+    be one endless line, a plain line every `every` seconds instead: done/total, elapsed and ETA."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        yield from tqdm(iterable, desc=desc, total=total, leave=False)
+        return
+    total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+    start = last = time.time()
+    for i, item in enumerate(iterable):
+        yield item
+        now = time.time()
+        if now - last >= every:
+            last = now
+            done = f"{i + 1}/{total} ({(i + 1) / total:.0%})" if total else f"{i + 1}"
+            eta = f", ETA {(now - start) / (i + 1) * (total - i - 1):.0f} s" if total else ""
+            print(f"{desc}: {done}, {now - start:.0f} s elapsed{eta}", file=sys.stderr, flush=True)
+
+
+def pyplot(who):
+    """matplotlib is optional: pyplot for writing files, or one line saying what needs it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        die(f"{who} needs matplotlib: pip install matplotlib")
+    return plt
+
+
+def free_space(path):
+    """', N MiB free on that disk' for a message about a failed write ('' when the folder is gone)."""
+    try:
+        return f", {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2**20:,.0f} MiB free on that disk"
+    except OSError:
+        return ""
+
+
+def die(message):
+    """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def seeded(seed, *key):
+    """A generator for the draws of (seed, *key), non-negative ints: every batch and every noise draw of a run derives
+    from its step (and micro-step, process, ...), so a resumed run, or one on another number of processes, draws
+    exactly what an uninterrupted single run draws, with no generator state to save."""
+    return np.random.default_rng([seed, *key])
+
+
+def seed_of(seed, *key):
+    """An int seed for torch (manual_seed, torch.Generator) from the stream (seed, *key)."""
+    return int(seeded(seed, *key).integers(2**62))
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device, dtype):
+    """(device_type, the context a forward runs in): torch.autocast to bfloat16/float16, or nothing for float32."""
+    if dtype not in DTYPES:
+        die(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    if DTYPES[dtype] == torch.float32:
+        return device_type, contextlib.nullcontext()
+    return device_type, torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+
+
+def check_device(device):
+    """One line for a device this machine does not have, before any work starts; on the CPU, the thread count."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        die(f"device={device!r} but this machine has no CUDA GPU (or this torch build has no CUDA): use --device=cpu")
+    if not str(device).startswith(("cuda", "cpu", "mps")):
+        die(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+    if str(device).startswith("mps") and not torch.backends.mps.is_available():
+        die(f"device={device!r} but this machine has no Apple GPU (or this torch build has no MPS): use --device=cpu")
+    if str(device).startswith("cuda:") and torch.cuda.is_available():
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}")
+    if str(device) == "cpu":
+        cpu.cpu_threads()
+
+
+class Stop:
+    """SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's preemption) during a training loop: the handler only notes
+    the signal, and the loop, between two whole steps, saves and exits (stopping inside an optimizer step would
+    save half an update). A second signal stops at once, without saving: the last checkpoint stays as it is."""
+
+    def __init__(self):
+        self.signum = 0
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum:
+            print(f"\nstopped by a second {signal.Signals(signum).name} without saving: the last checkpoint is "
+                  f"unchanged", file=sys.stderr)
+            sys.exit(128 + signum)  # SystemExit: a checkpoint being written removes its temporary file
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: saving at the end of this step, then stopping (again to stop "
+              f"without saving)", flush=True)
+
+    def __bool__(self):
+        return bool(self.signum)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+
+

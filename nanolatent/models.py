@@ -1,0 +1,77 @@
+"""The four model files by their type string: import one, its Config's fields, typed values, a model built (also
+on the meta device: shapes, no memory), and what scripts ask of any of them (its blocks, latents shared)."""
+
+import dataclasses
+import importlib
+import math
+
+import torch
+
+from nanolatent.common import die
+
+
+MODEL_TYPES = ("det", "eve", "free", "btrans")
+
+
+def import_model(model_type):
+    if model_type not in MODEL_TYPES:
+        die(f"model must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
+    return importlib.import_module(f"model_{model_type}")
+
+
+def config_fields(model_type):
+    """{field: default} of model_<type>.Config: the keys a config file may set for that model."""
+    fields = dataclasses.fields(import_model(model_type).Config)
+    return {f.name: f.default for f in fields if f.init}
+
+
+def config_dict(config):
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def typed_values(model_type, model_values):
+    """The model values with the types their Config fields declare, before a Config sees them: an int (or numpy
+    float) stands for a float, a list (JSON) for a tuple; anything else of the wrong type, a NaN or infinity, or an
+    int below 1 is a ValueError naming the field (--ffn_hidden=abc, float('nan') in a config file, --n_layer=0)."""
+    fields = {f.name: f for f in dataclasses.fields(import_model(model_type).Config) if f.init}
+    is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
+    typed = dict(model_values)
+    for name, value in model_values.items():
+        f = fields.get(name)
+        if f is None or value is None and f.default is None:
+            continue
+        if f.type is float and is_number(value) or f.type is tuple and type(value) is list:
+            value = typed[name] = f.type(value)
+        numbers = value if f.type is tuple else (value,) if f.type is float else ()
+        if type(value) is not f.type or not all(is_number(v) and math.isfinite(v) for v in numbers):
+            kind = {tuple: "a tuple of finite numbers", float: "a finite float", int: "an int"}.get(
+                f.type, f"a {f.type.__name__}")
+            raise ValueError(f"{name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
+        if f.type is int and value < 1:  # every int of the four Configs is a size or a count
+            raise ValueError(f"{name}={value!r}: must be >= 1")
+    return typed
+
+
+def build_model(model_type, model_values):
+    module = import_model(model_type)
+    try:
+        return module.Model(module.Config(**typed_values(model_type, model_values)))
+    except ValueError as e:
+        die(f"invalid {model_type} model config: {e}")
+
+
+def meta_model(model_type, model_values):
+    """build_model on the meta device, its values never drawn: shapes, parameter counts and FLOPs, no memory."""
+    with torch.device("meta"):
+        return build_model(model_type, model_values)
+
+
+def transformer_blocks(model):
+    """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
+    all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Block")]
+
+
+def repeat_latents(latents, n):
+    """Share one draw of latents (batch 1) across n sequences: repeat dim 0 of the tensor (None: nothing to share)."""
+    return None if latents is None else latents.expand(n, *latents.shape[1:]).contiguous()

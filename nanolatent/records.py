@@ -1,0 +1,50 @@
+"""Run records: metrics.jsonl, one JSON line per evaluation or log step, appended, read, and cut back on resume."""
+
+import contextlib
+import json
+import os
+import sys
+
+from nanolatent.common import die, free_space
+
+
+def append_record(path, record):
+    """One JSON object per line (out_dir/metrics.jsonl): what scripts/plot.py reads. A full disk is one line; a partial line
+    it may leave is dropped with a warning by the next reader."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        die(f"could not append to {path}: {e.strerror or e}{free_space(path)}; free some space or choose another "
+            f"out_dir (the checkpoint there, if any, is unchanged)")
+
+
+def read_records(path):
+    """The records of a metrics.jsonl. A partial last line (a crash mid-append) is dropped with a warning, so a log
+    never blocks a run or a plot; a broken line before the last is an error naming it."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                die(f"{path} line {i} is not JSON: fix or delete that line")
+            print(f"warning: {path} ends in a partial line (a crash mid-write?); it is ignored", file=sys.stderr)
+    return records
+
+
+def keep_records(path, before_iter):
+    """Rewrite metrics.jsonl with only the records of iterations before `before_iter` (0: none), atomically."""
+    kept = [r for r in read_records(path) if r.get("iter", 0) < before_iter] if os.path.exists(path) else []
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk or a read-only folder: the log stays as it was
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        die(f"could not write {path}: {e.strerror or e}{free_space(path)}; free some space or choose another out_dir "
+            f"(the run there is unchanged)")

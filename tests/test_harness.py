@@ -62,7 +62,7 @@ MC_FIELDS = dict(doc_to_text="context", doc_to_choice="choices", doc_to_target="
 def needs_lm_eval():
     """harness.py (which registers nanolatent) and lm_eval, or a skip: lm_eval is optional."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install \"lm_eval[hf]\"")
-    import harness
+    from scripts import harness
     return harness
 
 

@@ -153,6 +153,7 @@ def test_import_gives_the_logits_loss_and_greedy_tokens_of_transformers(tmp_path
     assert torch.equal(ours.generate(prompt, 20, temperature=0), expected)
 
 
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
 @pytest.mark.parametrize("family, tie", [("llama3", True), ("qwen3", False), ("qwen3", True)],
                          ids=["llama3-tied", "qwen3-untied", "qwen3-tied"])
 def test_llama3_and_qwen3_import_gives_transformers_logits_beyond_the_original_context_and_30_greedy_tokens(

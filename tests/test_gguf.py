@@ -354,6 +354,7 @@ def gguf_of_hf(path, hf, tok, pre, qtype=Q.F32):
     writer.close()
 
 
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_llama3_and_qwen3_gguf_give_the_logits_of_the_transformers_model_they_hold(tmp_path, family):
     """transformers' GGUF loader ignores a llama file's rope_freqs and reads no qwen3 head width but its default 128:
@@ -380,6 +381,7 @@ def test_llama3_and_qwen3_gguf_give_the_logits_of_the_transformers_model_they_ho
     assert torch.equal(ours.generate(idx[:, :100], 30, temperature=0), expected)
 
 
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
 def test_quantized_qwen3_gguf_gives_transformers_gguf_loader_logits_and_tokens(tmp_path):
     """Qwen3's head width as Qwen3-0.6B's (128, where hidden_size / heads is 16 here), which transformers' GGUF
     loader takes by default; Q8_0 matrices, and the qwen2 pre-tokenizer (Llama 3's split, digits one by one)."""

@@ -192,6 +192,7 @@ if checkpoint is not None:
         common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
+    freeze_embeddings = checkpoint["config"]["freeze_embeddings"]  # the optimizer's saved groups were made with it
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "

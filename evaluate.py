@@ -7,6 +7,7 @@ metrics of K minds. Prints a table (one column per checkpoint, all on the same t
     python evaluate.py --out_dir=out-det --model_type=btrans --sigma=0.05        # a det checkpoint as B-Trans minds
     python evaluate.py --task=mc --mc_file=hellaswag_val.jsonl --out_dir=out-gpt2   # or --mc_file=arc_easy (online)
     python evaluate.py --task=population --out_dir=out-det,out-btrans --minds=8 --num_prompts=64
+    python evaluate.py --task=tokens --out_dir=out-eve --text="K>___KKKKKKKK" --out_json=tokens.json  # per token
 
 Definitions (N predicted tokens, M passes, p_m the softmax of pass m, p̄ = (1/M) sum_m p_m, y the target token):
     nll              -log p̄(y), computed as -(logsumexp_m log p_m(y) - log M); ppl = exp(nll)
@@ -41,13 +42,14 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from nanolatent import ckpt, common, cpu, models, multiple_choice, tasks, tokendata
+from nanolatent import ckpt, common, cpu, models, multiple_choice, sampling, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # what to evaluate
 out_dir = "out"  # the run to evaluate (a folder or a ckpt.pt), or several side by side: out-det,out-eve
 model_type = ""  # load every checkpoint into this model type ('btrans' turns a det checkpoint into B-Trans minds)
-task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task)
+task = "lm"  # 'lm' (token-stream metrics), 'mc' (multiple choice), 'population' (K minds on the letters task), 'tokens'
+# (one --text, each token's nll, entropy, expected_entropy and mi: the explorer's Uncertainty view)
 out_json = ""  # also write the results to this file
 out_items = ""  # mc: also write one JSON line per (run, example): per-choice log-likelihoods, predictions, truncation
 seed = 1337  # latents (and any other draw); reset for each checkpoint so all see the same windows and draws
@@ -72,6 +74,8 @@ max_new_tokens = 64
 temperature = 1.0  # 0 = greedy: then all diversity comes from the latents
 top_k = 0  # 0 = no top-k filtering
 ngram = 4  # n of distinct-n
+# tokens: one text scored token by token over --mc_samples passes
+text = ""  # the text, or FILE:path to read it from a UTF-8 file; its first token is the context of the others
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
@@ -83,11 +87,6 @@ LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "min
 
 # ----------------------------------------------------------------------------------------------------------------
 # Monte Carlo metrics: pure functions of log-probabilities, no model involved
-
-
-def entropy(p):
-    """H(p) in nats over the last axis; xlogy makes 0 log 0 = 0. (..., V) -> (...)"""
-    return -torch.special.xlogy(p, p).sum(-1)
 
 
 class MCStats:
@@ -114,7 +113,7 @@ class MCStats:
         for m, log_p in enumerate(passes):
             log_p = log_p.to(torch.promote_types(log_p.dtype, torch.float32))  # (N, V)
             p = log_p.exp()
-            h = entropy(p)  # (N,)
+            h = sampling.entropy(p)  # (N,)
             log_py = log_p.gather(1, targets).squeeze(1)  # (N,)
             if m == 0:
                 p_first, h_first, py_first, lse_y = p, h, log_py.exp(), log_py
@@ -134,7 +133,7 @@ class MCStats:
             raise ValueError(f"every batch needs the same number of passes ({self.passes}), got {M}")
         self.passes = M
         p_bar = p_first + sum_dp / M  # (N, V)
-        h_bar = entropy(p_bar)  # (N,) H(p̄)
+        h_bar = sampling.entropy(p_bar)  # (N,) H(p̄)
         mean_h = h_first + sum_dh / M  # (N,) mean_m H(p_m)
         nll = -(lse_y - math.log(M))  # (N,) -log p̄(y), from the log-softmaxes (logsumexp), never from averaged logits
         pred = p_bar.argmax(-1)  # (N,) the same call as the passes' argmax: ties break alike
@@ -439,6 +438,38 @@ def run_population(checkpoints):
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}, results
 
 
+def run_tokens(checkpoints):
+    """Each token of --text scored by every run over the same draws: -log p̄(y), H(p̄), mean H(p_m) and their
+    difference, the mutual information (sampling.token_uncertainty)."""
+    body = text
+    if body.startswith("FILE:"):
+        if not os.path.isfile(body[5:]):
+            common.die(f"--text=FILE:{body[5:]}: no such file; give the path of a UTF-8 text file")
+        with open(body[5:], encoding="utf-8") as f:
+            body = f.read()
+    if not body:
+        common.die("--task=tokens needs --text: the text to score (its first token is the context of the others)")
+    results = {}
+    for path, checkpoint in checkpoints.items():
+        model, generator = load_net(path, checkpoint)
+        encode, decode = tokendata.tokenizer(checkpoint["meta"])
+        ids = encode(body)
+        values = sampling.token_uncertainty(model, ids, mc_samples, generator, autocast, onednn, dtype)
+        results[path] = {"tokens": [decode([t]) for t in ids[1:]], **values}
+    return {"text": body, "mc_samples": mc_samples}, results
+
+
+def print_tokens(results):
+    """One row per predicted token, four columns per checkpoint (the JSON has the values to the last bit)."""
+    keys = ("nll", "entropy", "expected_entropy", "mi")
+    for path, r in results.items():
+        print(f"{path} ({r['model_type']}, {r['passes']} passes): nats")
+        print(f"{'token':>8}  " + "  ".join(f"{k:>16}" for k in keys))
+        for i, token in enumerate(r["tokens"]):
+            print(f"{token!r:>8}  " + "  ".join(f"{r[k][i]:16.6f}" for k in keys))
+        print(f"{'mean':>8}  " + "  ".join(f"{sum(r[k]) / len(r[k]):16.6f}" for k in keys))
+
+
 def print_table(results):
     """One row per metric, one column per checkpoint."""
     names = list(results)
@@ -468,7 +499,7 @@ if __name__ == "__main__":
                                            "max_new_tokens", "ngram"),
                          non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k",
                                        "seed"),
-                         choices={"task": ("lm", "mc", "population"), "dtype": tuple(common.DTYPES),
+                         choices={"task": ("lm", "mc", "population", "tokens"), "dtype": tuple(common.DTYPES),
                                   "mixture": ("auto", "token", "sequence")},
                          within={"cvar_alpha": "(0, 1]"})
     common.check_device(device)
@@ -484,9 +515,10 @@ if __name__ == "__main__":
     if not checkpoints:
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
     _, autocast = common.autocast(device, dtype)
-    header, results = {"lm": run_lm, "mc": run_mc, "population": run_population}[task](checkpoints)
+    header, results = {"lm": run_lm, "mc": run_mc, "population": run_population, "tokens": run_tokens}[task](
+        checkpoints)
     results = {path: {"model_type": model_type or checkpoints[path]["model_type"], **r} for path, r in results.items()}
-    print_table(results)
+    (print_tokens if task == "tokens" else print_table)(results)
     if out_json:
         with open(out_json, "w") as f:
             json.dump({"task": task, "seed": seed, **header, "results": results}, f, indent=1)

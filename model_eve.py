@@ -148,20 +148,30 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
 
 
-def scan(x, a):
-    """h[t] = a * h[t-1] + x[t] along dim 1 (h[-1] = 0) for x (B, T, D), a (D,), in ceil(log2 T) doubling steps
-    (Hillis & Steele 1986): the step with stride k does h[t] += a^k h[t-k], after which h[t] = sum_{j<2k} a^j x[t-j]."""
-    h, a_k, k = x.clone(), a, 1
-    while k < h.size(1):
-        h[:, k:] += a_k * h[:, :-k]  # the product is a new tensor, so reading and writing h do not overlap
-        a_k, k = a_k * a_k, 2 * k
-    return h
+def scan(x, a, reverse=False):
+    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of ~sqrt(T):
+    steps within all chunks at once, across their last positions, then a^d times the chunk before's last d positions
+    on (as linear-attention codebases do): two passes over x where doubling steps make log2(T)."""
+    B, T, D = x.shape
+    k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
+    h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
+    powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
+    steps, chunks = (range(k)[::-1], range(h.size(1))[::-1]) if reverse else (range(k), range(h.size(1)))
+    for prev, i in zip(steps, steps[1:]):  # within every chunk at once
+        h[:, :, i].addcmul_(h[:, :, prev], a)
+    last = h[:, :, steps[-1]]  # (B, n, D), a view: each chunk's last position in the recurrence's order
+    for prev, j in zip(chunks, chunks[1:]):  # across chunks
+        last[:, j].addcmul_(last[:, prev], powers[-1])
+    if reverse:  # position i of a chunk is k - i before the next chunk's first
+        h[:, :-1, 1:].addcmul_(last[:, 1:].unsqueeze(2), powers[:-1].flip(0))
+    else:  # position i is i + 1 after the previous chunk's last
+        h[:, 1:, :-1].addcmul_(last[:, :-1].unsqueeze(2), powers[:-1])
+    return h.view(B, -1, D)[:, :T]
 
 
 class LinearScan(torch.autograd.Function):
-    """scan() with a hand-written backward: the gradient of a linear recurrence is the same recurrence run in
-    reverse, dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]: one reverse scan, keeping only h for
-    backward where autograd through the doubling steps keeps their log2(T) intermediates and goes back through each."""
+    """scan() with a hand-written backward: a linear recurrence's gradient is the same recurrence in reverse,
+    dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]; backward keeps only h, not the steps'."""
 
     @staticmethod
     def forward(ctx, x, a):
@@ -172,9 +182,8 @@ class LinearScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         h, a = ctx.saved_tensors
-        grad_x = scan(grad_h.flip(1), a).flip(1)  # (B, T, D)
-        grad_a = (grad_x[:, 1:] * h[:, :-1]).sum((0, 1))  # (D,)
-        return grad_x, grad_a
+        grad_x = scan(grad_h, a, reverse=True)  # (B, T, D)
+        return grad_x, (grad_x[:, 1:] * h[:, :-1]).sum((0, 1))  # (B, T, D), (D,)
 
 
 linear_scan = LinearScan.apply  # (x (B, T, D), a (D,)) -> h (B, T, D)
@@ -246,19 +255,20 @@ class VariationalMLP(nn.Module):
         """u (B, T, C) normed residual stream, eps (B, T, D) -> (update (B, T, C), aux or None).
         aux holds what the objective needs: per-unit KL_u and mu2_u (N,) averaged over tokens, L_AR, and counts."""
         cfg = self.config
-        B, T, _ = u.shape
-        N, dz = cfg.n_neurons, cfg.latent_dim
+        B, T, N, dz = *u.shape[:2], cfg.n_neurons, cfg.latent_dim
         mu_q = self.w_mu(u)  # (B, T, D)
         logvar_q = self.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2, (B, T, D)
         sigma_q = torch.exp(0.5 * logvar_q)
         z = torch.addcmul(mu_q, sigma_q, eps)  # §3.2 reparameterisation z = mu_q + sigma_q * eps, (B, T, D)
         if self.mem_gain is not None:  # §3.2 q(z | x, h): mu_q and z above are the innovation; add c h, h = mu_p
             mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
-            read = torch.tanh(self.mem_gain) * mu_p  # (B, T, D)
-            mu_q, z = mu_q + read, z + read
-        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N): one fused pass
-            y = F.silu(torch.addcmul(self.dec_bias, z, self.dec_gain.view(N)))
+            c = torch.tanh(self.mem_gain)
+            mu_q = torch.addcmul(mu_q, mu_p, c)  # (B, T, D)
+        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N); with memory, d z = d e + (d c) h: z = e + c h unstored
+            pre = torch.addcmul(self.dec_bias, z, self.dec_gain.view(N))
+            y = F.silu(pre if self.mem_gain is None else pre.addcmul_(mu_p, c * self.dec_gain.view(N)))
         else:
+            z = z if self.mem_gain is None else torch.addcmul(z, mu_p, c)
             y = F.silu((z.view(B, T, N, dz) * self.dec_gain).sum(-1) + self.dec_bias)
         out = self.w2(y)  # (B, T, C)
         if not (with_aux or (cfg.ar_prior and self.prior_cache is not None)):
@@ -271,13 +281,13 @@ class VariationalMLP(nn.Module):
         # then finish the closed forms on (D,) vectors (the KL is linear in the three means, see gaussian_kl).
         mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
         if cfg.ar_prior:
-            sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))  # (D,)
+            sq_dist = F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1))  # (D,)
             # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared
             # one-step error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The
             # stop-gradient keeps it from pulling the posterior toward the prior (the KL does that, weighted by
             # beta); it trains f_AR and, through z(t-1), asks past latents to predict the next: §3.3's "temporal
             # continuity".
-            ar = (mu_p - mu_q.detach()).pow(2).mean()
+            ar = F.mse_loss(mu_p, mu_q.detach())
         else:  # config switch: the fixed isotropic prior N(0, I)
             sq_dist, logvar_p, ar = mu2, mu_q.new_zeros(()), mu_q.new_zeros(())
         kl = gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)  # (D,) §3.3 KL
@@ -641,11 +651,11 @@ class Model(nn.Module):
         head's matmul and the variational heads w_mu, w_logvar, w2 included, the embedding lookup not) plus
         12 * L * nh * hd * T for attention scores, plus the neurons' elementwise work per latent coordinate, forward
         counted and x3 for forward + backward: 11 to sample and decode (clip, exp, z = mu + sigma eps, d z + c,
-        silu), 6 for the means behind the KL and mu^2, and with the AR prior 2 per scan step (ceil(log2 T) steps)
-        + 8 for its drive, the KL distance and L_AR, + 3 with posterior_memory (c h, added to mu_q and to z).
-        All of it times n_samples, the draws per training token."""
+        silu), 6 for the means behind the KL and mu^2, and with the AR prior 4 for the chunked scan + 8 for its drive,
+        the KL distance and L_AR, + 3 with posterior_memory (c h, added to mu_q and to z). All of it times n_samples,
+        the draws per training token."""
         cfg = self.config
-        prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 if cfg.ar_prior else 0
+        prior = 4 + 8 if cfg.ar_prior else 0
         prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent if cfg.variational else 0
         dense = 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size

@@ -6,13 +6,12 @@
     python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
-import contextlib
 import os
 
 import torch
 
 import configurator
-from nanolatent import ckpt, common, cpu, models, tokendata
+from nanolatent import ckpt, common, models, sampling, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model_type = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
@@ -28,6 +27,7 @@ prompt_latents = "encoder"  # Free: the prompt's Z from the 'encoder' on the pro
 latent_seed = -1  # seeds the latents alone (-1: use seed), so the same minds / Z can be kept while tokens vary
 minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independent latents)
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
+show_latents = False  # Free, with pinned latents (shared, posterior): also print each sample's Z, H bits per token
 onednn = True  # CPU, float32 or bfloat16: matmuls through weights laid out for them (cpu.inference_linears: oneDNN's,
 # or for one sample on one thread a matrix-vector layout): faster, float rounding apart
 compile = False  # torch.compile the one-token decode step (gpt-fast's decode_one_token); the prefill stays eager
@@ -48,7 +48,7 @@ def model_fields(values):
 config, overrides = configurator.apply(globals(), model_fields=model_fields)
 configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      non_negative=("temperature", "top_k", "minds", "seed"),
-                     choices={"latents": ("independent", "shared", "posterior"),
+                     choices={"latents": sampling.LATENTS,
                               "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
 common.check_device(device)
 if latent_seed < -1:
@@ -78,42 +78,16 @@ encode, decode = tokendata.tokenizer(checkpoint["meta"])
 if minds:
     num_samples, latents = minds, "independent"
 
-torch.manual_seed(seed)
-token_generator = torch.Generator(device).manual_seed(seed)
-latent_generator = torch.Generator(device).manual_seed(seed if latent_seed < 0 else latent_seed)
-prompt = torch.tensor([encode(start)] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
-if prompt.size(1) > model.config.block_size:
-    common.die(f"the prompt has {prompt.size(1)} tokens, more than the context (block_size={model.config.block_size})")
-consistent_with = prompt[:1] if prompt_latents == "encoder" else None  # Free: Z of the prompt from its encoder
-if latents == "independent":
-    pinned = model.sample_latents(num_samples, latent_generator, prompt=consistent_with)
-elif latents == "shared":  # one prompt-Z draw and one sequence of per-token codes for the whole group
-    pinned = model.sample_latents(1, latent_generator, prompt=consistent_with)
-    pinned = None if pinned is None else models.repeat_latents(pinned, num_samples)
-else:
-    if model.latent_kind != "code":
-        common.die(f"--latents=posterior needs a model with an encoder (free); this one's latents are "
-                   f"{model.latent_kind!r}")
-    ref = torch.tensor([encode(reference or start)], dtype=torch.long, device=device)
-    if ref.size(1) > model.config.block_size:
-        common.die(f"the {'--reference' if reference else 'prompt'} has {ref.size(1)} tokens, more than the context "
-                   f"(block_size={model.config.block_size}): the encoder reads it whole; shorten it")
-    pinned = models.repeat_latents(model.posterior_latents(ref, latent_generator), num_samples)
-
-# The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
-step = torch.compile(model.forward, dynamic=True) if compile else None
-products = contextlib.nullcontext() if compile or not onednn else \
-    cpu.inference_linears(model, common.DTYPES[dtype], batch_size=num_samples)
-try:
-    with products:
-        out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None, latents=pinned,
-                           generator=token_generator, step=step)
-except ValueError as e:
-    common.die(str(e))
+reference_ids = encode(reference or start) if latents == "posterior" else None
+out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=latent_seed,
+                              latents=latents, prompt_latents=prompt_latents, reference=reference_ids,
+                              temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile)
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
 stop = tokendata.hf_json(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
 stop = set(stop if isinstance(stop, list) else [stop])
-for row in out.tolist():
-    end = next((t + 1 for t in range(prompt.size(1), len(row)) if row[t] in stop), len(row))
+for i, row in enumerate(out.tolist()):
+    end = next((t + 1 for t in range(out.size(1) - max_new_tokens, len(row)) if row[t] in stop), len(row))
     print(decode(row[:end]))
+    if show_latents and model.latent_kind == "code":  # Z_t of every token, H bits each, in the order of the tokens
+        print("Z:", " ".join(sampling.code_bits(pinned[i, :len(row)].tolist(), model.config.latent_bits)))
     print("---------------")

@@ -63,10 +63,19 @@ def free_space(path):
         return ""
 
 
+class Refused(SystemExit):
+    """die's exit (code 2), holding its message: a script ends on it; a caller that goes on (the explorer's server)
+    catches it and shows the message."""
+
+    def __init__(self, message):
+        super().__init__(2)
+        self.message = message
+
+
 def die(message):
     """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    raise Refused(message)
 
 
 def seeded(seed, *key):

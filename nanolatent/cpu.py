@@ -26,7 +26,7 @@ def onednn_linear(x, weight, bias):
 class LinearFunction(torch.autograd.Function):
     """F.linear for CPU training: the product x W^T and the input's gradient g W by oneDNN (the kernel of
     torch.compile's CPU weight prepacking), the weight's gradient g^T x by torch's GEMM (MKL), each product by the
-    kernel that times faster on our CPU (scripts/bench.py --linears=True). The same values to float32 rounding."""
+    kernel that times faster on our CPU (scripts/bench_cpu.py --linears=True). The same values to float32 rounding."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):

@@ -1,6 +1,6 @@
 """The det model as a Llama-3 or a Qwen3: Hugging Face's tensor names and config.json for a det checkpoint, the
 config.json an import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions,
-scripts/harness.py, scripts/bench.py's peer)."""
+scripts/harness.py, scripts/bench_cpu.py's transformers comparison)."""
 
 import dataclasses
 

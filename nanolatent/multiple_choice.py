@@ -1,5 +1,6 @@
 """Multiple-choice scoring for every model: examples from a local .jsonl or the hub, each choice's log-likelihood
-under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, scripts/harness.py, scripts/bench.py)."""
+under M Monte Carlo passes whose latents the choices share (evaluate.py --task=mc, scripts/harness.py,
+scripts/bench_cpu.py)."""
 
 import json
 import math

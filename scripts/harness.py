@@ -1,11 +1,12 @@
 """EleutherAI's lm-evaluation-harness on nanolatent runs: the `nanolatent` model scores a run of any of the four
 models, the stochastic ones with Monte Carlo latents exactly as evaluate.py does.
 
-    python -m scripts.harness --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc --include_path tasks/
+    python -m scripts.harness --model nanolatent --model_args out_dir=out-eve,mc_samples=8 --tasks my_mc \
+        --include_path my_tasks/        # my_tasks/my_mc.yaml: the local task of docs/evaluation.md
     python -m scripts.harness --model nanolatent --model_args out_dir=out-det,model_type=btrans,sigma=0.05 --tasks ...  # minds
 
 `python -m scripts.harness ARGS` is `lm_eval ARGS` with nanolatent registered (lm_eval 0.4 finds its own models only, no
-plugins; every flag and every other model works as with `lm_eval`). From Python, `import harness` registers it:
+plugins; every flag and every other model works as with `lm_eval`). From Python, `import scripts.harness` registers it:
 lm_eval.simple_evaluate(model="nanolatent", model_args={"out_dir": "out-eve"}, ...).
 
 model_args: out_dir (the run), model_type ('' or a type to load it into, with its Config overrides, e.g. sigma), mc_samples

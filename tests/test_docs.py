@@ -96,8 +96,7 @@ def all_commands():
 def test_the_docs_show_commands_of_every_kind():
     scripts = {script for _, script, _ in all_commands()}
     assert {"train.py", "sample.py", "evaluate.py", "prepare.py", "scripts.convert", "scripts.rlvr", "scripts.bench",
-            "scripts.bench_cpu",
-            "experiments.free_synthetic"} <= scripts
+            "scripts.bench_cpu", "experiments.free_synthetic"} <= scripts
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import SHARED_DATA, TINY, run_script
 
 import evaluate
-from nanolatent import ckpt, models, multiple_choice, tasks
+from nanolatent import ckpt, models, multiple_choice, sampling, tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
 CHARS = " abcdefghijklmnopqrstuvwxyz.:"
@@ -173,6 +173,21 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
     assert out["neg_elbo"] == pytest.approx(model(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
     assert "stats/ce" not in out and "stats/ce_posterior" in out  # the posterior CE is never the model's loss
     assert out["iw_bound"] > 0 and out["iw_samples"] == K and out["latents"].startswith("every Z_t from the uniform prior")
+
+
+@pytest.mark.parametrize("model_type", ["det", "eve", "free", "btrans"])
+def test_per_token_values_of_one_text_average_to_the_lm_metrics_of_its_window(model_type):
+    """sampling.token_uncertainty (evaluate.py --task=tokens, the explorer's Uncertainty view): token by token, the
+    quantities whose means evaluate_lm reports for the same window and the same draws; det's mi exactly 0."""
+    net = tiny(model_type, sigma=1.0) if model_type == "btrans" else tiny(model_type)
+    ids = np.random.default_rng(2).integers(len(CHARS), size=21).astype(np.uint16)
+    per_token = sampling.token_uncertainty(net, ids.tolist(), 4, torch.Generator().manual_seed(5), onednn=False)
+    whole = evaluate.evaluate_lm(net, ids, [0], 20, n_passes=4, generator=torch.Generator().manual_seed(5))
+    assert per_token["passes"] == whole["passes"] == (1 if model_type == "det" else 4)
+    for key in ("nll", "entropy", "expected_entropy", "mi"):
+        assert len(per_token[key]) == 20
+        assert sum(per_token[key]) / 20 == pytest.approx(whole[key], abs=1e-5), key
+    assert (max(per_token["mi"]) == 0.0) == (model_type == "det")
 
 
 # ----------------------------------------------------------------------------------------------------------------

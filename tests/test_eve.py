@@ -347,7 +347,7 @@ def test_parameters_match_det_at_equal_width_and_flops_count_the_variational_wor
     # the posterior's memory gain c
     extra = L * (D + 2 * N + 5 * D) + L  # + the layer-weight logits
     assert eve.num_params() - det.num_params() == extra
-    prior = 2 * math.ceil(math.log2(cfg.block_size)) + 8 + 3  # the AR scan (5 doubling steps at T = 32), c h
+    prior = 4 + 8 + 3  # the chunked AR scan, its drive, KL distance and L_AR, c h
     assert eve.flops_per_token() == det.flops_per_token() + 6 * extra + 3 * (17 + prior) * L * D
     assert make(n_samples=2).flops_per_token() == 2 * eve.flops_per_token()
 
@@ -537,3 +537,84 @@ def test_the_twin_is_det_under_a_head_that_mixes_the_blocks():
     assert twin.flops_per_token() == det.flops_per_token() + 6 * SMALL["n_layer"]  # det's, and the L layer weights
     twin.train()(idx, targets=idx)
     twin.update_controllers()  # nothing to control: no neurons, no state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exact rewrites for speed: the neuron bank as it was computed before (doubling scan through autograd, every
+# statistic from its own temporaries), frozen here, against the model's in float64, values and gradients.
+
+
+def doubling_scan(x, a):
+    """The former scan: h[t] = a h[t-1] + x[t] in ceil(log2 T) doubling steps (Hillis & Steele 1986), through autograd."""
+    h, a_k, k = x, a, 1
+    while k < h.size(1):
+        h = torch.cat([h[:, :k], h[:, k:] + a_k * h[:, :-k]], dim=1)
+        a_k, k = a_k * a_k, 2 * k
+    return h
+
+
+def sequential_scan(x, a, reverse=False):
+    """The recurrence one position at a time: h[t] = a h[t-1] + x[t] (reverse: h[t] = a h[t+1] + x[t])."""
+    h, out = torch.zeros_like(x[:, 0]), []
+    for t in (reversed(range(x.size(1))) if reverse else range(x.size(1))):
+        h = a * h + x[:, t]
+        out.append(h)
+    return torch.stack(out[::-1] if reverse else out, dim=1)
+
+
+def former_bank(mlp, u, eps):
+    """VariationalMLP.forward's update and aux as computed before the rewrites for speed (default path: AR prior,
+    posterior memory), from the same parameters."""
+    cfg = mlp.config
+    B, T, _ = u.shape
+    N, dz = cfg.n_neurons, cfg.latent_dim
+    mu_q = mlp.w_mu(u)
+    logvar_q = mlp.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)
+    sigma_q = torch.exp(0.5 * logvar_q)
+    z = torch.addcmul(mu_q, sigma_q, eps)
+    drive = torch.cat([mlp.prior_m0.expand(B, 1, -1), mlp.ar_b * z[:, :-1]], dim=1)
+    mu_p = doubling_scan(drive, torch.tanh(mlp.ar_a))
+    logvar_p = mlp.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max)
+    read = torch.tanh(mlp.mem_gain) * mu_p
+    mu_q, z = mu_q + read, z + read
+    y = F.silu((z.view(B, T, N, dz) * mlp.dec_gain).sum(-1) + mlp.dec_bias)
+    mu2 = mu_q.pow(2).mean((0, 1))
+    sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))
+    ar = (mu_p - mu_q.detach()).pow(2).mean()
+    kl = model_eve.gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)
+    return mlp.w2(y), {"kl_u": kl.view(N, dz).sum(-1), "mu2_u": mu2.view(N, dz).mean(-1), "ar": ar,
+                       "sigma": sigma_q.detach().mean()}
+
+
+def test_chunked_scan_equals_the_per_position_loop_both_ways_and_the_doubling_scan_in_float64():
+    g = gen(0)
+    for T in (1, 2, 5, 16, 17, 37, 100):  # one chunk, whole chunks, a partial last chunk
+        x = torch.randn(3, T, 6, dtype=torch.double, generator=g, requires_grad=True)
+        a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g)).requires_grad_()  # poles near +-1 too
+        for reverse in (False, True):
+            assert torch.allclose(model_eve.scan(x, a, reverse), sequential_scan(x, a, reverse), rtol=0, atol=1e-12)
+        h, grad = model_eve.linear_scan(x, a), torch.randn(3, T, 6, dtype=torch.double, generator=g)
+        h_ref = doubling_scan(x, a)
+        assert torch.allclose(h, h_ref, rtol=0, atol=1e-12)
+        ours, ref = (torch.autograd.grad(out, (x, a), grad, materialize_grads=True) for out in (h, h_ref))
+        for o, r in zip(ours, ref):
+            assert torch.allclose(o, r, rtol=0, atol=1e-11)
+
+
+def test_neuron_bank_equals_its_former_computation_in_float64_values_and_gradients():
+    for latent_dim in (1, 2):
+        model = make_with_memory(latent_dim=latent_dim).double().train()
+        mlp = model.blocks[0].mlp
+        u = torch.randn(3, 20, SMALL["n_embd"], dtype=torch.double, generator=gen(1), requires_grad=True)
+        eps = torch.randn(3, 20, mlp.config.n_latent, dtype=torch.double, generator=gen(2))
+        params = [u, *mlp.parameters()]
+        results = []
+        for bank in (lambda: mlp(u, eps, 0, True), lambda: former_bank(mlp, u, eps)):
+            out, aux = bank()
+            # every output reaches the gradients, each with its own random weight
+            w = torch.randn(out.shape, dtype=torch.double, generator=gen(3))
+            scalar = (out * w).sum() + aux["kl_u"].pow(2).sum() + (aux["mu2_u"] * 3).sin().sum() + 5 * aux["ar"]
+            results.append([out, aux["kl_u"], aux["mu2_u"], aux["ar"], aux["sigma"],
+                            *torch.autograd.grad(scalar, params)])
+        for ours, ref in zip(*results):
+            assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-12)

@@ -1,0 +1,322 @@
+"""A local page that shows what the latents do: groups of samples sharing one draw against a draw each, B-Trans minds,
+per-token uncertainty and the Free Transformer's Z, each with the sample.py or evaluate.py command that prints the
+same texts and numbers.
+
+    python -m scripts.explore --out_dir=out --port=8000      # then open http://127.0.0.1:8000
+
+Python's http.server on 127.0.0.1 only, and one HTML file beside this one (plain JavaScript, nothing fetched from the
+internet). Every number comes from sampling.py, the functions sample.py and evaluate.py call; the server writes no
+file. A request is a JSON object of the page's fields; the answer streams as JSON lines: the tokens so far while a
+generation runs, then each block of samples or the scores, or one {"error": ...} line, which the log also prints.
+"""
+
+import http.server
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+
+import torch
+
+import configurator
+from nanolatent import ckpt, common, sampling, tasks, tokendata
+
+out_dir = "out"  # the run the page opens with (its folder or a ckpt.pt); the page can name another
+port = 8000  # on 127.0.0.1; 0 picks a free port (the first line printed names it)
+device = "cpu"
+stream_every = 0.2  # seconds between two lines of a generation's tokens so far (0: a line every token)
+# ----------------------------------------------------------------------------------------------------------------
+configurator.apply(globals())
+MAX_SAMPLES, MAX_GROUPS, MAX_PASSES = 64, 16, 64  # per request: a page answers in seconds, not hours
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")
+ANSWER_PARSERS = {"synthetic": tasks.letters_answer, "arith": tasks.arith_answer}  # a dataset's answer, if it has one
+
+compute = threading.Lock()  # one model computation at a time; the page and its file are served meanwhile
+loaded = {}  # (run, model type, overrides) -> (model, checkpoint without its weights): the last few asked for
+
+
+class ClientGone(Exception):
+    """The browser closed the connection: nothing more to compute for it."""
+
+
+LABELS = {"k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed", "seed": "seed",
+          "passes": "passes M", "sigma": "σ", "temperature": "temperature"}  # the page's names of the fields
+
+
+def number(params, key, kind, low, high, why=""):
+    """params[key] as an int or a float within [low, high], or one message naming the field and the value."""
+    text = str(params.get(key, "")).strip()
+    try:
+        value = kind(text)
+    except ValueError:
+        common.die(f"{LABELS[key]} must be {'a whole number' if kind is int else 'a number'}, got {text!r}")
+    if not low <= value <= high:  # NaN fails both comparisons
+        common.die(f"{LABELS[key]}={text} is outside {low}..{high}{why}")
+    return value
+
+
+def text(params, key, required=True):
+    value = params.get(key, "")
+    if not isinstance(value, str) or required and not value:
+        common.die(f"{key} must be {'a non-empty ' if required else 'a '}text, got {value!r}")
+    return value
+
+
+def load(params, model_type=None, **overrides):
+    """The run the request names (the page's run field) as a model in eval mode, into model_type when given."""
+    run = text(params, "run")
+    path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
+    key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
+    if key not in loaded:
+        checkpoint = ckpt.load_checkpoint(run)
+        model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
+        checkpoint.pop("model")
+        while len(loaded) >= 4:
+            loaded.pop(next(iter(loaded)))
+        loaded[key] = model.eval(), checkpoint
+    return loaded[key]
+
+
+def command(script, params, **args):
+    """The shell command that prints what a view shows: the same run, seeds and thread count (the products' rounding
+    depends on it)."""
+    words = [f"OMP_NUM_THREADS={torch.get_num_threads()}", "python", script, f"--out_dir={params['run']}"]
+    words += [f"--{k}={v}" for k, v in args.items()]
+    if torch.cuda.is_available():  # where the scripts would default to the GPU (and evaluate.py to 16 bits)
+        words += [f"--device={device}", "--dtype=float32"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def prompt_ids(model, encode, params, n_new):
+    ids = encode(text(params, "prompt"))
+    sampling.check_length(ids, model.config.block_size)
+    if len(ids) + n_new > model.config.block_size:
+        common.die(f"the prompt's {len(ids)} tokens + {n_new} new tokens exceed the context "
+                   f"(block_size={model.config.block_size}): shorten the prompt or ask for fewer tokens")
+    return ids
+
+
+def generation(params, model):
+    """The fields every sampling view shares, checked."""
+    return dict(max_new_tokens=number(params, "max_new_tokens", int, 1, model.config.block_size),
+                temperature=number(params, "temperature", float, 0, 100), seed=number(params, "seed", int, 0, 2**62),
+                latent_seed=number(params, "latent_seed", int, 0, 2**62))
+
+
+def streamed(send, decode, block, ids):
+    """on_token for sampling.sample: the block's texts so far (the prompt `ids` and the new tokens), one line every
+    stream_every seconds."""
+    columns, last = [], [time.time()]
+
+    def on_token(idx_next):
+        columns.append(idx_next[:, 0].tolist())
+        if time.time() - last[0] >= stream_every:
+            send({"partial": block, "texts": [decode(ids + list(row)) for row in zip(*columns)]})
+            last[0] = time.time()
+    return on_token
+
+
+def view_groups(params, send):
+    """Free Fig. 3 live: G groups of K samples, each group one draw of the latents (latent seed, +1, ...), then K
+    samples with a draw each; every block the same token seed."""
+    model, checkpoint = load(params)
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
+    k = number(params, "k", int, 1, MAX_SAMPLES, " samples a group")
+    groups = number(params, "groups", int, 1, MAX_GROUPS, " groups")
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
+    blocks = [("shared", gen["latent_seed"] + g) for g in range(groups)] + [("independent", gen["latent_seed"])]
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": len(blocks)}
+    for b, (how, latent_seed) in enumerate(blocks):
+        args = {**gen, "latent_seed": latent_seed}
+        out, _ = sampling.sample(model, ids, k, latents=how, on_token=streamed(send, decode, b, ids), **args)
+        yield {"block": b, "latents": how, "latent_seed": latent_seed, "texts": [decode(r) for r in out.tolist()],
+               "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args)}
+
+
+def view_minds(params, send):
+    """K B-Trans minds for one prompt (a det run loads as B-Trans), each one's NLL per token under the mean model
+    (noise_mode='mean': mu, no eps) and its answer where the dataset has one."""
+    _, checkpoint = load(params)
+    if checkpoint["model_type"] not in ("det", "btrans"):
+        common.die(f"Minds shows B-Trans minds, from a det or btrans run; {params['run']} is a "
+                   f"{checkpoint['model_type']} run")
+    sigma = number(params, "sigma", float, 0, 10)
+    model, _ = load(params, "btrans", sigma=sigma)
+    mean_net, _ = load(params, "btrans", noise_mode="mean")
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
+    k = number(params, "k", int, 1, MAX_SAMPLES, " minds")
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
+    out, _ = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), **gen)
+    texts = [decode(r) for r in out.tolist()]
+    answer = ANSWER_PARSERS.get(checkpoint.get("config", {}).get("dataset"))
+    answers = [answer(decode(r[len(ids):])) if answer else None for r in out.tolist()]
+    nll = []
+    for row in out.tolist():
+        torch.manual_seed(gen["seed"])
+        scores = sampling.token_uncertainty(mean_net, row, 1, torch.Generator(device).manual_seed(gen["seed"]))
+        nll.append(sum(scores["nll"]) / len(scores["nll"]))
+    yield {"block": 0, "texts": texts, "nll": nll, "answers": answers,
+           "majority": tasks.majority_answer(answers) if answer else None,
+           "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, start=params["prompt"],
+                              **gen),
+           "nll_commands": [command("evaluate.py", params, task="tokens", model_type="btrans", noise_mode="mean",
+                                    mc_samples=1, text=t) for t in texts]}
+
+
+def view_uncertainty(params, send):
+    """Each token of a text over M passes with fresh latents: nll, H(p̄), mean H(p_m) and the mutual information."""
+    model, checkpoint = load(params)
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
+    body = text(params, "text")
+    passes = number(params, "passes", int, 1, MAX_PASSES, " passes")
+    seed = number(params, "seed", int, 0, 2**62)
+    ids = encode(body)
+    torch.manual_seed(seed)  # as evaluate.py's load_net: the same draws
+    scores = sampling.token_uncertainty(model, ids, passes, torch.Generator(device).manual_seed(seed))
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "context": decode(ids[:1]),
+           "tokens": [decode([t]) for t in ids[1:]], **scores,
+           "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes, seed=seed,
+                              out_json="tokens.json")}
+
+
+def view_z(params, send):
+    """The Free Transformer's Z, H bits per position, inferred by the encoder from a reference text or drawn once
+    (the prompt's from the encoder, the rest uniform), and the texts the same Z gives with the token draws of N
+    samples."""
+    model, checkpoint = load(params)
+    if model.latent_kind != "code":
+        common.die(f"Z shows the Free Transformer's codes; {params['run']} is a {checkpoint['model_type']} run")
+    encode, decode = tokendata.tokenizer(checkpoint["meta"])
+    k = number(params, "k", int, 1, MAX_SAMPLES, " samples")
+    reference = text(params, "reference", required=False)
+    gen = generation(params, model)
+    ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
+    how = "posterior" if reference else "shared"
+    yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
+    out, pinned = sampling.sample(model, ids, k, latents=how, reference=encode(reference) if reference else None,
+                                  on_token=streamed(send, decode, 0, ids), **gen)
+    rows = out.tolist()
+    args = {"reference": reference} if reference else {}
+    yield {"block": 0, "texts": [decode(r) for r in rows], "tokens": [[decode([t]) for t in r] for r in rows],
+           "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), model.config.latent_bits),
+           "reference_tokens": [decode([t]) for t in encode(reference)] if reference else [],
+           "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args,
+                              show_latents=True, **gen)}
+
+
+VIEWS = {"/api/groups": view_groups, "/api/minds": view_minds, "/api/uncertainty": view_uncertainty,
+         "/api/z": view_z}
+
+
+class Page(http.server.BaseHTTPRequestHandler):
+    """GET / is the page, GET /api/run what it opens with; POST /api/<view> computes a view."""
+
+    def local(self):
+        """Only pages of this server may ask it (a page elsewhere could name 127.0.0.1 through DNS)."""
+        host = self.headers.get("Host", "")
+        origin = self.headers.get("Origin")
+        ours = {f"127.0.0.1:{self.server.server_port}", f"localhost:{self.server.server_port}"}
+        if host in ours and (origin is None or origin.split("//", 1)[-1] in ours):
+            return True
+        self.reply(403, {"error": f"this server answers pages of http://127.0.0.1:{self.server.server_port} only"})
+        return False
+
+    def reply(self, status, payload, kind="application/json"):
+        body = payload if isinstance(payload, bytes) else (json.dumps(payload) + "\n").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if not self.local():
+            return
+        if self.path in ("/", "/index.html"):
+            with open(PAGE, "rb") as f:
+                self.reply(200, f.read(), "text/html; charset=utf-8")
+        elif self.path == "/api/run":
+            self.reply(200, {"run": out_dir, "model_type": opened["model_type"], "dataset": opened["dataset"]})
+        else:
+            self.reply(404, {"error": f"no page {self.path}"})
+
+    def do_POST(self):
+        if not self.local():
+            return
+        view = VIEWS.get(self.path)
+        if view is None:
+            self.reply(404, {"error": f"no view {self.path}: one of {', '.join(VIEWS)}"})
+            return
+        started = False
+
+        def send(event):
+            try:
+                self.wfile.write((json.dumps(event) + "\n").encode())
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise ClientGone() from e
+
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > 2**20:
+                common.die(f"the request is {length:,} bytes: at most 1 MiB")
+            try:
+                params = json.loads(self.rfile.read(length) or b"{}")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                common.die("the request is not JSON: the page sends its fields as a JSON object")
+            if not isinstance(params, dict):
+                common.die("the request is not a JSON object of the view's fields")
+            with compute:
+                events = view(params, send)
+                first = next(events)  # everything checked that can be before a token is drawn
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-ndjson")
+                self.end_headers()
+                started = True
+                send(first)
+                for event in events:
+                    send(event)
+        except common.Refused as e:  # die printed the message to the log already
+            if started:
+                self.close_quietly(send, {"error": e.message})
+            else:
+                self.reply(400, {"error": e.message})
+        except ClientGone:
+            print(f"the browser closed the connection during {self.path}: stopped there; the server goes on",
+                  file=sys.stderr, flush=True)
+        except Exception as e:  # a fault of ours, not of the input: said in one line, and the server goes on
+            message = f"{self.path} failed: {type(e).__name__}: {e}"
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            if started:
+                self.close_quietly(send, {"error": message})
+            else:
+                self.reply(500, {"error": message})
+
+    def close_quietly(self, send, event):
+        try:
+            send(event)
+        except ClientGone:
+            pass
+
+
+if __name__ == "__main__":
+    common.check_device(device)
+    if not 0 <= port <= 65535:
+        common.die(f"--port must be 0..65535, got {port}")
+    checkpoint = ckpt.load_checkpoint(out_dir)  # a missing or unreadable run: one line, before serving
+    opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
+    del checkpoint
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
+    except OSError as e:
+        common.die(f"cannot listen on 127.0.0.1:{port}: {e.strerror or e}; choose another --port (0: any free one)")
+    print(f"serving {out_dir} on http://127.0.0.1:{server.server_port} (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped")

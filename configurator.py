@@ -19,6 +19,7 @@ import difflib
 import math
 import os
 import sys
+import types
 
 from nanolatent import common
 
@@ -36,9 +37,14 @@ def read_config_file(path):
             exec(compile(f.read(), path, "exec"), namespace)
     except SyntaxError as e:
         common.die(f"config file {path} line {e.lineno}: {e.msg}")
+    except SystemExit as e:  # an exit would end the run there, silently, with the exit's code
+        common.die(f"config file {path} called sys.exit({e.code!r}): a config file only assigns values")
     except Exception as e:
         common.die(f"config file {path} failed: {type(e).__name__}: {e}")
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (*TYPES, list, type(None)))}
+    # every value it assigns, checked as --key=value is (a dict, torch.bfloat16: refused, never dropped); what it
+    # imports or defines to compute them is not a value
+    return {k: v for k, v in namespace.items() if not k.startswith("_")
+            and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
 def literal(text):
@@ -62,17 +68,18 @@ def parse(key, text, default):
     return check(key, literal(text), default)
 
 
-def check(key, value, default):
+def check(key, value, default, source=None):
     """The value must have the default's type; an int may stand for a float; a None default takes anything; a
-    tuple's elements must have the type of the default's first element."""
+    tuple's elements must have the type of the default's first element. source: the config file that set it."""
     if default is None or value is None:
         return value
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(default, tuple) and isinstance(value, (list, tuple)):
-        return tuple(check(key, v, default[0]) for v in value) if default else tuple(value)
+        return tuple(check(key, v, default[0], source) for v in value) if default else tuple(value)
     if type(value) is not type(default):
-        common.die(f"--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
+        where = f"{key} = {value!r} in config file {source}: " if source else ""
+        common.die(f"{where}--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
                    f"of type {type(value).__name__}")
     return value
 
@@ -82,7 +89,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
     called with the script's values after overrides (so it can look at the model key). positional names the default
     that takes the arguments which are neither config files nor --key=value: a str takes one (prepare.py's source), a
     tuple all of them (scripts/plot.py's runs). given, a set, receives the keys that a file or the command line set."""
-    file_values, cli_texts, free = {}, {}, []
+    file_values, sources, cli_texts, free = {}, {}, {}, []
     for arg in argv:
         if arg.startswith("--"):
             key, sep, text = arg[2:].partition("=")
@@ -90,7 +97,9 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
                 common.die(f"argument {arg!r} has no value: write --{key}=VALUE")
             cli_texts[key] = text
         elif arg.endswith(".py") or positional is None:
-            file_values.update(read_config_file(arg))
+            values = read_config_file(arg)
+            file_values.update(values)
+            sources.update(dict.fromkeys(values, arg))
         else:
             free.append(arg)
     if given is not None:
@@ -102,7 +111,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
         values[positional] = tuple(free) if isinstance(defaults[positional], tuple) else free[0]
     for key, value in file_values.items():
         if key in defaults:
-            values[key] = check(key, tuple(value) if isinstance(value, list) else value, defaults[key])
+            values[key] = check(key, tuple(value) if isinstance(value, list) else value, defaults[key], sources[key])
     for key, text in cli_texts.items():  # the command line wins over config files
         if key in defaults:
             values[key] = parse(key, text, defaults[key])
@@ -114,10 +123,11 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
         if key not in fields:
             close = difflib.get_close_matches(key, list(defaults) + list(fields), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            common.die(f"unknown config key {key!r}{hint}; known keys: {', '.join(sorted(defaults))}"
+            where = f" (set in config file {sources[key]})" if key in sources and key not in cli_texts else ""
+            common.die(f"unknown config key {key!r}{where}{hint}; known keys: {', '.join(sorted(defaults))}"
                        + (f", and the model's Config fields: {', '.join(sorted(fields))}" if fields else ""))
         model_values[key] = (parse(key, cli_texts[key], fields[key]) if key in cli_texts
-                             else check(key, file_values[key], fields[key]))
+                             else check(key, file_values[key], fields[key], sources[key]))
     return values, model_values
 
 

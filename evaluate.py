@@ -36,7 +36,7 @@ import math
 import os
 import re
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.nn.functional as F
@@ -410,10 +410,26 @@ def run_mc(checkpoints):
             print(f"{path}: {results[path]['truncated']} examples longer than block_size={model.config.block_size} "
                   f"were left-truncated (their first tokens dropped)")
     if out_items:
-        with open(out_items, "w") as f:
-            f.writelines(json.dumps(item) + "\n" for item in items)
+        write_output(out_items, "".join(json.dumps(item) + "\n" for item in items), "items")
         print(f"wrote {out_items}: {len(items)} items")
     return {"mc_file": mc_file, "mc_samples": mc_samples}, results
+
+
+def write_output(path, text, what):
+    """A file written after the whole evaluation (which can take an hour), through a temporary file renamed once
+    whole. A write that fails (a full disk) keeps the file there as it was and loses nothing: the text goes to
+    stdout, then one line says why."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        print(text)
+        common.die(f"could not write {path}: {e.strerror or e}{common.free_space(path)}; the {what} are printed "
+                   f"above instead, and {path} is as it was")
 
 
 def run_population(checkpoints):
@@ -520,6 +536,6 @@ if __name__ == "__main__":
     results = {path: {"model_type": model_type or checkpoints[path]["model_type"], **r} for path, r in results.items()}
     (print_tokens if task == "tokens" else print_table)(results)
     if out_json:
-        with open(out_json, "w") as f:
-            json.dump({"task": task, "seed": seed, **header, "results": results}, f, indent=1)
+        write_output(out_json, json.dumps({"task": task, "seed": seed, **header, "results": results}, indent=1),
+                     "results")
         print(f"wrote {out_json}")

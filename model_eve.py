@@ -88,9 +88,9 @@ class KVCache(nn.Module):
 class PriorCache(nn.Module):
     """The AR prior's state of one layer in generation (§3.3): the prior mean of the next position, mu_p(t + 1)."""
 
-    def __init__(self, batch_size, n_latent, device):
+    def __init__(self, batch_size, n_latent, device, dtype):
         super().__init__()
-        self.register_buffer("mean", torch.zeros(batch_size, n_latent, device=device), persistent=False)
+        self.register_buffer("mean", torch.zeros(batch_size, n_latent, device=device, dtype=dtype), persistent=False)
 
 
 class Attention(nn.Module):
@@ -596,7 +596,7 @@ class Model(nn.Module):
             block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
                                           p.device, p.dtype)
             if self.config.variational and self.config.ar_prior:  # §3.3: the AR prior's state travels with the cache
-                block.mlp.prior_cache = PriorCache(batch_size, self.config.n_latent, p.device)
+                block.mlp.prior_cache = PriorCache(batch_size, self.config.n_latent, p.device, p.dtype)
                 block.mlp.prior_cache.mean.copy_(block.mlp.prior_m0.detach())  # mu_p(0) = m0: a decode step at 0
 
     def clear_kv_cache(self):

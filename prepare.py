@@ -55,21 +55,38 @@ def token_dtype(vocab_size):
 
 
 def write_dataset(name, splits, meta):
-    """splits: {'train': iterable of token arrays, 'val': ...}; streams them to disk, so memory stays bounded."""
+    """splits: {'train': iterable of token arrays, 'val': ...}; streams them to disk, so memory stays bounded. Every
+    file is written beside its place as .tmp and moved there once all are whole: a failure (a full disk, a hub that
+    stops answering mid-stream) leaves a dataset prepared earlier as it was, and no .tmp."""
     out = tokendata.data_dir(name)
-    os.makedirs(out, exist_ok=True)
+    made = not os.path.isdir(out)
     meta["dtype"] = token_dtype(meta["vocab_size"])
-    for split, chunks in splits.items():
-        n = 0
-        with open(os.path.join(out, f"{split}.bin.tmp"), "wb") as f:
-            for chunk in common.progress(chunks, desc=f"writing {split}.bin"):
-                f.write(np.asarray(chunk, dtype=meta["dtype"]).tobytes())
-                n += len(chunk)
-        os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
-        meta[f"{split}_tokens"] = n
-        print(f"{split}: {n:,} tokens")
-    with open(os.path.join(out, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    written = []  # (.tmp, its final name)
+    try:
+        os.makedirs(out, exist_ok=True)
+        for split, chunks in splits.items():
+            written.append((os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin")))
+            n = 0
+            with open(written[-1][0], "wb") as f:
+                for chunk in common.progress(chunks, desc=f"writing {split}.bin"):
+                    f.write(np.asarray(chunk, dtype=meta["dtype"]).tobytes())
+                    n += len(chunk)
+            meta[f"{split}_tokens"] = n
+            print(f"{split}: {n:,} tokens")
+        written.append((os.path.join(out, "meta.json.tmp"), os.path.join(out, "meta.json")))
+        with open(written[-1][0], "w") as f:
+            json.dump(meta, f, indent=1)
+        for tmp, final in written:
+            os.replace(tmp, final)
+    except OSError as e:
+        failed = e.filename or (written[-1][1] if written else out)
+        common.die(f"could not write {failed}: {e.strerror or e}{common.free_space(out)}; {out} is as it was")
+    finally:
+        for tmp, _ in written:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+        if made and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
     print(f"wrote {out}/{{train,val}}.bin and meta.json (vocab {meta['vocab_size']}, {meta['tokenizer']})")
 
 
@@ -166,17 +183,20 @@ def load_local_documents(path, fields):
     for i, line in enumerate(text.split("\n") if path.endswith(".jsonl") else [], 1):
         if line.strip():
             try:
-                docs.append(record_text(json.loads(line), fields))
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 common.die(f"{path} line {i} could not be parsed ({e.msg}): a .jsonl holds one JSON object per line")
+            if not isinstance(record, dict):
+                common.die(f"{path} line {i} is a JSON {type(record).__name__}, not an object: a .jsonl holds one "
+                           f"JSON object per line, its text under --fields={','.join(fields)}")
+            docs.append(record_text(record, fields))
     if not any(doc.strip() for doc in docs):
         common.die(f"{path} holds no text: nothing to prepare")
     return docs
 
 
-def prepare_text():
-    if not input:
-        common.die("prepare.py text needs --input=FILE (a .txt or .jsonl)")
+def local_splits(input, val_input, fields):
+    """(train documents, validation documents) of local files: val_input's, or the last val_fraction of the input."""
     docs = load_local_documents(input, fields)
     if val_input:
         train_docs, val_docs = docs, load_local_documents(val_input, fields)
@@ -186,15 +206,21 @@ def prepare_text():
     else:
         cut = int(len(docs) * (1 - val_fraction))
         train_docs, val_docs = docs[:cut], docs[cut:]
-    train_docs = train_docs[:max_docs or None]
+    return train_docs[:max_docs or None], val_docs
+
+
+def prepare_text():
+    if not input:
+        common.die("prepare.py text needs --input=FILE (a .txt or .jsonl)")
+    train_docs, val_docs = local_splits(input, val_input, fields)
     kind = tokenizer if tokenizer in ("gpt2", "char") else "hf"
     out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
     if kind == "hf":  # a pretrained model's own vocabulary (scripts/convert.py copies its tokenizer.json next to ckpt.pt)
         meta, encode_text = hf_meta(tokenizer)
         encode = lambda ds: [encode_text("\n\n".join(ds))]
         write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
-    elif kind == "char":
-        chars = sorted(set("".join(train_docs + val_docs)))
+    elif kind == "char":  # the characters of the text, and the blank line that joins its documents
+        chars = sorted(set("\n\n".join(train_docs)) | set("\n\n".join(val_docs)))
         stoi = {ch: i for i, ch in enumerate(chars)}
         encode = lambda ds: [[stoi[c] for c in "\n\n".join(ds)]]
         meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars)
@@ -204,20 +230,31 @@ def prepare_text():
 
 
 def prepare_hub():
-    datasets = load_datasets()
     spec = tokendata.HUB_DATASETS[source]
+    copies = [tokendata.local_data(path) for path in spec["local"]]
+    if copies and all(copies):  # offline: as prepare.py text on the copies (the first the training file)
+        print(f"{source}: reading {' and '.join(copies)} ({tokendata.LOCAL_DATA_ENV}) in place of the hub")
+        write_gpt2(name or source, *local_splits(copies[0], copies[1] if len(copies) > 1 else "", spec["fields"]),
+                   source=spec["path"], local_copies=copies)
+        return
+    datasets = load_datasets()
+    offline = (f"export {tokendata.LOCAL_DATA_ENV}=DIR with DIR/{' and DIR/'.join(spec['local'])}, or "
+               if spec["local"] else "")
+
+    def hub_failure(e):
+        common.die(f"could not load {spec['path']} from the Hugging Face hub ({type(e).__name__}); offline, "
+                   f"{offline}run python prepare.py text --input=FILE.jsonl --fields={','.join(spec['fields'])} "
+                   f"--name={source} on a copy")
 
     def documents(split, limit):
         try:
             stream = datasets.load_dataset(spec["path"], spec.get("name"), split=split, streaming=True)
+            for i, record in enumerate(stream):  # streamed: the hub can fail at any record
+                if limit and i >= limit:
+                    return
+                yield record_text(record, spec["fields"])
         except Exception as e:
-            common.die(f"could not load {spec['path']} from the Hugging Face hub ({type(e).__name__}). Offline, "
-                       f"download its files elsewhere and run `python prepare.py text --input=FILE.jsonl "
-                       f"--fields={','.join(spec['fields'])} --name={source}`")
-        for i, record in enumerate(stream):
-            if limit and i >= limit:
-                return
-            yield record_text(record, spec["fields"])
+            hub_failure(e)
 
     if spec["val"]:
         train, val = documents(spec["train"], max_docs), documents(spec["val"], val_docs)

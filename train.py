@@ -15,9 +15,10 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
     python train.py config/free_1b5.py --dry_run=True
 """
 
+import datetime
 import math
 import os
-import shutil
+import re
 import signal
 import sys
 import time
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -41,13 +43,17 @@ from nanolatent import ckpt, common, cpu, models, plan, records, tokendata
 # quick start: 600 steps of 32 sequences, under 5 minutes on one thread; Z already carries where the target sits)
 # I/O
 out_dir = "out"
-eval_interval = 100  # also when checkpoints are saved: a stopped or killed run loses at most this many steps
+eval_interval = 100  # an evaluation, and a save when val loss improves (the first evaluation, at step 0, always)
 log_interval = 10
 eval_iters = 20  # batches per split per evaluation
 eval_only = False  # evaluate out_dir's checkpoint once and exit
 always_save_checkpoint = False  # save at every evaluation, not only when val loss improves
+checkpoint_interval = 0  # also save every this many steps whatever the val loss (0: off): a kill loses fewer steps
+keep_checkpoints = 2  # saves kept in out_dir/checkpoints/: the newest this many, and the best
 select_by = "loss"  # val metric whose best is kept: 'loss' (the objective) or 'ce' (CE alone: EVE's select_by="ce")
-init_from = "scratch"  # 'scratch', or 'resume' to continue the run in out_dir
+init_from = "scratch"  # 'scratch'; 'resume' continues the run in out_dir; 'auto' resumes when out_dir holds a
+# checkpoint and starts otherwise: one command line for the first launch and every restart (torchrun
+# --max_restarts, SLURM --requeue)
 overwrite = False  # init_from='scratch' into an out_dir that holds a checkpoint replaces that run
 wandb_log = False  # Weights & Biases logging (pip install wandb)
 wandb_project = "nanolatent"
@@ -78,6 +84,8 @@ dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.c
 compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
 fsdp = False  # under torchrun: shard weights, gradients and AdamW state across processes (FSDP2) instead of DDP
 seed = 1337
+dist_timeout = 300  # seconds a collective waits for every process: a process that died or hangs stops the job after
+# this long at most (under torchrun; a save by rank 0 and the first compilation must fit in it)
 # planning: --dry_run=True prints sizes, FLOPs, expected speed and memory per GPU for this config, then exits
 dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
@@ -85,10 +93,11 @@ dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H
 # ----------------------------------------------------------------------------------------------------------------
 config, model_config = configurator.apply(globals(), model_fields=lambda values: models.config_fields(values["model_type"]))
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
-                                       "gradient_accumulation_steps", "max_nonfinite"),
+                                       "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints",
+                                       "dist_timeout"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
-                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed"),
-                     choices={"init_from": ("scratch", "resume"), "dtype": tuple(common.DTYPES),
+                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
+                     choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
                               "select_by": ("loss", "ce")},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
@@ -113,13 +122,37 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
     raise SystemExit(0)
 
+
+def lost_peer(kind, error, traceback):
+    """sys.excepthook of a process of a job: a collective that failed because another process died (gloo and NCCL
+    see the connection drop) or hung past dist_timeout is one line, not a traceback per process; any other error
+    keeps its traceback."""
+    text = re.sub(r"^\[[^]]*\] ", "", (str(error).strip().splitlines() or [""])[0])  # gloo's "[pair.cc:537] "
+    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and re.search(
+            r"gloo|NCCL|c10d|ProcessGroup|Connection (reset|closed)|[Tt]imed out|[Tt]imeout", str(error))):
+        print(f"error: process {rank} lost the job's other processes ({text[:150]}): one died, or hung longer than "
+              f"dist_timeout={dist_timeout} s; the same command with --init_from=auto goes on from the last "
+              f"checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: destroying the process group would wait on the dead process
+    sys.__excepthook__(kind, error, traceback)
+
+
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
+        # NCCL: an error or a timeout tears the process down instead of leaving it hanging, and the flight recorder
+        # dumps each process's last collectives on a timeout (to /tmp/nccl_trace_rank_N); a user's settings win
+        for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=dist_timeout),
+                            device_id=torch.device(device) if device.startswith("cuda") else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sys.excepthook = lost_peer
     if gradient_accumulation_steps % world_size:
         common.die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                    f"{world_size} processes: each one runs an equal share of the micro-batches")
@@ -145,23 +178,42 @@ if wandb_log and master:
 
 # out_dir: one writer at a time, and a trained run is never replaced without being asked to. --eval_only writes
 # nothing, so it takes no lock: it reads a run that is training, or one on a read-only disk.
-ckpt_file = os.path.join(out_dir, "ckpt_meta.pt" if fsdp else "ckpt.pt")  # under FSDP: the tensors are in ckpt_dcp/
-resume = init_from == "resume" or eval_only  # --eval_only evaluates the checkpoint, never a fresh model
+# Every save is a folder out_dir/checkpoints/iter_N/ (save_checkpoint); out_dir/ckpt.pt (ckpt_meta.pt under FSDP, the
+# tensors beside it) links to the best one's file: what sample.py, evaluate.py and --eval_only read. A resume reads
+# the newest folder.
+pointer = "ckpt_meta.pt" if fsdp else "ckpt.pt"
+ckpt_file = os.path.join(out_dir, pointer)
+start_dir = None  # the checkpoint folder this run starts from, if any
 if master:
-    if eval_only:
+    if eval_only:  # --eval_only evaluates the checkpoint, never a fresh model
         ckpt.refuse_file_out_dir(out_dir)  # a writer gets the same line from lock_out_dir
+        if not os.path.exists(ckpt_file):
+            common.die(f"eval_only reads {ckpt_file}, which does not exist: train first, or point --out_dir at a run")
+        start_dir = os.path.dirname(os.path.realpath(ckpt_file))
     else:
         ckpt.lock_out_dir(out_dir, "train.py")
-    if resume and not os.path.exists(ckpt_file):
-        common.die(f"{'eval_only' if eval_only else 'init_from=resume'} reads {ckpt_file}, which does not exist: "
-                   f"train first, or point --out_dir at a run")
-    if not resume:
-        ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
+        saved = ckpt.saved_steps(out_dir)
+        if init_from == "resume" and not saved:
+            common.die(f"init_from=resume continues the run in {out_dir}, which holds no checkpoint "
+                       f"({ckpt.CHECKPOINTS}/iter_N): train first, or give --init_from=auto to start when it has none")
+        if init_from != "scratch" and saved:
+            start_dir = saved[max(saved)]
+        else:
+            ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
+            ckpt.prune(out_dir, keep=0)  # --overwrite=True: the old run's saves must not be resumed later
+if ddp:  # every process reads rank 0's choice, so out_dir must be on storage that every node sees
+    start_dir = [start_dir]
+    dist.broadcast_object_list(start_dir, src=0)
+    start_dir = start_dir[0]
+    if start_dir is not None and not os.path.isdir(start_dir):
+        common.die(f"process {rank} does not see {start_dir}, which rank 0 resumes from: out_dir must be on storage "
+                   f"that every node sees (a shared filesystem), for DDP and FSDP")
+resume = start_dir is not None
 
 # data: a flat token stream per split, read through a memmap
 meta = tokendata.load_meta(dataset)
 train_data, val_data = (tokendata.load_tokens(dataset, split, meta) for split in ("train", "val"))
-TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE = 0, 1, 2  # the streams common.seeded() draws from
+TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE, EVAL_NOISE = 0, 1, 2, 3  # the streams common.seeded() draws from
 
 
 def get_batch(split, *key):
@@ -181,7 +233,8 @@ def get_batch(split, *key):
 
 
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
-checkpoint = ckpt.load_checkpoint(ckpt_file, device) if resume else None  # memory-mapped: tensors read on load
+# memory-mapped: tensors read on load
+checkpoint = ckpt.load_checkpoint(os.path.join(start_dir, pointer), device) if resume else None
 if checkpoint is not None:
     if checkpoint["model_type"] != model_type:
         common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model_type={checkpoint['model_type']}")
@@ -258,50 +311,75 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
-def save_checkpoint():
-    """Rank 0 writes out_dir/ckpt.pt. Under FSDP every process writes its own shards of the weights and AdamW state
-    (torch.distributed.checkpoint) to out_dir/ckpt_dcp, through a temporary folder renamed once complete, and
-    rank 0 the plain out_dir/ckpt_meta.pt (everything of ckpt.pt but the tensors) that a resume reads first."""
-    info = {"model_type": model_type, "model_config": model_config, "config": config, "meta": meta,
-            "iter_num": iter_num, "best_val_loss": best_val_loss}
-    if not fsdp:
+def save_checkpoint(selected):
+    """Save step iter_num as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed once
+    whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume the
+    newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run); under FSDP every process
+    writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0 ckpt_meta.pt (the
+    rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the keep_checkpoints newest
+    folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just before its
+    evaluation) is only linked."""
+    global selected_iter, saved_iter
+    folder = os.path.join(out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
+    if selected:
+        selected_iter = iter_num
+    written = saved_iter != iter_num
+    if written:
+        tmp = f"{folder}.tmp"
+        info = {"model_type": model_type, "model_config": model_config, "config": config, "meta": meta,
+                "iter_num": iter_num, "best_val_loss": best_val_loss, "selected_iter": selected_iter}
         if master:
-            ckpt.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **info},
-                                 ckpt_file)
-        return
-    path, tmp = os.path.join(out_dir, "ckpt_dcp"), os.path.join(out_dir, "ckpt_dcp.tmp")
+            os.makedirs(tmp, exist_ok=True)
+        if fsdp:
+            dist.barrier()  # the folder exists before any process writes into it
+            # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
+            # zero gradients (its step count would then differ from the uninterrupted run's): the weights alone.
+            state = {"model": get_model_state_dict(model)} if not optimizer.state else \
+                dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+            dcp.save(state, checkpoint_id=tmp)
+        if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
+            tensors = {} if fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            ckpt.save_checkpoint({**tensors, **info}, os.path.join(tmp, pointer))
+            os.replace(tmp, folder)
+        saved_iter = iter_num
     if master:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "iter_num": iter_num}, checkpoint_id=tmp)
-    if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        ckpt.save_checkpoint(info, ckpt_file)
+        if selected:
+            ckpt.point(out_dir, pointer, os.path.join(folder, pointer))
+        ckpt.prune(out_dir, keep_checkpoints, pointer)
+        if written:
+            print(f"saved checkpoint {folder}" + (f" ({ckpt_file} links to it)" if selected else ""))
 
 
 def load_checkpoint():
-    """The weights and AdamW state of `checkpoint` (ckpt.pt), or under FSDP the shards of out_dir/ckpt_dcp that this
+    """The weights and AdamW state of `checkpoint` (ckpt.pt), or under FSDP the shards of its folder that this
     process owns, whatever world size wrote them (DCP reshards)."""
     if not fsdp:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         return
+    saved = dcp.FileSystemReader(start_dir).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in saved):  # saved before the first update (save_checkpoint)
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=start_dir)
+        set_model_state_dict(model, state["model"])
+        return
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "iter_num": -1}
-    dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt_dcp"))
-    if state["iter_num"] != checkpoint["iter_num"]:
-        common.die(f"{out_dir}/ckpt_dcp holds iter {state['iter_num']} but ckpt_meta.pt iter {checkpoint['iter_num']}:"
-                   f" the run stopped while saving; resume from an earlier copy of {out_dir} or start from scratch")
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=start_dir)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-iter_num, best_val_loss = 0, float("inf")
+iter_num, best_val_loss, selected_iter = 0, float("inf"), None
 if checkpoint is not None:
     load_checkpoint()
-    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    iter_num, best_val_loss, selected_iter = (checkpoint[k] for k in ("iter_num", "best_val_loss", "selected_iter"))
     del checkpoint
+    if master and not eval_only:  # what a save killed after its commit left undone: the link, the deletions
+        saved = ckpt.saved_steps(out_dir)
+        target = os.path.join(saved[selected_iter], pointer) if selected_iter in saved else None
+        if target and os.path.realpath(ckpt_file) != os.path.realpath(target):
+            ckpt.point(out_dir, pointer, target)
+        ckpt.prune(out_dir, keep_checkpoints, pointer)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
@@ -310,6 +388,8 @@ if master:
     print(f"{model_type} model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
           + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
+    if resume and not eval_only:
+        print(f"resuming from {start_dir} at iter {iter_num}")
     if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
         records.keep_records(metrics_path, before_iter=iter_num if resume else 0)
     if wandb_log:
@@ -348,6 +428,10 @@ def estimate_loss():
                 train_model.train()
                 return None
             X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
+            # The model's noise (Free Z from the posterior, EVE's eps, B-Trans minds) seeded like training's: an
+            # evaluation depends on the weights and its step, not on what the generator drew before (a resumed
+            # run evaluates its first step as the uninterrupted run did).
+            torch.manual_seed(common.seed_of(seed, EVAL_NOISE, iter_num, rank, split == "train", k))
             with autocast:
                 _, loss, stats = model(X, Y)
                 values = {"loss": loss, **stats}
@@ -396,18 +480,19 @@ def save_and_stop():
     holds the latest weights, which need not be the best so far (best_val_loss keeps that figure)."""
     signum = stop.signum or signal.SIGTERM  # under torchrun, a process the signal missed stops with the rest
     if not eval_only and iter_num > start_iter and saved_iter != iter_num:
-        save_checkpoint()
+        save_checkpoint(selected=False)
     if master:
         if eval_only:
             what = "the evaluation stopped; nothing was written"
         elif iter_num > start_iter or resume:
-            what = f"{ckpt_file} holds iter {iter_num}; continue with the same command and --init_from=resume"
+            what = (f"{out_dir}/{ckpt.CHECKPOINTS} holds iter {iter_num}; continue with the same command and "
+                    f"--init_from=auto (or resume)")
         else:
             what = "no step was done and nothing was written; run the same command to start again"
         print(f"stopped by {signal.Signals(signum).name}: {what}", file=sys.stderr)
     if ddp:
         dist.destroy_process_group()
-    sys.exit(128 + signum)
+    stop.exit(128 + signum)
 
 
 nonfinite_total, nonfinite_streak = 0, 0
@@ -434,13 +519,14 @@ while True:
             print(fit((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
-        selected = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
-        if not eval_only and (selected < best_val_loss or always_save_checkpoint) and iter_num > 0:
-            best_val_loss = min(best_val_loss, selected)
-            save_checkpoint()
-            saved_iter = iter_num
-            if master:
-                print(f"saved checkpoint to {ckpt_file}")
+        value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
+        if not eval_only and (value < best_val_loss or always_save_checkpoint):
+            best_val_loss = min(best_val_loss, value)
+            save_checkpoint(selected=True)
+    # On schedule whatever the val loss, and the last step: the same command run again finds the run complete.
+    scheduled = checkpoint_interval and iter_num % checkpoint_interval == 0
+    if not eval_only and (scheduled or iter_num == max_iters) and saved_iter != iter_num:
+        save_checkpoint(selected=False)
     if eval_only or iter_num >= max_iters:
         break
 

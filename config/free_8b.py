@@ -41,5 +41,7 @@ max_iters = 47684
 lr_decay_iters = 47684
 weight_decay = 0.1
 eval_interval = 1000
+checkpoint_interval = 500  # saved whatever the val loss: a preemption costs at most ~18 min (2.1 s a step)
+init_from = "auto"  # the same command starts the run and resumes it (torchrun --max_restarts, SLURM --requeue)
 eval_iters = 10
 log_interval = 10

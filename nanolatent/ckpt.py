@@ -1,9 +1,15 @@
 """Checkpoints and run folders: one writer per out_dir, atomic saves, a run refused unless asked to be replaced,
 and a model loaded from a checkpoint (into its own type or another)."""
 
+import atexit
 import contextlib
+import errno
 import os
 import re
+import shutil
+import socket
+import threading
+import time
 
 import torch
 
@@ -12,12 +18,14 @@ from nanolatent.common import die, free_space
 
 
 _locks = {}  # out_dir's real path -> its open lock file: the locks live as long as the process
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # NFS without lockd, Lustre mounted noflock, some FUSE
 
 
 def lock_out_dir(out_dir, who):
     """One writer per out_dir: an exclusive flock on out_dir/.lock, released by the OS when the process ends, however
-    it ends (kill -9 included), so it is never left held. A second writer stops at once, naming the first. A process
-    that holds the lock already (convert.main called twice in one process) keeps it."""
+    it ends (kill -9 included), so it is never left held. Where the filesystem has no flock, a lock file instead
+    (HeldFile). A second writer stops at once, naming the first. A process that holds the lock already
+    (convert.main called twice in one process) keeps it."""
     import fcntl
     refuse_file_out_dir(out_dir)
     if os.path.realpath(out_dir) in _locks:
@@ -29,23 +37,92 @@ def lock_out_dir(out_dir, who):
         die(f"cannot write to out_dir {out_dir}: {e.strerror or e}; choose a writable --out_dir")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{who} (pid {os.getpid()})")
+        f.flush()
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         die(f"{out_dir} is in use by {holder}: wait for it to finish, or choose another --out_dir")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{who} (pid {os.getpid()})")
-    f.flush()
+    except OSError as e:
+        f.close()
+        if e.errno not in NO_FLOCK:
+            die(f"cannot lock out_dir {out_dir}: {e.strerror or e}; choose an --out_dir on another filesystem")
+        f = HeldFile(out_dir, who)
     _locks[os.path.realpath(out_dir)] = f
     # Only the lock holder writes temporary files here, so any left now are from a writer killed mid-write
     # (kill -9 during a checkpoint save): nobody will rename them, and a checkpoint's is as large as the model.
     stale = [name for name in os.listdir(out_dir) if re.fullmatch(r".+\.tmp\d+", name)]
     for name in stale:
         os.remove(os.path.join(out_dir, name))
+    folders = os.path.join(out_dir, CHECKPOINTS)  # train.py's saves and deletions killed halfway (prune)
+    for name in os.listdir(folders) if os.path.isdir(folders) else []:
+        if re.fullmatch(r"iter_\d+\.(tmp|old)", name):
+            shutil.rmtree(os.path.join(folders, name))
+            stale.append(os.path.join(CHECKPOINTS, name))
     if stale:
         print(f"removed {len(stale)} temporary file(s) left in {out_dir} by a writer that was killed: "
               f"{', '.join(sorted(stale))}")
+
+
+class HeldFile:
+    """The lock of an out_dir on a filesystem without flock: out_dir/.lock.held, created exclusively (O_EXCL) and
+    naming its holder, pid and host. The holder touches it every HEARTBEAT seconds and removes it when it exits; a
+    holder killed by kill -9 leaves it behind, and the next writer takes it over when its process is gone (same
+    host) or it has not been touched for STALE seconds (another host: a job requeued on another node)."""
+
+    HEARTBEAT, STALE = 30, 120
+
+    def __init__(self, out_dir, who):
+        self.path = os.path.join(out_dir, ".lock.held")
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                break
+            except FileExistsError:
+                holder, gone = self.holder()
+                if not gone:
+                    die(f"{out_dir} is in use by {holder} (the filesystem has no flock: {self.path} says so): wait "
+                        f"for it to finish, choose another --out_dir, or delete {self.path} if that process is gone")
+                print(f"took over the lock of {holder}: {gone}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{who} (pid {os.getpid()} on {socket.gethostname()})")
+        self.stopped = threading.Event()
+        threading.Thread(target=self.beat, daemon=True).start()
+        atexit.register(self.close)
+
+    def holder(self):
+        """(what the lock file says, why its holder is gone or None while it may be alive)."""
+        try:
+            with open(self.path) as f:
+                holder = f.read().strip() or "another process"
+            age = time.time() - os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return "a writer that just finished", "its lock is gone"
+        m = re.fullmatch(r".*\(pid (\d+) on (\S+)\)", holder)
+        if m and m.group(2) == socket.gethostname():
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                return holder, "that process is no longer running"
+            except PermissionError:  # alive, another user's
+                pass
+            return holder, None
+        return holder, (f"its lock was last touched {age:.0f} s ago" if age > self.STALE else None)
+
+    def beat(self):
+        while not self.stopped.wait(self.HEARTBEAT):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def close(self):
+        if not self.stopped.is_set():
+            self.stopped.set()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
 
 
 def refuse_file_out_dir(out_dir):
@@ -61,10 +138,12 @@ def release_out_dir(out_dir):
     a notebook or a test), so the process can go on while another writes there."""
     lock = _locks.pop(os.path.realpath(out_dir), None)
     if lock is not None:
-        lock.close()  # closing the file releases the flock
+        lock.close()  # closing the file releases the flock; a HeldFile removes itself
 
 
-RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP)
+CHECKPOINTS = "checkpoints"  # train.py's saves: out_dir/checkpoints/iter_0000300/, one folder per step
+RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), as does
+# a whole folder of train.py's checkpoints (saved_steps)
 
 
 def refuse_existing_run(out_dir, overwrite, resumable=False):
@@ -72,6 +151,7 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
     gguf): a folder that holds a checkpoint is replaced only with --overwrite=True; otherwise one line and exit 2,
     before anything there is touched. resumable: the writer can continue the run (train.py --init_from=resume)."""
     held = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    held += list(saved_steps(out_dir).values())  # a run killed between its first save and its link
     if held and not overwrite:
         die(f"{out_dir} already holds a run ({held[0]}): "
             f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
@@ -131,6 +211,50 @@ def save_checkpoint(checkpoint, path):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def saved_steps(out_dir):
+    """{iter: folder} of train.py's whole checkpoints in out_dir. A folder is written as iter_N.tmp and gets its
+    name iter_N by one rename once every file in it is complete, so a folder with that name is whole, whenever the
+    writers were killed."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(m.group(1)): os.path.join(root, name) for name in names if (m := re.fullmatch(r"iter_(\d+)", name))}
+
+
+def finished(out_dir):
+    """Whether train.py's run in out_dir reached its last step (always saved), not only a checkpoint on the way."""
+    saved = saved_steps(out_dir)
+    if not saved:
+        return False
+    folder = saved[max(saved)]
+    name = "ckpt.pt" if os.path.exists(os.path.join(folder, "ckpt.pt")) else "ckpt_meta.pt"
+    checkpoint = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True, mmap=True)
+    return checkpoint["iter_num"] >= checkpoint["config"]["max_iters"]
+
+
+def point(out_dir, name, target):
+    """Make out_dir/name a symlink to target (relative, so the run folder can move) in one rename: a reader opening
+    out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither."""
+    link = os.path.join(out_dir, name)
+    tmp = f"{link}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(target, out_dir), tmp)
+    os.replace(tmp, link)
+
+
+def prune(out_dir, keep, pointer=None):
+    """Delete train.py's checkpoint folders but the `keep` newest and the one out_dir/pointer points to (the best);
+    keep=0 and no pointer delete them all (a run replaced with --overwrite=True). Each is first renamed out of the
+    iter_N names, so a deletion killed halfway never leaves a partial folder that a resume would take for a whole
+    one (lock_out_dir removes it later)."""
+    kept = os.path.dirname(os.path.realpath(os.path.join(out_dir, pointer))) if pointer else None
+    steps = saved_steps(out_dir)
+    for it in sorted(steps)[:len(steps) - keep]:
+        if os.path.realpath(steps[it]) != kept:
+            os.replace(steps[it], f"{steps[it]}.old")
+            shutil.rmtree(f"{steps[it]}.old")
 
 
 def checkpoint_path(path):

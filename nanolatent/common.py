@@ -134,13 +134,20 @@ class Stop:
         if self.signum:
             print(f"\nstopped by a second {signal.Signals(signum).name} without saving: the last checkpoint is "
                   f"unchanged", file=sys.stderr)
-            sys.exit(128 + signum)  # SystemExit: a checkpoint being written removes its temporary file
+            self.exit(128 + signum)  # SystemExit: a checkpoint being written removes its temporary file
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: saving at the end of this step, then stopping (again to stop "
               f"without saving)", flush=True)
 
     def __bool__(self):
         return bool(self.signum)
+
+    def exit(self, code):
+        """sys.exit(code) once the run is saved, with the default handlers back: a signal during the interpreter's
+        exit (atexit callbacks, such as torch's) then ends the process at once, without a traceback."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        sys.exit(code)
 
 
 # ----------------------------------------------------------------------------------------------------------------

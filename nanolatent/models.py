@@ -32,7 +32,8 @@ def config_dict(config):
 def typed_values(model_type, model_values):
     """The model values with the types their Config fields declare, before a Config sees them: an int (or numpy
     float) stands for a float, a list (JSON) for a tuple; anything else of the wrong type, a NaN or infinity, or an
-    int below 1 is a ValueError naming the field (--ffn_hidden=abc, float('nan') in a config file, --n_layer=0)."""
+    int below 1 (a norm_eps or rope_theta not above 0) is a ValueError naming the field (--ffn_hidden=abc,
+    float('nan') in a config file, --n_layer=0)."""
     fields = {f.name: f for f in dataclasses.fields(import_model(model_type).Config) if f.init}
     is_number = lambda v: isinstance(v, (int, float)) and type(v) is not bool
     typed = dict(model_values)
@@ -49,6 +50,10 @@ def typed_values(model_type, model_values):
             raise ValueError(f"{name}={value!r}: must be {'None or ' if f.default is None else ''}{kind}")
         if f.type is int and value < 1:  # every int of the four Configs is a size or a count
             raise ValueError(f"{name}={value!r}: must be >= 1")
+        if f.type is tuple and isinstance(f.default, tuple) and len(value) != len(f.default):  # a (low, high) band
+            raise ValueError(f"{name}={value!r}: must be a tuple of {len(f.default)} numbers")
+        if name in ("norm_eps", "rope_theta") and value <= 0:  # shared by all four: RMSNorm's epsilon, RoPE's base
+            raise ValueError(f"{name}={value!r}: must be > 0")
     return typed
 
 

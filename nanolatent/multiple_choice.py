@@ -11,16 +11,20 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from nanolatent import common, models
+from nanolatent import common, models, tokendata
 
 MC_LOGITS = 2 ** 25  # score_choices: logits per forward (128 MiB in float32), passes batched up to it
 
 HF_TASKS = {  # name: (hub path, config, split), loaded with datasets.load_dataset when online
-    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),  # offline: LOCAL_COPIES below
     "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
     "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
     "piqa": ("baber/piqa", None, "validation"),  # parquet; ybisk/piqa's loading script no longer loads
 }
+
+
+# under $NANOLATENT_LOCAL_DATA, read in place of the hub (tokendata.local_data): a sample of the split
+LOCAL_COPIES = {"hellaswag": "hellaswag/hellaswag_val_sample1000.jsonl"}
 
 
 def hellaswag_preprocess(text):
@@ -74,7 +78,12 @@ def mc_example(line, where):
 
 
 def load_mc_examples(source, limit=0):
-    """Examples from a local .jsonl (a line with "endings" is HellaSwag's original format), or a hub name."""
+    """Examples from a local .jsonl (a line with "endings" is HellaSwag's original format), or a hub name (its local
+    copy under $NANOLATENT_LOCAL_DATA when there is one)."""
+    copy = tokendata.local_data(LOCAL_COPIES[source]) if source in LOCAL_COPIES else ""
+    if copy:
+        print(f"{source}: reading {copy} ({tokendata.LOCAL_DATA_ENV}) in place of the hub")
+        source = copy
     if os.path.isfile(source):
         examples = []
         with open(source) as f:
@@ -87,8 +96,10 @@ def load_mc_examples(source, limit=0):
         try:
             docs = datasets.load_dataset(path, name, split=hub_split)
         except Exception as e:
-            common.die(f"could not load {path} from the Hugging Face hub ({type(e).__name__}); offline, pass a local "
-                       f"jsonl instead: --mc_file=FILE.jsonl with {{\"context\", \"choices\", \"label\"}} per line "
+            offline = (f"export {tokendata.LOCAL_DATA_ENV}=DIR with DIR/{LOCAL_COPIES[source]}, or "
+                       if source in LOCAL_COPIES else "")
+            common.die(f"could not load {path} from the Hugging Face hub ({type(e).__name__}); offline, {offline}pass "
+                       f"a local jsonl: --mc_file=FILE.jsonl with {{\"context\", \"choices\", \"label\"}} per line "
                        f"(HellaSwag's original jsonl also works)")
         examples = [hub_example(source, doc) for doc in docs]
     else:

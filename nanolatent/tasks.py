@@ -224,6 +224,8 @@ def chat_problems(task, dataset, split, max_calc_steps=0):
                 for ex in multiple_choice.load_mc_examples(dataset)]
     name = "test" if split == "val" else "train"
     path = os.path.join(dataset, f"{name}.jsonl")
+    if not os.path.isfile(path) and tokendata.local_data(f"gsm8k/{name}.jsonl"):  # offline: the local copy
+        path = tokendata.local_data(f"gsm8k/{name}.jsonl")
     if os.path.isfile(path):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -233,7 +235,8 @@ def chat_problems(task, dataset, split, max_calc_steps=0):
             rows = datasets.load_dataset("openai/gsm8k", "main", split=name)
         except Exception as e:
             die(f"no {path}, and the hub's openai/gsm8k did not load ({type(e).__name__}); offline, pass "
-                       f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>")
+                f"--dataset=<a folder with GSM8K's train.jsonl and test.jsonl>, or export "
+                f"{tokendata.LOCAL_DATA_ENV}=DIR with DIR/gsm8k/train.jsonl and test.jsonl")
     return [(row["question"], gsm8k_answer(row["answer"])) for row in rows
             if not max_calc_steps or gsm8k_steps(row["answer"]) <= max_calc_steps]
 

@@ -18,12 +18,15 @@ LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (g
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits.
+# Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits, and the local
+# copies under $NANOLATENT_LOCAL_DATA that prepare.py reads in their place (training file, then validation file).
 HUB_DATASETS = {
-    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation"),
-    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation"),
+    "writingprompts": dict(path="euclaise/writingprompts", fields=("prompt", "story"), train="train", val="validation",
+                           local=("writingprompts/wp_sample_train.jsonl", "writingprompts/wp_sample_test.jsonl")),
+    "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation",
+                        local=("tinystories/tinystories_head_197k.txt",)),
     "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
-                        val=None),
+                        val=None, local=()),
 }
 
 
@@ -80,7 +83,14 @@ def byte_level(token):
 def gpt2_from_file(bpe_file):
     import tiktoken
     import tiktoken.load
-    ranks = tiktoken.load.load_tiktoken_bpe(bpe_file)
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(bpe_file)
+    except (OSError, ValueError) as e:  # a folder, unreadable, or lines that are not `base64 rank`
+        ranks = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if not isinstance(ranks, dict) or len(ranks) != 50256:
+        found = ranks if isinstance(ranks, str) else f"{len(ranks):,} tokens"
+        die(f"{bpe_file} is not GPT-2's BPE in tiktoken's format ({found}; GPT-2's has 50,256 lines "
+            f"`base64(bytes) rank`): it is openai/whisper's whisper/assets/gpt2.tiktoken")
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 

@@ -434,7 +434,7 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     try:
         from gguf import GGUFReader
     except ImportError:
-        common.die("scripts/convert.py gguf needs the gguf package: pip install gguf")
+        common.die(f"scripts/convert.py gguf needs the gguf package to read {gguf_file}: pip install gguf")
     try:
         reader = GGUFReader(gguf_file)
     except Exception as e:  # not a GGUF, or one cut short
@@ -509,9 +509,10 @@ def gpt2_tokenizer_json(ranks, path):
     tok.save(path)
 
 
-def tokenizer_files(meta, dst):
+def tokenizer_files(meta, dst, shown):
     """Copy the run's Hugging Face tokenizer into dst, or write GPT-2's from the BPE the run was prepared with (the
-    local file its meta records, else tiktoken's); for a char run, one line on what the user must supply."""
+    local file its meta records, else tiktoken's); for a char run, one line on what the user must supply. shown: the
+    folder the user asked for (dst is where it is staged)."""
     if meta["tokenizer"] == "hf":
         tokenizer_file = meta["tokenizer_file"]
         tokendata.hf_tokenizer(tokenizer_file)  # one clear line if it is gone
@@ -537,7 +538,7 @@ def tokenizer_files(meta, dst):
         print(f"wrote GPT-2's tokenizer (tokenizer.json, tokenizer_config.json) from {used or 'tiktoken'}")
     else:
         print(f"the run's {meta['tokenizer']} tokenizer has no Hugging Face form: its ids index meta['chars'] of the "
-              f"checkpoint; supply a tokenizer for {dst} yourself (the weights load without one)")
+              f"checkpoint; supply a tokenizer for {shown} yourself (the weights load without one)")
 
 
 def chat_files(meta, dst):
@@ -553,7 +554,10 @@ def chat_files(meta, dst):
 
 
 def export_hf(out_dir, dst):
+    """The run as a Hugging Face Llama folder, written whole into a staging folder beside dst and moved into dst only
+    then: a failed write (a full disk, a read-only folder) leaves dst as it was (absent, if it was) and no staging."""
     try:
+        import safetensors
         from safetensors.torch import save_file
     except ImportError:
         common.die("scripts/convert.py to_hf writes model.safetensors, which needs the safetensors package: "
@@ -568,14 +572,32 @@ def export_hf(out_dir, dst):
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]
     hf = llama.imported_hf_config(checkpoint)  # an imported model keeps its special tokens
     gpt2_eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None
-    os.makedirs(dst, exist_ok=True)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(llama.hf_config(cfg, dtype, hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot)), f,
-                  indent=2)
+    made = os.path.abspath(dst)  # the outermost folder this call creates, removed again if the export fails
+    while not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    made = None if os.path.exists(made) else made
+    staging, done = f"{os.path.normpath(dst)}.tmp{os.getpid()}", False
+    try:
+        os.makedirs(staging)
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(llama.hf_config(cfg, dtype, hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot)),
+                      f, indent=2)
+        tokenizer_files(checkpoint["meta"], staging, dst)
+        chat_files(checkpoint["meta"], staging)
+        os.makedirs(dst, exist_ok=True)
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(dst, name))
+        done = True
+    except (OSError, safetensors.SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:200]
+        common.die(f"could not write {dst}: {reason}{common.free_space(dst)}; {dst} is as it was (no staging "
+                   f"folder is left)")
+    finally:  # also when a step above stops with one line (a tokenizer file gone)
+        shutil.rmtree(staging, ignore_errors=True)
+        if made and not done:
+            shutil.rmtree(made, ignore_errors=True)
     print(f"wrote {dst}/config.json and model.safetensors ({len(tensors)} tensors, {dtype}) from {path}")
-    tokenizer_files(checkpoint["meta"], dst)
-    chat_files(checkpoint["meta"], dst)
 
 
 def main(argv=None):

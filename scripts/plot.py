@@ -37,8 +37,42 @@ def read_records(run_dir):
     return records
 
 
+def run_names(run_dirs):
+    """A label per run: its folder's name, or its path where two runs share a name (a/run, b/run)."""
+    paths = [os.path.normpath(d) for d in run_dirs]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        common.die(f"{', '.join(twice)} given twice: give each run once")
+    names = [os.path.basename(p) for p in paths]
+    return [name if names.count(name) == 1 else path for name, path in zip(names, paths)]
+
+
+SIGNATURE = "nanolatent plot.py"  # in each figure's metadata and JSON: what plot.py may replace
+
+
+def check_out(out, *beside):
+    """--out, and the files beside it plot.py writes, must be plot.py's own if they exist: a file there that plot.py
+    did not write (evaluate.py's --out_json, a study's figure) is refused before anything is drawn."""
+    for path in (out, *beside):
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    ours = SIGNATURE.encode() in f.read()
+            except OSError:
+                ours = False
+            if not ours:
+                common.die(f"--out={out} would replace {path}, which plot.py did not write: choose another --out")
+
+
+def save(fig, out):
+    """The figure, signed in its metadata (PNG's Software, PDF's and SVG's Creator)."""
+    fig.savefig(out, dpi=100, metadata={"Software" if out.lower().endswith(".png") else "Creator": SIGNATURE})
+
+
 def plot_runs(run_dirs, keys, x_key, out):
-    runs = {os.path.basename(os.path.normpath(d)): read_records(d) for d in run_dirs}
+    runs = {name: read_records(d) for name, d in zip(run_names(run_dirs), run_dirs)}
+    points_json = os.path.splitext(out)[0] + ".json"  # the points drawn, beside the figure
+    check_out(out, points_json)
     known = sorted({k for records in runs.values() for r in records for k in r})
     if keys == ("val_loss",) and "val_ce_prior" in known:  # the default panel, and the honest CE beside it
         keys = (*keys, "val_ce_prior")
@@ -56,10 +90,11 @@ def plot_runs(run_dirs, keys, x_key, out):
         ax.set_title(key)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the points drawn, beside the figure
-        json.dump({"x": x_key, **{key: {name: [(r[x_key], r[key]) for r in records if r.get(key) is not None]
-                                        for name, records in runs.items()} for key in keys}}, f, indent=1)
+    save(fig, out)
+    with open(points_json, "w") as f:
+        json.dump({"written_by": SIGNATURE, "x": x_key,
+                   **{key: {name: [(r[x_key], r[key]) for r in records if r.get(key) is not None]
+                            for name, records in runs.items()} for key in keys}}, f, indent=1)
 
 
 def read_eval(path):
@@ -77,6 +112,7 @@ def plot_eval(paths, out, floor=1e-6):
     """Bars per metric and run on a log axis; exact zeros (a deterministic model's MI, flip rate) drawn at a marked
     floor, as the EVE paper does, since log(0) has no place on the axis."""
     runs = {name: metrics for path in paths for name, metrics in read_eval(path).items()}
+    check_out(out)
     keys = [k for k in EVAL_KEYS if any(k in m for m in runs.values())]
     if not keys:
         common.die(f"none of the Monte Carlo metrics {', '.join(EVAL_KEYS)} is in {', '.join(paths)}")
@@ -95,11 +131,13 @@ def plot_eval(paths, out, floor=1e-6):
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))], keys, rotation=30, ha="right")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    save(fig, out)
 
 
 if not paths:
     common.die("what to plot? give train.py out_dirs, or evaluate.py JSON files: python -m scripts.plot out-det out-eve")
+if os.path.splitext(out)[1].lower() not in (".png", ".pdf", ".svg"):
+    common.die(f"--out={out} is the figure: name a .png, .pdf or .svg file")
 if all(path.endswith(".json") for path in paths):
     plot_eval(paths, out)
 elif any(path.endswith(".json") for path in paths):

@@ -206,7 +206,14 @@ def main():
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
     start = checkpoint["iter_num"] if resume else 0
     if resume:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # AdamW's moments are the run's, its settings this command's
+        changed = [f"{key}={config[key]!r} (was {checkpoint['config'][key]!r})" for key in
+                   ("learning_rate", "weight_decay", "beta1", "beta2") if config[key] != checkpoint["config"][key]]
+        for group in optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2))
+        optimizer.param_groups[0]["weight_decay"] = weight_decay  # configure_optimizers: the matrices; norms: none
+        if changed:
+            print(f"resuming with {', '.join(changed)}")
         if start > max_steps:
             common.die(f"{ckpt_file} is at step {start}, past --max_steps={max_steps}: give a larger --max_steps")
 
@@ -251,7 +258,7 @@ def main():
                 if saved is not None else "no step was done and nothing was written; run the same command to start "
                                           "again")
         print(f"stopped by {signal.Signals(stop.signum).name}: {what}", file=sys.stderr)
-        sys.exit(128 + stop.signum)
+        stop.exit(128 + stop.signum)
 
     for step in range(start, max_steps + 1):
         if stop:

@@ -1,6 +1,8 @@
 """The README and docs/ cannot drift from the code: every `python <script>.py ... --key=value` and
-`python -m scripts.<name> ...` or `python -m experiments.<name> ... --key=value` they show names a key the script accepts, every config file they pass
-exists, and every local link and image resolves. Parsed, never run: the whole check takes well under a second."""
+`python -m scripts.<name> ...` or `python -m experiments.<name> ... --key=value` they show names a key the script
+accepts, every config file they pass exists, every sample.py line fits the context of the run a train.py line of the
+same page trains, and every local link and image resolves. Parsed, never run: the whole check takes well under a
+second."""
 
 import ast
 import glob
@@ -8,9 +10,12 @@ import os
 import re
 import shlex
 
+import numpy as np
 import pytest
 
+import configurator
 from conftest import ROOT
+from nanolatent import tasks
 
 DOCS = ["README.md", "BENCHMARKS.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 MODEL_SCRIPTS = {"train.py", "sample.py", "evaluate.py"}  # also take any field of the model's Config
@@ -124,6 +129,87 @@ def test_every_documented_command_passes_keys_its_script_accepts(doc):
             if arg.startswith("config/") and arg.endswith(".py") and not os.path.isfile(os.path.join(ROOT, arg)):
                 problems.append(f"{script} {arg}: no such config file")
     assert not problems, f"{doc}:\n" + "\n".join(problems)
+
+
+def literal_defaults(tree, names):
+    """{name: value} of the module-level (or class-level) assignments of names whose value is a literal."""
+    found = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id in names and node.value is not None:
+            try:
+                found[target.id] = ast.literal_eval(node.value)
+            except ValueError:  # an expression (device = "cuda" if ...): not a default this check needs
+                pass
+    return found
+
+
+def trained_block_sizes(doc_commands):
+    """{out_dir: block_size} of the runs a page's train.py lines train, each read as train.py reads it: its defaults,
+    then its config files (run from the repo root, as the page's commands are), then --key=value; the block_size a
+    run leaves unset is its model's default, or one synthetic sequence (train.py's default for fixed-length data)."""
+    defaults = literal_defaults(ast.parse(read("train.py")), {"out_dir", "model_type", "dataset"})
+    runs, cwd = {}, os.getcwd()
+    os.chdir(ROOT)  # a config file may exec another by a path relative to the repo root
+    try:
+        for script, args in doc_commands:
+            if script != "train.py":
+                continue
+            values = dict(defaults)
+            for arg in args:
+                if arg.endswith(".py"):
+                    values.update(configurator.read_config_file(arg))
+            values.update(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+            if "block_size" not in values:
+                if values["dataset"] == "synthetic":
+                    values["block_size"] = len(tasks.synthetic_sequences(1, np.random.default_rng(0))[0]) - 1
+                else:
+                    config = next(n for n in ast.parse(read(f"model_{values['model_type']}.py")).body
+                                  if isinstance(n, ast.ClassDef) and n.name == "Config")
+                    values["block_size"] = literal_defaults(config, {"block_size"})["block_size"]
+            runs[values["out_dir"]] = int(values["block_size"])
+    finally:
+        os.chdir(cwd)
+    return runs
+
+
+def sample_lengths(args):
+    """(out_dir, the most tokens the prompt can take, new tokens) of a sample.py line: a token is at least one byte in
+    every tokenizer the runs use (characters, GPT-2's byte-level BPE)."""
+    defaults = literal_defaults(ast.parse(read("sample.py")), {"out_dir", "start", "max_new_tokens"})
+    values = {**defaults, **dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)}
+    out_dir = values["out_dir"][:-len("/ckpt.pt")] if values["out_dir"].endswith("/ckpt.pt") else values["out_dir"]
+    return out_dir, len(values["start"].encode()), int(values["max_new_tokens"])
+
+
+def checked_sample_lines(doc):
+    """(out_dir, prompt tokens, new tokens, the run's block_size) for the page's sample.py lines whose run a train.py
+    line of the same page, or else of the README, trains (a prompt read from a file, and runs imported or trained
+    elsewhere, are not known here)."""
+    found = commands(read(doc))
+    runs = {**trained_block_sizes(commands(read("README.md"))), **trained_block_sizes(found)}
+    lines = [sample_lengths(args) for script, args in found
+             if script == "sample.py" and not any(a.startswith("--start=FILE:") for a in args)]
+    return [(out_dir, prompt, new, runs[out_dir]) for out_dir, prompt, new in lines if out_dir in runs]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_documented_sample_line_fits_the_context_of_its_run(doc):
+    """sample.py refuses a prompt plus --max_new_tokens beyond the run's block_size: a page's command must fit."""
+    problems = [f"sample.py --out_dir={out_dir}: prompt of up to {prompt} tokens + {new} new tokens exceeds the run's "
+                f"block_size={block_size}" for out_dir, prompt, new, block_size in checked_sample_lines(doc)
+                if prompt + new > block_size]
+    assert not problems, f"{doc}:\n" + "\n".join(problems)
+
+
+def test_the_context_check_reads_the_runs_of_the_readme_and_catches_a_line_too_long():
+    checked = {(out_dir, block_size) for out_dir, _, _, block_size in checked_sample_lines("README.md")}
+    assert {("out", 66), ("out-det-shakespeare-char", 128)} <= checked  # the quick start's run and Tiny Shakespeare's
+    too_long = commands("```sh\npython train.py config/det_shakespeare_char.py\npython sample.py "
+                        "--out_dir=out-det-shakespeare-char --start=ROMEO: --max_new_tokens=123\n```\n")
+    assert "out-det-shakespeare-char" in {line[0] for line in checked_sample_lines("docs/evaluation.md")}  # README's
+    assert trained_block_sizes(too_long) == {"out-det-shakespeare-char": 128}
+    assert sample_lengths(too_long[1][1]) == ("out-det-shakespeare-char", 6, 123)  # 6 + 123 > 128
 
 
 def slug(heading):

@@ -256,6 +256,13 @@ HELLASWAG = os.path.join(SHARED_DATA, "hellaswag", "hellaswag_val_sample1000.jso
 
 
 @pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} (../shared/data)")
+def test_the_hub_name_hellaswag_reads_the_local_copy_under_the_offline_variable(monkeypatch, capsys):
+    monkeypatch.setenv("NANOLATENT_LOCAL_DATA", SHARED_DATA)
+    assert multiple_choice.load_mc_examples("hellaswag") == multiple_choice.load_mc_examples(HELLASWAG)
+    assert f"hellaswag: reading {HELLASWAG} (NANOLATENT_LOCAL_DATA) in place of the hub" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} (../shared/data)")
 def test_hellaswag_preprocessing_follows_the_harness_on_the_shared_sample():
     examples = multiple_choice.load_mc_examples(HELLASWAG)
     assert len(examples) == 1000 and all(len(e["choices"]) == 4 for e in examples)

@@ -3,10 +3,10 @@ neuron's memory, KV-cache decoding with pinned noise, the sigma -> 0 limit, the 
 diagnostics, loading checkpoints from before the memory term."""
 
 import dataclasses
-import math
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributions import Normal, kl_divergence
@@ -154,12 +154,38 @@ def test_ar_prior_decode_steps_reproduce_the_parallel_scan():
         mlp.prior_m0.normal_()
     z = torch.randn(2, 20, mlp.config.n_latent, generator=gen(3))
     full_mu, full_lv = mlp.prior(z, 0)
-    mlp.prior_cache = model_eve.PriorCache(2, mlp.config.n_latent, z.device)
+    mlp.prior_cache = model_eve.PriorCache(2, mlp.config.n_latent, z.device, z.dtype)
     steps = [mlp.prior(z[:, :5], 0)[0]]  # prefill of 5 positions, then one position per call
     steps += [mlp.prior(z[:, t:t + 1], t)[0] for t in range(5, 20)]
     assert torch.allclose(torch.cat(steps, dim=1), full_mu, atol=1e-6)
     assert torch.allclose(mlp.prior_cache.mean, torch.tanh(mlp.ar_a) * full_mu[:, -1] + mlp.ar_b * z[:, -1])
     assert torch.equal(full_lv, mlp.prior_logvar)  # the static prior scale, (D,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv_cache_decode_in_reduced_precision_gives_float32s_logits_to_its_rounding(dtype):
+    """sample.py --dtype=bfloat16 casts the weights: the AR prior's state (PriorCache) follows them, so a decode step
+    meets no float32 tensor and gives float32's logits to the dtype's rounding."""
+    model = make(ar_b_init=0.3)
+    B, T, P = 2, 12, 5
+    idx = tokens(B=B, T=T)
+
+    def decode():
+        latents = model.sample_latents(B, gen(0))
+        model.setup_kv_cache(B, T)
+        try:
+            steps = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
+            steps += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
+        finally:
+            model.clear_kv_cache()
+        return torch.cat(steps, dim=1).float()
+
+    reference = decode()
+    for p in model.parameters():  # as sample.py casts them
+        p.data = p.data.to(dtype)
+    reduced = decode()
+    assert reduced.shape == reference.shape == (B, T - P + 1, model.config.vocab_size)
+    assert (reduced - reference).abs().max() < 0.05 * reference.abs().max()
 
 
 def test_kv_cache_matches_full_forward_with_pinned_latents():

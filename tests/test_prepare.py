@@ -149,3 +149,86 @@ def test_arith_data_is_the_same_whatever_the_string_hash_seed(tmp_path, monkeypa
         run_script("prepare.py", "arith", "--num_train=200", "--num_val=20", f"--name=a{hash_seed}", data_dir=tmp_path)
     assert all((tmp_path / "a1" / f"{s}.bin").read_bytes() == (tmp_path / "a2" / f"{s}.bin").read_bytes()
                for s in ("train", "val"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+@pytest.mark.parametrize("source, as_text", [
+    ("writingprompts", ["writingprompts/wp_sample_train.jsonl",
+                        "--val_input={local}/writingprompts/wp_sample_test.jsonl", "--fields=prompt,story"]),
+    ("tinystories", ["tinystories/tinystories_head_197k.txt"]),
+])
+def test_a_hub_dataset_reads_its_local_copies_as_prepare_text_would(source, as_text, tmp_path):
+    """Under NANOLATENT_LOCAL_DATA the hub names the docs list are prepared from the copies, without the hub: the
+    tokens prepare.py text writes from the same files."""
+    local = os.environ[tokendata.LOCAL_DATA_ENV]
+    proc = run_script("prepare.py", source, f"--bpe_file={GPT2_BPE}", "--max_docs=50", data_dir=tmp_path)
+    assert f"reading {local}/{as_text[0]}" in proc.stdout
+    run_script("prepare.py", "text", f"--input={local}/{as_text[0]}", *[a.format(local=local) for a in as_text[1:]],
+               f"--bpe_file={GPT2_BPE}", "--max_docs=50", "--name=as_text", data_dir=tmp_path)
+    for split in ("train", "val"):
+        assert (tmp_path / source / f"{split}.bin").read_bytes() == (tmp_path / "as_text" / f"{split}.bin").read_bytes()
+    assert len(read(tmp_path, source, "train")[0]) > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+def test_a_hub_failure_names_the_offline_variable_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, str(tmp_path / "copies"))  # a folder without the copies
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub unreachable at once, as on a machine without a network
+    proc = run_script("prepare.py", "tinystories", f"--bpe_file={GPT2_BPE}", data_dir=tmp_path / "data", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "export NANOLATENT_LOCAL_DATA=DIR with DIR/tinystories/tinystories_head_197k.txt" in proc.stderr
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*"))  # not even a .tmp
+
+
+@pytest.mark.slow
+def test_a_full_disk_leaves_the_dataset_prepared_before_and_no_tmp(tmp_path):
+    """A write that fails (here a .tmp that is /dev/full, so the real ENOSPC) ends in one line; the files of the
+    dataset prepared earlier under that name are untouched, since every file is moved into place only once all are
+    whole."""
+    (tmp_path / "in.txt").write_text("some text, enough of it\n" * 20)
+    prepare = ["prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x"]
+    run_script(*prepare, data_dir=tmp_path / "data")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "data" / "x").iterdir()}
+    (tmp_path / "in.txt").write_text("other words entirely\n" * 20)
+    os.symlink("/dev/full", tmp_path / "data" / "x" / "val.bin.tmp")
+    proc = run_script(*prepare, data_dir=tmp_path / "data", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"could not write {tmp_path / 'data' / 'x' / 'val.bin'}: No space left on device" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data" / "x").iterdir()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line, phrase", [
+    ('["a", "list"]', "line 2 is a JSON list, not an object"),
+    ('"a string"', "line 2 is a JSON str, not an object"),
+])
+def test_a_jsonl_line_that_is_not_an_object_is_one_line(line, phrase, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.jsonl'}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and phrase in proc.stderr, proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+def test_char_documents_without_a_newline_keep_the_blank_line_that_joins_them(tmp_path):
+    """WritingPrompts' --fields=prompt: no document holds a newline, yet documents are joined by one blank line."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(10)))
+    run_script("prepare.py", "text", f"--input={tmp_path / 'in.jsonl'}", "--fields=prompt", "--tokenizer=char",
+               "--name=p", data_dir=tmp_path)
+    train, meta = read(tmp_path, "p", "train")
+    assert tokendata.tokenizer(meta)[1](train.tolist()) == "\n\n".join(f"p{i}" for i in range(9))
+    assert "\n" in meta["chars"] and len(read(tmp_path, "p", "val")[0]) == 2  # "p9"
+
+
+@pytest.mark.slow
+def test_an_empty_gpt2_bpe_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "gpt2.tiktoken").write_bytes(b"")
+    (tmp_path / "in.txt").write_text("some text\n")
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}",
+                      f"--bpe_file={tmp_path / 'gpt2.tiktoken'}", "--name=x", data_dir=tmp_path / "data", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{tmp_path / 'gpt2.tiktoken'} is not GPT-2's BPE in tiktoken's format (0 tokens" in proc.stderr
+    assert not (tmp_path / "data").exists()

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -81,3 +82,50 @@ def test_plot_bad_input_is_one_clear_line(tmp_path, case, message):
         (run / "metrics.jsonl").write_text("" if case == "empty" else json.dumps({"iter": 0, "val_ce": 1.0}) + "\n")
     proc = run_script("-m", "scripts.plot", run, "--keys=val_cee", data_dir=tmp_path, check=False)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def fake_run(folder, losses):
+    """A run folder as plot.py reads it: metrics.jsonl with an evaluation per loss."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"iter": 2 * i, "val_loss": v}) + "\n"
+                                                  for i, v in enumerate(losses)))
+
+
+@pytest.mark.slow
+@needs_matplotlib
+def test_plot_draws_two_runs_of_the_same_name_as_two_curves_and_redraws_its_own_file(tmp_path):
+    fake_run(tmp_path / "a" / "run", [3.0, 2.0])
+    fake_run(tmp_path / "b" / "run", [3.5, 1.5])
+    out = tmp_path / "curves.png"
+    for _ in range(2):  # the second time over the files the first wrote
+        run_script("-m", "scripts.plot", tmp_path / "a" / "run", tmp_path / "b" / "run", f"--out={out}",
+                   data_dir=tmp_path)
+    drawn = json.loads((tmp_path / "curves.json").read_text())
+    assert drawn["val_loss"] == {str(tmp_path / "a" / "run"): [[0, 3.0], [2, 2.0]],
+                                 str(tmp_path / "b" / "run"): [[0, 3.5], [2, 1.5]]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("taken", ["curves.json", "curves.png"])
+def test_plot_never_replaces_a_file_it_did_not_write(taken, tmp_path):
+    """evaluate.py --out_json=curves.json, or a study's figure, where --out=curves.png would write: refused, kept."""
+    fake_run(tmp_path / "run", [3.0, 2.0])
+    (tmp_path / taken).write_text('{"task": "lm", "results": {"run": {"nll": 1.2}}}')
+    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'curves.png'}", data_dir=tmp_path,
+                      check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{tmp_path / taken}" in proc.stderr and "--out" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", taken])
+    assert (tmp_path / taken).read_text() == '{"task": "lm", "results": {"run": {"nll": 1.2}}}'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, named", [
+    (["{tmp}/run", "{tmp}/run/"], ("{tmp}/run", "twice")),
+    (["{tmp}/run", "--out={tmp}/curves.json"], ("--out={tmp}/curves.json", ".png")),
+])
+def test_plot_run_given_twice_or_an_out_that_is_no_figure_is_one_line(args, named, tmp_path):
+    fake_run(tmp_path / "run", [3.0, 2.0])
+    proc = run_script("-m", "scripts.plot", *[a.format(tmp=tmp_path) for a in args], data_dir=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert all(n.format(tmp=tmp_path) in proc.stderr for n in named) and sorted(os.listdir(tmp_path)) == ["run"]

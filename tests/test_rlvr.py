@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -147,6 +148,14 @@ def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
         f.writelines(json.dumps(item) + "\n" for item in items)
     ((question, label),) = tasks.chat_problems("hellaswag", tmp_path / "mc.jsonl", "val")
     assert label == "C" and question == tasks.lettered_question("The cat", ["sat.", "flew.", "sang."])
+
+
+def test_gsm8k_without_its_files_in_dataset_reads_the_local_copies_under_the_offline_variable(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    with open(tmp_path / "gsm8k" / "test.jsonl", "w") as f:
+        f.write(json.dumps({"question": "1 + 1?", "answer": "1+1=<<1+1=2>>2\n#### 2"}) + "\n")
+    monkeypatch.setenv("NANOLATENT_LOCAL_DATA", str(tmp_path))
+    assert tasks.chat_problems("gsm8k", "openai/gsm8k", "val") == [("1 + 1?", 2.0)]
 
 
 def test_replies_are_decoded_up_to_the_stop_and_chat_verify_reads_each_prompts_label(tmp_path):
@@ -367,3 +376,43 @@ def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_copies(t
     (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text("")
     assert (configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"]
             == str(tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_at_the_learning_rate_it_is_given_and_says_it_changed(arith_ckpt, tmp_path):
+    root, det_out = arith_ckpt
+    args = ["--eval_interval=5", "--eval_prompts=4", "--eval_samples=2", "--prompts_per_step=2", "--group_size=2",
+            "--device=cpu"]
+    run_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=1", *args,
+               data_dir=root)
+    proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=2",
+                      "--learning_rate=1e-3", "--weight_decay=0.1", *args, data_dir=root)
+    assert "resuming with learning_rate=0.001 (was 1e-05), weight_decay=0.1 (was 0.0)" in proc.stdout
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert checkpoint["iter_num"] == 2 and checkpoint["config"]["learning_rate"] == 1e-3
+    assert [(g["lr"], g["weight_decay"]) for g in checkpoint["optimizer"]["param_groups"]] == [(1e-3, 0.1), (1e-3, 0.0)]
+
+
+@pytest.mark.slow
+def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith_ckpt, tmp_path):
+    """The second SIGTERM lands while the process exits (torch's atexit callbacks), or while it saves: the default
+    handler is back by then, or the save is dropped as a second signal asks, with no traceback either way and no
+    temporary file; a checkpoint written is whole."""
+    root, det_out = arith_ckpt
+    env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}",
+                             "--max_steps=50", "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2",
+                             "--prompts_per_step=2", "--group_size=2", "--device=cpu"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM) and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "stopped by" in stderr
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+    if (tmp_path / "ckpt.pt").exists():  # the second signal came after the save (else: before it, nothing saved)
+        assert ckpt.load_model(tmp_path)[1]["iter_num"] == 4

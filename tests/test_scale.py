@@ -36,9 +36,9 @@ def losses(out_dir):
 
 
 def sharded_weights(out_dir, tmp_path):
-    """The full state dict of an FSDP run's out_dir/ckpt_dcp, gathered on this one process."""
+    """The full state dict of the FSDP checkpoint out_dir/ckpt_meta.pt links to, gathered on this one process."""
     path = tmp_path / f"gathered_{os.path.basename(out_dir)}.pt"
-    dcp_to_torch_save(os.path.join(out_dir, "ckpt_dcp"), path)
+    dcp_to_torch_save(os.path.dirname(os.path.realpath(os.path.join(out_dir, "ckpt_meta.pt"))), path)
     return torch.load(path, weights_only=True)
 
 
@@ -67,15 +67,17 @@ def det_runs(data_root, tmp_path_factory):
 
 
 def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(det_runs, tmp_path):
-    sharded = sharded_weights(det_runs / "fsdp", tmp_path)
-    assert sharded["iter_num"] == 6
-    assert_same_weights(sharded["model"], plain_weights(det_runs / "single"))
-    assert not os.path.exists(det_runs / "fsdp" / "ckpt_dcp.tmp") and not os.path.exists(det_runs / "fsdp" / "ckpt.pt")
+    assert os.readlink(det_runs / "fsdp" / "ckpt_meta.pt") == os.path.join(ckpt.CHECKPOINTS, "iter_0000006",
+                                                                          "ckpt_meta.pt")
+    assert_same_weights(sharded_weights(det_runs / "fsdp", tmp_path)["model"], plain_weights(det_runs / "single"))
+    assert sorted(os.listdir(det_runs / "fsdp" / ckpt.CHECKPOINTS)) == ["iter_0000003", "iter_0000006"]
+    assert not os.path.exists(det_runs / "fsdp" / "ckpt.pt")
 
 
 def test_fsdp_meta_checkpoint_holds_plain_types_and_the_run(det_runs):
     meta = torch.load(det_runs / "fsdp" / "ckpt_meta.pt", weights_only=True)
-    assert sorted(meta) == ["best_val_loss", "config", "iter_num", "meta", "model_config", "model_type"]
+    assert sorted(meta) == ["best_val_loss", "config", "iter_num", "meta", "model_config", "model_type",
+                            "selected_iter"]
     assert meta["model_type"] == "det" and meta["iter_num"] == 6 and meta["config"]["fsdp"] is True
     assert meta["model_config"]["n_embd"] == 32 and meta["meta"]["vocab_size"] == meta["model_config"]["vocab_size"]
 
@@ -96,7 +98,7 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
     """docs/training.md's gathering snippet, run as written in a folder whose out/ is an FSDP run."""
     with open(os.path.join(ROOT, "docs", "training.md")) as f:
         snippet = re.search(r"^python - <<'PY'\n(.*?)^PY\n", f.read(), re.S | re.M).group(1)
-    shutil.copytree(det_runs / "fsdp", tmp_path / "out")
+    shutil.copytree(det_runs / "fsdp", tmp_path / "out", symlinks=True)  # as cp -r and rsync -a copy a run
     run_script(sys.executable, "-c", snippet, cwd=tmp_path, data_dir=tmp_path)
     model, checkpoint = ckpt.load_model(tmp_path / "out-export")
     assert checkpoint["iter_num"] == 6 and "optimizer" not in checkpoint

@@ -1,0 +1,266 @@
+"""Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
+steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import ROOT, TINY, records, run_script, train_det
+from kill_in_save import job, kill_job
+
+from nanolatent import ckpt
+
+MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
+TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
+
+
+def command(mode, out_dir, *args, kill_in_save=False):
+    """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun;
+    through tests/kill_in_save.py to inject a kill."""
+    flags, nproc = MODES[mode]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
+    return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model_type=det", *TINY, *flags,
+            "--gradient_accumulation_steps=2", "--init_from=auto", *args]
+
+
+def launch(cmd, data_root, stdout, **env):
+    """The job, in a session of its own (Ctrl-C to pytest does not reach it)."""
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def run(cmd, data_root, **env):
+    """Run the job to its end; (exit code, output)."""
+    proc = launch(cmd, data_root, subprocess.PIPE, **env)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def finish(cmd, data_root):
+    code, out = run(cmd, data_root)
+    assert code == 0, out[-3000:]
+    return out
+
+
+def untimed(out_dir):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records(out_dir)]
+
+
+def newest_weights(out_dir, tmp_path):
+    """The model of the newest checkpoint folder, gathered from its shards under FSDP."""
+    saved = ckpt.saved_steps(out_dir)
+    folder = saved[max(saved)]
+    if os.path.exists(os.path.join(folder, "ckpt.pt")):
+        return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["model"]
+    gathered = tmp_path / f"gathered_{os.path.basename(out_dir)}.pt"
+    dcp_to_torch_save(folder, gathered)
+    return torch.load(gathered, weights_only=True)["model"]
+
+
+def assert_same_run(out_dir, full, tmp_path):
+    """The same records, the same final weights bit for bit, the same folders kept and the same link."""
+    assert untimed(out_dir) == untimed(full)
+    a, b = newest_weights(out_dir, tmp_path), newest_weights(full, tmp_path)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(os.listdir(out_dir / ckpt.CHECKPOINTS)) == sorted(os.listdir(full / ckpt.CHECKPOINTS))
+    link = next(name for name in ckpt.RUN_FILES if os.path.islink(full / name))
+    assert os.readlink(out_dir / link) == os.readlink(full / link)
+
+
+# Saves at steps 0 and 1 (each the best so far, linked as ckpt.pt); the second prunes the first (keep 1).
+SAVES = ["--max_iters=1", "--eval_interval=1", "--keep_checkpoints=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkpoint(mode, data_root, tmp_path):
+    """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, until the run ends
+    without one; each time the same command resumes from the newest folder committed before the kill (or starts,
+    when none was) and ends as the uninterrupted run did."""
+    full = tmp_path / "full"
+    finish(command(mode, full, *SAVES), data_root)
+    n = 0
+    while True:
+        n += 1
+        out_dir, ops = tmp_path / f"kill{n}", tmp_path / f"ops{n}.txt"
+        code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
+                        NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
+        if code == 0:  # n is past the last change of the run: every one was killed once
+            break
+        assert code == -signal.SIGKILL, out[-3000:]
+        done = ops.read_text().splitlines() if ops.exists() else []
+        assert len(done) == n - 1
+        committed = [int(m.group(1)) for op in done if (m := re.fullmatch(r"replace \S+\.tmp \S+/iter_(\d+)", op))]
+        resumed = finish(command(mode, out_dir, *SAVES), data_root)
+        if committed:
+            assert f"resuming from {out_dir}/{ckpt.CHECKPOINTS}/iter_{committed[-1]:07d} at iter {committed[-1]}" \
+                   in resumed
+        else:
+            assert "resuming" not in resumed
+        assert_same_run(out_dir, full, tmp_path)
+    done = ops.read_text().splitlines()  # the run that no kill stopped: both saves, both links and the prune
+    commits = [op for op in done if re.fullmatch(r"replace \S+\.tmp \S+/iter_000000[01]", op)]
+    link = re.escape(f"{out_dir}/") + r"ckpt(_meta)?\.pt"
+    links = [op for op in done if re.fullmatch(rf"replace {link}\.tmp\d+ {link}", op)]
+    assert len(commits) == len(links) == 2 and done[-1] == f"rmtree {out_dir}/{ckpt.CHECKPOINTS}/iter_0000000.old"
+
+
+def progress(log_file):
+    """The last step this launch logged (its own stdout: a resumed run's metrics.jsonl starts with the old records)."""
+    steps = re.findall(r"^iter (\d+)/", log_file.read_text(), re.M)
+    return int(steps[-1]) if steps else -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_run(mode, data_root, tmp_path):
+    """The issue's acceptance test: SIGKILL to every process of a 2-process job at 3 random steps, each time restarted
+    with the same --init_from=auto command (what torchrun --max_restarts and SLURM's requeue do)."""
+    args = ["--max_iters=24", "--eval_interval=4", "--checkpoint_interval=3"]
+    full, out_dir = tmp_path / "full", tmp_path / "killed"
+    finish(command(mode, full, *args), data_root)
+    kills = sorted(random.Random(45).sample(range(1, 24), 3))
+    for i, step in enumerate(kills):
+        log_file = tmp_path / f"launch{i}.log"
+        with open(log_file, "w") as log:
+            proc = launch(command(mode, out_dir, *args), data_root, log)
+            while progress(log_file) < step:
+                assert proc.poll() is None, log_file.read_text()[-3000:]
+                time.sleep(0.02)
+            kill_job(job(proc.pid))
+            proc.wait()
+    finish(command(mode, out_dir, *args), data_root)
+    final = [r["val_loss"] for r in records(out_dir) if "val_loss" in r][-1]
+    assert abs(final - [r["val_loss"] for r in records(full) if "val_loss" in r][-1]) < 1e-5
+    assert_same_run(out_dir, full, tmp_path)
+
+
+@pytest.mark.slow
+def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, tmp_path):
+    args = ["--init_from=auto", "--eval_interval=2"]
+    train_det(data_root, tmp_path / "full", *args, "--max_iters=4")
+    first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
+    second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+    assert "resuming" not in first
+    assert f"resuming from {tmp_path / 'part' / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in second
+    assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
+def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type, data_root, tmp_path):
+    """Its evaluation noise (the posterior Z, EVE's eps, B-Trans minds) is seeded from (seed, step, rank, batch):
+    the evaluation at the resumed step, which follows no training step, gives the uninterrupted run's numbers."""
+    args = [f"--model_type={model_type}", "--init_from=auto", "--eval_interval=2"]
+    run_script("train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
+    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_folders(tmp_path):
+    for it in range(1, 6):
+        os.makedirs(tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}")
+        (tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}" / "ckpt.pt").write_text(str(it))
+    os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000009.tmp")  # a save killed halfway
+    os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000000.old")  # a deletion killed halfway
+    ckpt.point(tmp_path, "ckpt.pt", tmp_path / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt")
+    assert sorted(ckpt.saved_steps(tmp_path)) == [1, 2, 3, 4, 5]
+    ckpt.prune(tmp_path, 2, "ckpt.pt")
+    assert sorted(ckpt.saved_steps(tmp_path)) == [2, 4, 5]
+    assert (tmp_path / "ckpt.pt").read_text() == "2" and os.readlink(tmp_path / "ckpt.pt").startswith(ckpt.CHECKPOINTS)
+    ckpt.prune(tmp_path, 0)
+    assert ckpt.saved_steps(tmp_path) == {}
+    assert sorted(os.listdir(tmp_path / ckpt.CHECKPOINTS)) == ["iter_0000000.old", "iter_0000009.tmp"]
+    ckpt.lock_out_dir(tmp_path, "test")  # the next writer removes what killed writers left
+    ckpt.release_out_dir(tmp_path)
+    assert os.listdir(tmp_path / ckpt.CHECKPOINTS) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# failures end the job fast, and say so
+
+
+def ranks(pids):
+    """{rank: pid} of the worker processes among pids."""
+    ranks = {}
+    for pid in pids[1:]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def start_job(data_root, log_file, out_dir, *args):
+    """A 2-process DDP job that trains until stopped; returns once it has logged step 3."""
+    with open(log_file, "w") as log:  # the job writes to its own copy of the file
+        proc = launch(command("ddp", out_dir, "--max_iters=100000", "--eval_interval=100000", *args), data_root, log)
+    while progress(log_file) < 3:
+        assert proc.poll() is None, log_file.read_text()[-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+def test_when_a_process_dies_or_hangs_the_other_stops_with_one_line_within_dist_timeout(signum, data_root, tmp_path):
+    """kill -9 of one process (gloo sees its connection drop), or SIGSTOP (a hang: only the timeout notices): the other
+    process prints one line, not a traceback, and exits, within dist_timeout (10 s here; 20 s of slack for a busy
+    machine)."""
+    log_file = tmp_path / "job.log"
+    proc = start_job(data_root, log_file, tmp_path / "run", "--dist_timeout=10")
+    pids = job(proc.pid)  # now: a stopped process outlives torchrun, which leaves it to init
+    try:
+        os.kill(ranks(pids)[1], signum)
+        t0 = time.time()
+        while "lost the job's other processes" not in log_file.read_text():
+            assert time.time() - t0 < 30, log_file.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        kill_job(pids)
+        proc.wait()
+    text = log_file.read_text()
+    lines = [line for line in text.splitlines() if "lost the job's other processes" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: process 0 lost") and "dist_timeout=10 s" in lines[0]
+    assert "[rank0]" not in text and "train.py\", line" not in text  # no traceback of train.py's
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_the_current_step_in_every_process_without_a_traceback(data_root, tmp_path):
+    """A scheduler's preemption: torchrun passes SIGTERM to its processes, which agree on the step, save it and
+    exit; the same command then resumes from it."""
+    log_file, out_dir = tmp_path / "job.log", tmp_path / "run"
+    proc = start_job(data_root, log_file, out_dir)
+    pids = job(proc.pid)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_job(pids)  # nothing left, unless the test failed
+    text = log_file.read_text()
+    stopped = re.findall(r"stopped by SIGTERM: \S+ holds iter (\d+);", text)
+    assert len(stopped) == 1 and max(ckpt.saved_steps(out_dir)) == int(stopped[0]) > 3
+    assert "[rank0]" not in text and "[rank1]" not in text and "train.py\", line" not in text
+
+
+def test_a_run_is_finished_when_its_newest_checkpoint_is_at_max_iters(tmp_path):
+    """What the studies' train_if_missing asks before training (a killed run has checkpoints too, from step 0)."""
+    def save(it, name):
+        os.makedirs(tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}")
+        torch.save({"iter_num": it, "config": {"max_iters": 6}}, tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}" / name)
+    assert not ckpt.finished(tmp_path)
+    save(0, "ckpt.pt")
+    save(3, "ckpt.pt")
+    assert not ckpt.finished(tmp_path)
+    save(6, "ckpt_meta.pt")  # under FSDP
+    assert ckpt.finished(tmp_path)

@@ -63,10 +63,17 @@ class BayesianBiasNorm(RMSNorm):
         return per_channel.sum() * self.mu.numel() + 0.5 * (self.mu / prior_sigma).pow(2).sum()
 
 
-def precompute_rope(head_dim, max_len, theta):
+def precompute_rope(head_dim, max_len, theta, scaling=None):
     """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
-    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels."""
+    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels.
+    scaling = (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's long-context remap (rope type
+    "llama3"): wavelengths longer than original / low_freq_factor are stretched by factor, those shorter than original
+    / high_freq_factor kept, and the frequencies between blend linearly in original / wavelength."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+    if scaling is not None:
+        factor, low, high, original = scaling
+        blend = (original * inv_freq / (2 * math.pi) - low) / (high - low)  # < 0: stretched, > 1: kept
+        inv_freq = torch.lerp(inv_freq / factor, inv_freq, blend.clamp(0, 1))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (max_len, hd) each
@@ -113,14 +120,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.wv = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        # Qwen3: an RMSNorm over each head's queries and over its keys (one gain of hd, shared by the heads)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else nn.Identity()
         self.kv_cache = None  # a KVCache while generate() runs
 
     def forward(self, x, cos, sin, start_pos):
         B, T, _ = x.shape
         # One matmul per weight, kept apart as Llama checkpoints keep them
-        q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin)
+        q = self.q_norm(self.wq(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.wk(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd) each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # after the norms, as Qwen3 applies them
         if self.kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         else:
@@ -187,9 +198,14 @@ class Config:
     n_head: int = 4  # query heads
     n_kv_head: int = 2  # key/value heads; n_head % n_kv_head == 0 (GQA halves the KV cache here)
     n_embd: int = 128  # model width
+    head_dim: int = None  # query/key/value width of a head; None = n_embd / n_head (Qwen3-0.6B: 128, not 1024 / 16)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and k_norm)
     ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
+    # Llama 3.1's long-context RoPE (precompute_rope): (factor, low_freq_factor, high_freq_factor, original context),
+    # (8, 1, 4, 8192) in Llama-3.1-8B; None: plain RoPE
+    rope_scaling: tuple = None
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
@@ -222,10 +238,14 @@ class Config:
 
     def __post_init__(self):
         # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
-        if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
+        if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
-                             "must be a whole, even head_dim (RoPE rotates pairs) and n_head / n_kv_head whole (GQA)")
-        self.head_dim = self.n_embd // self.n_head
+                             "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        scaling = self.rope_scaling
+        if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
+            raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
         if self.ffn_hidden is None:  # Llama's 8/3 * n_embd, rounded up to a multiple of ffn_multiple_of
             self.ffn_hidden = self.ffn_multiple_of * math.ceil(int(8 * self.n_embd / 3) / self.ffn_multiple_of)
         self.n_norms = 2 * self.n_layer + 1  # every hidden-size RMSNorm is wrapped (§4: attn, mlp, final)
@@ -262,7 +282,7 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # an imported checkpoint may bring a head of its own (scripts/convert.py)
             self.lm_head.weight = self.tok_emb.weight  # tied embeddings (Press & Wolf 2017)
-        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta)
+        cos, sin = precompute_rope(config.head_dim, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -405,11 +425,11 @@ class Model(nn.Module):
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights
-        (the tied head's matmul included, the embedding lookup not) plus 12 * L * C * T for attention scores.
+        (the tied head's matmul included, the embedding lookup not) plus 12 * L * nh * hd * T for attention scores.
         B-Trans adds no matmul (§4.3: "an element-wise addition of a cached tensor"): mu and log_sigma are left out
         of N, and the offset costs 3 FLOPs per element per token, n_norms * C elements: 1 for the add forward, <= 2
         backward (its gradient passes x unchanged; the sums for learned mu, sigma). mu + sigma * eps is per row."""
         cfg = self.config
         n_offset = sum(p.numel() for norm in self.norms() for p in (norm.mu, norm.log_sigma) if p is not None)
-        return (6 * (self.num_params(non_embedding=True) - n_offset) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
-                + 3 * cfg.n_norms * cfg.n_embd)
+        return (6 * (self.num_params(non_embedding=True) - n_offset)
+                + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size + 3 * cfg.n_norms * cfg.n_embd)

@@ -1,5 +1,6 @@
-"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, on GSM8K or on
-HellaSwag as lettered multiple choice (the format of the paper's MMLU-Pro).
+"""B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, or the paper's
+own Qwen3 and Llama-3.x Instruct models (docs/pretrained.md), on the paper's MMLU-Pro, on GSM8K or on HellaSwag as
+lettered multiple choice (MMLU-Pro's format).
 
     python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
@@ -13,11 +14,14 @@ drawn per problem and seed from three arms at the same decoding budget:
   greedy minds  the same minds at temperature 0: all diversity from the minds.
 A seed draws its n minds once, as a population that answers every problem (§5.1).
 gsm8k      the first `num_problems` test problems (with max_steps > 0: of those whose reference solution has at most
-           max_steps calculator steps, an easier real split); completions of max_new_tokens end at the first
-           <|im_end|>; the answer is the number after the last "####", else the last number (tasks.gsm8k_answer).
+           max_steps calculator steps, an easier real split); completions of max_new_tokens end at the end of
+           the turn (tokendata.turn_end: <|im_end|>, <|eot_id|>); the answer is the number after the last "####",
+           else the last number (tasks.gsm8k_answer).
 hellaswag  the first `num_problems` items of HellaSwag's validation sample, the four endings as A-D
            (tasks.lettered_question); the answer is the reply's first token, right when it is the item's letter
            (tasks.letter_answer): every arm's first token is drawn from the prefill's logits, as generate() draws it.
+mmlu_pro   the first `num_problems` questions of MMLU-Pro's test split (B-Trans §5.1), the options as A-J, answered
+           as hellaswag's items are: the letter, the reply's first token (the paper does not say how it reads one).
 pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
 only differences from temperature whose mean ± std intervals do not overlap; every count and curve goes to json_out,
 the curves to its figure (--from_json=True redraws both from the JSON, running nothing). Matrix products go through
@@ -37,12 +41,14 @@ from experiments import study
 from nanolatent import ckpt, common, cpu, multiple_choice, tasks, tokendata
 
 out_dir = "out-smollm2"
-benchmark = "hellaswag"  # 'gsm8k' or 'hellaswag' (lettered multiple choice)
+benchmark = "hellaswag"  # 'gsm8k', or lettered multiple choice: 'hellaswag' or 'mmlu_pro' (the paper's)
 # '' = GSM8K's test split from the hub (openai/gsm8k); offline, test.jsonl under $NANOLATENT_LOCAL_DATA (the same file)
 gsm8k = tokendata.local_data("gsm8k/test.jsonl")
 # a jsonl or the hub's 'hellaswag' (its validation split); offline, and for docs/pretrained.md's numbers, the 1,000-item
 # validation sample under $NANOLATENT_LOCAL_DATA: a random subset, so its first items are not the hub's
 hellaswag = tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
+# a jsonl of MMLU-Pro's rows (question, options, answer_index), or '' = its test split from the hub (TIGER-Lab/MMLU-Pro)
+mmlu_pro = tokendata.local_data("mmlu_pro/test.jsonl")
 num_problems = 100  # the first problems of the benchmark (after the max_steps filter)
 max_steps = 0  # gsm8k: keep problems whose reference takes at most this many calculator steps (0: every problem)
 n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
@@ -56,19 +62,25 @@ time_only = False  # time one problem (three arms, one seed) and stop
 from_json = False  # print the table and draw the figure from json_out, running nothing
 json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json; the figure beside it, .png
 device = "cpu"
+dtype = "float32"  # of the weights: bfloat16 halves the memory (on a GPU, as the paper's models are published)
+# Qwen3's chat template thinks before it answers unless enable_thinking is false: a lettered answer must be the
+# reply's first token, so Qwen3 runs set thinking=False there (other templates ignore the variable)
+thinking = True
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
-                     choices={"benchmark": ("gsm8k", "hellaswag")})
+                     choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro"), "dtype": tuple(common.DTYPES)})
 if max(ks) > n:
     common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
 json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
 ARMS = ("temperature", "minds", "greedy minds")
+HUB = {"gsm8k": ("openai/gsm8k", "main"), "mmlu_pro": ("TIGER-Lab/MMLU-Pro", None)}  # (path, name) of a test split
 
 
 def problems_named(benchmark, max_steps):
     """What the problems are, in words (the log's first line, the figure's title)."""
-    return ("GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else "")
-            if benchmark == "gsm8k" else "HellaSwag validation items as lettered multiple choice")
+    return {"gsm8k": "GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else ""),
+            "hellaswag": "HellaSwag validation items as lettered multiple choice",
+            "mmlu_pro": "MMLU-Pro test questions"}[benchmark]
 
 
 def report(run):
@@ -111,56 +123,73 @@ if from_json:
     with open(json_out) as f:
         report(json.load(f))
     raise SystemExit
-source = gsm8k if benchmark == "gsm8k" else hellaswag
+source = {"gsm8k": gsm8k, "hellaswag": hellaswag, "mmlu_pro": mmlu_pro}[benchmark]
 if source and not os.path.exists(source) and source != "hellaswag":
     common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "
-               f"or HellaSwag's validation jsonl)")
-if benchmark == "gsm8k":
+               f"HellaSwag's validation jsonl, or MMLU-Pro's rows)")
+if benchmark in ("gsm8k", "mmlu_pro"):
+    hub = HUB[benchmark]
     if source:
         with open(source) as f:
-            rows = list(map(json.loads, f))
+            rows = [json.loads(line) for line in f if line.strip()]
     else:
         try:
             import datasets
-            rows = datasets.load_dataset("openai/gsm8k", "main", split="test")
+            rows = datasets.load_dataset(*hub, split="test")
         except Exception as e:
-            common.die(f"openai/gsm8k did not load from the hub ({type(e).__name__}): pass --gsm8k=<GSM8K's test.jsonl>")
+            common.die(f"{hub[0]} did not load from the hub ({type(e).__name__}): pass --{benchmark}=<a local jsonl>")
+if benchmark == "gsm8k":
     problems = [p for p in rows if not max_steps or tasks.gsm8k_steps(p["answer"]) <= max_steps]
     problems = [{"question": p["question"], "answer": tasks.gsm8k_answer(p["answer"])} for p in problems]
+elif benchmark == "mmlu_pro":
+    problems = tasks.mmlu_pro_problems(rows)
 else:
     problems = [{"question": tasks.lettered_question(ex["context"], ex["choices"]),
                  "answer": tasks.LETTERS[ex["label"]], "choices": len(ex["choices"])}
                 for ex in multiple_choice.load_mc_examples(source)]
 problems = problems[:num_problems]
-det, checkpoint = ckpt.load_model(out_dir, device)
-minds = ckpt.load_model(out_dir, device, "btrans", checkpoint=checkpoint, sigma=sigma, sigma_scale=sigma_scale)[0]
-det.eval(), minds.eval()
+# One model in memory, whatever the arm: the minds, and det as the same model with its offsets off (noise_mode
+# 'mean', mu = 0: det's logits bit for bit, tests/test_btrans.py), so an 8B model's weights are held once.
+minds, checkpoint = ckpt.load_model(out_dir, device, "btrans", sigma=sigma, sigma_scale=sigma_scale)
+checkpoint.pop("model")  # the model holds the weights now
+minds.eval()
+for p in minds.parameters():  # the weights only, as sample.py --dtype: RoPE's tables stay float32
+    p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
-end_ids = encode("<|im_end|>")
-if len(end_ids) != 1:
-    common.die(f"{out_dir}'s tokenizer has no <|im_end|> token: this experiment needs SmolLM2's ChatML vocabulary")
-prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"])) for p in problems]
+end_id = tokendata.turn_end(checkpoint["meta"], encode)
+if end_id is None:
+    common.die(f"{out_dir}'s tokenizer_config.json names no end of turn of one token (eos_token): this experiment "
+               f"asks an Instruct model in its chat template")
+prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"], enable_thinking=thinking))
+           for p in problems]
+
+
+def arm_model(arm):
+    """The model an arm samples from: det ('mean': the offsets' mean, 0) for temperature, else the minds."""
+    minds.config.noise_mode = "mean" if arm == "temperature" else "sequence"
+    return minds
 
 
 def gsm8k_correct(seed, i, population):
     """{arm: correct answers of n} for GSM8K problem i: n completions of each arm, decoded to max_new_tokens."""
     correct = {}
     for arm in ARMS:
-        model, T = (det, temperature) if arm == "temperature" else (minds, 0.0 if arm == "greedy minds" else temperature)
-        idx = torch.tensor([prompts[i]]).expand(n, -1)
-        tokens = torch.Generator().manual_seed(common.seed_of(seed, ARMS.index(arm), i))
-        rows = model.generate(idx, max_new_tokens, T, latents=None if model is det else population,
-                            generator=tokens)[:, idx.size(1):].tolist()
-        rows = [row[:row.index(end_ids[0])] if end_ids[0] in row else row for row in rows]
+        T = 0.0 if arm == "greedy minds" else temperature
+        idx = torch.tensor([prompts[i]], device=device).expand(n, -1)
+        tokens = torch.Generator(device).manual_seed(common.seed_of(seed, ARMS.index(arm), i))  # beside the logits
+        rows = arm_model(arm).generate(idx, max_new_tokens, T, latents=None if arm == "temperature" else population,
+                                       generator=tokens)[:, idx.size(1):].tolist()
+        rows = [row[:row.index(end_id)] if end_id in row else row for row in rows]
         correct[arm] = sum(tasks.gsm8k_answer(decode(row)) == problems[i]["answer"] for row in rows)
     return correct
 
 
-def hellaswag_correct(seed, i, population, det_logits):
-    """{arm: correct answers of n} for HellaSwag item i: each arm's first token, from the prompt's logits (det's are
-    the same for every seed: computed once per item)."""
+def lettered_correct(seed, i, population, det_logits):
+    """{arm: correct answers of n} for lettered item i (HellaSwag, MMLU-Pro): each arm's first token, from the
+    prompt's logits (det's are the same for every seed: computed once per item)."""
     tokens = torch.Generator().manual_seed(common.seed_of(seed, i))
-    mind_logits = minds(torch.tensor([prompts[i]]).expand(n, -1), latents=population)[0][:, -1].float()  # (n, V)
+    mind_logits = arm_model("minds")(torch.tensor([prompts[i]], device=device).expand(n, -1),
+                                     latents=population)[0][:, -1].float().cpu()  # (n, V)
     draws = {"temperature": torch.multinomial(F.softmax(det_logits / temperature, dim=-1), n, replacement=True,
                                               generator=tokens).view(n),
              "minds": torch.multinomial(F.softmax(mind_logits / temperature, dim=-1), 1, generator=tokens).view(n),
@@ -172,13 +201,14 @@ def hellaswag_correct(seed, i, population, det_logits):
 def run(problem_ids):
     """(seeds, problems, arms) correct counts."""
     counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
-    with torch.no_grad(), cpu.inference_linears(det), cpu.inference_linears(minds):
+    with torch.no_grad(), cpu.inference_linears(minds, common.DTYPES[dtype]):
         for p, i in enumerate(problem_ids):
-            det_logits = det(torch.tensor([prompts[i]]))[0][0, -1].float() if benchmark == "hellaswag" else None
+            det_logits = (arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
+                          if benchmark != "gsm8k" else None)
             for s, seed in enumerate(seeds):
                 population = minds.sample_latents(n, torch.Generator().manual_seed(common.seed_of(seed, 0)))
                 correct = (gsm8k_correct(seed, i, population) if benchmark == "gsm8k"
-                           else hellaswag_correct(seed, i, population, det_logits))
+                           else lettered_correct(seed, i, population, det_logits))
                 counts[s, p] = [correct[arm] for arm in ARMS]
             if (p + 1) % 10 == 0:
                 print(f"{p + 1}/{len(problem_ids)} problems, {(time.time() - t0) / 60:.1f} min; correct so far "
@@ -199,8 +229,8 @@ if time_only:
 counts = run(range(len(problems)))
 curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
-record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or "openai/gsm8k", "max_steps": max_steps,
-          "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
+record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or HUB[benchmark][0],
+          "max_steps": max_steps, "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
           "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
           **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
           "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),

@@ -1,6 +1,6 @@
-"""The det model as a Llama: Hugging Face's tensor names and config.json for a det checkpoint, the config.json an
-import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions, scripts/harness.py,
-scripts/bench_cpu.py's transformers comparison)."""
+"""The det model as a Llama-3 or a Qwen3: Hugging Face's tensor names and config.json for a det checkpoint, the
+config.json an import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions,
+scripts/harness.py, scripts/bench_cpu.py's transformers comparison)."""
 
 import dataclasses
 
@@ -18,24 +18,36 @@ LAYER_NAMES = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("mlp_norm.weight", "post_attention_layernorm.weight"),
 ]
+QK_NORM_NAMES = [("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight", "self_attn.k_norm.weight")]
+# Llama 3.1's rope_scaling keys, in the order of det's rope_scaling tuple
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def weight_names(n_layer, tied):
-    """(ours, Hugging Face's) for every tensor of a det model; a tied head is the embedding, stored once."""
+def weight_names(cfg):
+    """(ours, Hugging Face's) for every tensor of a det model of Config cfg; a tied head is the embedding, stored
+    once; a model with qk_norm has Qwen3's two per-head gains in each block."""
     names = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm_f.weight", "model.norm.weight")]
-    if not tied:
+    if not cfg.tie_embeddings:
         names.append(("lm_head.weight", "lm_head.weight"))
-    for i in range(n_layer):
-        names += [(f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in LAYER_NAMES]
+    layer = LAYER_NAMES + (QK_NORM_NAMES if cfg.qk_norm else [])
+    for i in range(cfg.n_layer):
+        names += [(f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in layer]
     return names
 
 
 def hf_config(cfg, dtype, bos_token_id, eos_token_id):
-    """config.json of LlamaForCausalLM for a det Config. rope_theta is written twice: at the top level, where
-    transformers 4 reads it, and under rope_parameters, where transformers 5 does."""
+    """config.json of Qwen3ForCausalLM for a det Config with qk_norm, else of LlamaForCausalLM (with Llama 3.1's
+    rope_scaling if it has one). The RoPE settings are written twice: at the top level (rope_theta, rope_scaling),
+    where transformers 4 reads them, and under rope_parameters, where transformers 5 does."""
+    rope = {"rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "factor": float(factor), "low_freq_factor": float(low),
+                "high_freq_factor": float(high), "original_max_position_embeddings": int(original)}
+    family = ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False}
+              if cfg.qk_norm else {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False})
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd,
         "intermediate_size": cfg.ffn_hidden,
@@ -47,9 +59,9 @@ def hf_config(cfg, dtype, bos_token_id, eos_token_id):
         "max_position_embeddings": cfg.block_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None if cfg.rope_scaling is None else rope,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
         "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
@@ -65,7 +77,7 @@ def imported_hf_config(checkpoint):
 
 def det_state(checkpoint, path):
     """The det model inside a checkpoint: (det Config, state_dict). A B-Trans checkpoint is one when its noise is
-    off (sigma 0 everywhere, or noise_mode 'mean') and its mu offsets are 0: there is no offset in a Llama."""
+    off (sigma 0 everywhere, or noise_mode 'mean') and its mu offsets are 0: a Llama or a Qwen3 has no offset."""
     model_type, values, state = checkpoint["model_type"], checkpoint["model_config"], checkpoint["model"]
     if model_type == "btrans":
         sigmas = values.get("sigma_per_layer") or [values["sigma"]]
@@ -78,7 +90,7 @@ def det_state(checkpoint, path):
             common.die(f"{path} has learned B-Trans offsets ({offsets[0]} is not 0), which a Llama cannot hold")
         state = {k: v for k, v in state.items() if not k.endswith((".mu", ".log_sigma"))}
     elif model_type != "det":
-        common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama")
+        common.die(f"{path} holds a {model_type} model: only det (or B-Trans with its noise off) is a Llama or a Qwen3")
     module = models.import_model("det")
     fields = {f.name for f in dataclasses.fields(module.Config)}
     return module.Config(**{k: v for k, v in values.items() if k in fields}), state

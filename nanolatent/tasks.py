@@ -114,12 +114,19 @@ def gsm8k_steps(answer):
     return answer.count("<<")
 
 
-def lettered_question(context, choices):
-    """A multiple-choice item as one user message: the text, the choices as "A. ...", and the answer format asked
-    for (the letter first), as MMLU-Pro is posed (B-Trans §5.1)."""
+def lettered_question(context, choices, ask="Which ending is the most likely continuation of the text?"):
+    """A multiple-choice item as one user message: what is asked, the text, the choices as "A. ...", and the answer
+    format asked for (the letter first), as MMLU-Pro is posed (B-Trans §5.1). ask="" for a text that is itself the
+    question (MMLU-Pro's)."""
     options = "\n".join(f"{LETTERS[i]}. {c.strip()}" for i, c in enumerate(choices))
-    return (f"Which ending is the most likely continuation of the text?\n\n{context.strip()}\n\n{options}\n\n"
-            f"Answer with the letter only.")
+    return f"{ask}\n\n" * bool(ask) + f"{context.strip()}\n\n{options}\n\nAnswer with the letter only."
+
+
+def mmlu_pro_problems(rows):
+    """MMLU-Pro's rows (its test split: question, options, answer_index; up to 10 options) as lettered problems
+    {question, answer letter, choices}: the question itself, the options A-J."""
+    return [{"question": lettered_question(row["question"], row["options"], ask=""),
+             "answer": LETTERS[row["answer_index"]], "choices": len(row["options"])} for row in rows]
 
 
 def letter_answer(text, n_choices=4):

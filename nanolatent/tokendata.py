@@ -1,6 +1,7 @@
 """Prepared datasets (data/<name>/{train,val}.bin and meta.json) and their tokenizers: characters, GPT-2's BPE, a
 pretrained model's tokenizer.json and chat template; offline copies of public files through NANOLATENT_LOCAL_DATA."""
 
+import datetime
 import json
 import os
 
@@ -150,10 +151,20 @@ def hf_json(meta, name):
         return json.load(f)
 
 
-def chat_prompt(meta, text):
+def turn_end(meta, encode):
+    """The id of the token that ends an assistant's turn, or None: tokenizer_config.json's eos_token, one token in the
+    run's vocabulary (<|im_end|> in SmolLM2-Instruct and Qwen3, <|eot_id|> in Llama-3.x-Instruct)."""
+    token = hf_json(meta, "tokenizer_config.json").get("eos_token")
+    ids = encode(token["content"] if isinstance(token, dict) else token) if token else []
+    return ids[0] if len(ids) == 1 else None
+
+
+def chat_prompt(meta, text, **variables):
     """text as one user message in the run's chat template, ending where the assistant's answer starts: what an
     Instruct model was trained on. Rendered as transformers' apply_chat_template renders it (jinja2 in a sandbox,
-    trim_blocks and lstrip_blocks, the special tokens as variables)."""
+    trim_blocks and lstrip_blocks, the special tokens as variables, its strftime_now, which Llama 3.x's templates
+    date the system turn with, and its tojson, which leaves HTML characters unescaped); variables are the template's
+    own switches, as apply_chat_template's keyword arguments (Qwen3's enable_thinking)."""
     template = chat_template(meta)
     if template is None:
         die("--chat=True but the run has no chat template (no chat_template.jinja, nor a chat_template in "
@@ -167,12 +178,15 @@ def chat_prompt(meta, text):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     config = hf_json(meta, "tokenizer_config.json")
     specials = {name: (token["content"] if isinstance(token, dict) else token) for name, token in config.items()
                 if name.endswith("_token") and token is not None}
     try:
         return env.from_string(template).render(messages=[{"role": "user", "content": text}],
-                                                add_generation_prompt=True, **specials)
+                                                add_generation_prompt=True, **specials, **variables)
     except jinja2.exceptions.TemplateError as e:
         die(f"the run's chat template failed on --start: {e}")
 

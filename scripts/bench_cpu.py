@@ -170,7 +170,7 @@ def against_transformers(run):
     hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
-                                              llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}, strict=False)
+                                              llama.weight_names(cfg)}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     hf_half = copy.deepcopy(hf).to(torch.bfloat16) if bfloat16 else None

@@ -1,25 +1,29 @@
-"""Convert checkpoints between nanolatent's det model and the Hugging Face Llama format, both ways.
+"""Convert checkpoints between nanolatent's det model and the Hugging Face Llama and Qwen3 formats, both ways.
 
     python -m scripts.convert hf --src=HuggingFaceTB/SmolLM2-135M --out_dir=out-smollm2    # from the hub (online)
     python -m scripts.convert hf --src=path/to/saved_model --out_dir=out-x --block_size=2048  # a local folder (offline)
     python -m scripts.convert gguf --src=model.gguf --out_dir=out-smollm2  # a llama.cpp file, quantized or not (offline)
     python -m scripts.convert to_hf --out_dir=out-det --dst=hf-det          # for transformers and lm_eval --model hf
 
-`hf` reads a Llama checkpoint (config.json and *.safetensors, sharded or not) into <out_dir>/ckpt.pt for model_det,
-and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and --model_type=btrans
-(B-Trans minds) then use it as they use a run of ours. A checkpoint with something model_det does not compute (biases,
-RoPE scaling, QK-norm, another activation or architecture) is refused with one line naming the field or tensor.
-`gguf` reads a Llama-architecture GGUF (llama.cpp's format) the same way: its weights dequantized to float32 by the
-gguf package, q and k un-permuted, its tokenizer rebuilt from the file's metadata as a tokenizer.json.
-`to_hf` writes a det checkpoint, or a B-Trans one whose noise is off, as config.json + model.safetensors, plus the
-tokenizer files: the run's own for a Hugging Face tokenizer, a tokenizer.json built from the recorded BPE file for a
-GPT-2 run (a --vocab=used run, on renumbered ids, is refused). The chat template and generation_config.json travel with
-the tokenizer every way (sample.py --chat=True prompts with the template).
+`hf` reads a Llama or Qwen3 checkpoint (config.json and *.safetensors, sharded or not) into <out_dir>/ckpt.pt for
+model_det, and copies its tokenizer.json beside it, recorded in the checkpoint's meta: sample.py, evaluate.py and
+--model_type=btrans (B-Trans minds) then use it as they use a run of ours. Llama 3.1's RoPE remap (rope_type llama3), an
+explicit head_dim and Qwen3's per-head q/k RMSNorms are det's own settings (rope_scaling, head_dim, qk_norm); a
+checkpoint with something model_det does not compute (biases, sliding windows, another RoPE type, activation or
+architecture) is refused with one line naming the field or tensor.
+`gguf` reads a llama.cpp GGUF of the llama or qwen3 architecture the same way: its weights dequantized to float32 by
+the gguf package, a llama file's q and k un-permuted and its rope_freqs (Llama 3's remap) read back as rope_scaling,
+its tokenizer rebuilt from the file's metadata as a tokenizer.json.
+`to_hf` writes a det checkpoint, or a B-Trans one whose noise is off, as config.json + model.safetensors (a
+Qwen3ForCausalLM when it has q/k norms, else a LlamaForCausalLM), plus the tokenizer files: the run's own for a
+Hugging Face tokenizer, a tokenizer.json built from the recorded BPE file for a GPT-2 run (a --vocab=used run, on
+renumbered ids, is refused). The chat template and generation_config.json travel with the tokenizer every way
+(sample.py --chat=True prompts with the template).
 
 `hf` and `to_hf` are a renaming, no arithmetic: model_det rotates the two halves of each head, as transformers'
-rotate_half does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers, huggingface_hub and
-gguf are imported only where used; transformers is not needed at all (the tests use it as the reference
-implementation). Neither way replaces a run or a folder that holds something unless --overwrite=True.
+rotate_half does, so q and k need no permutation, and tensors keep their dtype. safetensors, tokenizers,
+huggingface_hub and gguf are imported only where used; transformers is not needed at all (the tests use it as the
+reference implementation). Neither way replaces a run or a folder that holds something unless --overwrite=True.
 """
 
 import json
@@ -31,7 +35,7 @@ import torch
 import configurator
 from nanolatent import ckpt, common, llama, models, tokendata
 
-direction = ""  # the first argument: hf or gguf (a Llama checkpoint -> out_dir), or to_hf (out_dir -> dst)
+direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
 out_dir = ""  # hf, gguf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
 dst = ""  # to_hf: the folder to write
@@ -74,49 +78,66 @@ def fetch(src):
                    f"tokenizer.json; gated models need `hf auth login`")
 
 
+# The families model_det computes: config.json's model_type (llama.cpp's general.architecture too) -> architecture
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def config_from_hf(hf, block_size=0):
-    """model_det Config values from a Hugging Face config.json, field by field. Whatever model_det would compute
-    differently from transformers' LlamaForCausalLM is refused with one line naming the field."""
+    """model_det Config values from a Hugging Face config.json, field by field: a Llama (Llama 3.1's rope_scaling
+    included) or a Qwen3 (an RMSNorm on each head's queries and keys, its own head_dim). Whatever model_det would
+    compute differently from transformers' LlamaForCausalLM or Qwen3ForCausalLM is refused with one line naming the
+    field."""
 
     def refuse(field, why):
-        common.die(f"config.json has {field}={json.dumps(hf.get(field))}: {why}; scripts/convert.py reads plain Llama "
-                   f"checkpoints (SmolLM2, TinyLlama and the like)")
+        common.die(f"config.json has {field}={json.dumps(hf.get(field))}: {why}; scripts/convert.py reads Llama and "
+                   f"Qwen3 checkpoints (SmolLM2, Llama 3.x, Qwen3 and the like)")
 
-    if hf.get("model_type") != "llama":
-        refuse("model_type", "not the Llama architecture")
-    if (hf.get("architectures") or ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        refuse("architectures", "model_det is LlamaForCausalLM")
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        refuse("model_type", f"not an architecture model_det computes ({', '.join(FAMILIES)})")
+    if (hf.get("architectures") or [FAMILIES[family]]) != [FAMILIES[family]]:
+        refuse("architectures", f"model_det computes {FAMILIES[family]} for model_type {family}")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "model_det's SwiGLU uses silu")
-    for field in ("attention_bias", "mlp_bias"):
+    for field in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(field):
-            refuse(field, "model_det's linear layers have no bias")
+            refuse(field, "model_det's linear layers have no bias" if field.endswith("bias") else
+                   "model_det attends to every earlier position in every layer")
+    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+        refuse("layer_types", "model_det attends to every earlier position in every layer")
     # transformers 5 nests rope_theta and the RoPE type under rope_parameters; older configs have rope_theta at the
     # top level and a rope_scaling that is null for plain RoPE. Read both.
+    scaling = None
     for field in ("rope_scaling", "rope_parameters"):
         rope = hf.get(field) or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            refuse(field, "RoPE scaling (long-context variants such as Llama 3.1's) is not in model_det")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            refuse(field, "model_det computes plain RoPE and Llama 3.1's remap (rope_type llama3), no other")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             refuse(field, "model_det rotates every channel of a head")
+        if kind == "llama3":  # transformers' defaults for the keys a config leaves out
+            scaling = (float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
+                       float(rope.get("high_freq_factor", 4.0)), int(rope.get("original_max_position_embeddings",
+                                                                              8192)))
     rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     missing = [f for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if f not in hf]
     if missing:
         common.die(f"config.json has no {missing[0]}: not a complete Hugging Face model config")
-    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if n_embd % n_head or (hf.get("head_dim") or n_embd // n_head) != n_embd // n_head:
-        refuse("head_dim", f"model_det's heads are hidden_size / num_attention_heads = {n_embd} / {n_head} wide")
     return dict(
         vocab_size=hf["vocab_size"],
-        n_embd=n_embd,
+        n_embd=hf["hidden_size"],
         n_layer=hf["num_hidden_layers"],
-        n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head,  # absent or null: multi-head attention
+        n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],  # absent or null: multi-head attention
+        # transformers' defaults: Qwen3Config's head_dim is 128, LlamaConfig's hidden_size / num_attention_heads
+        head_dim=hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // hf["num_attention_heads"]),
+        qk_norm=family == "qwen3",
         ffn_hidden=hf["intermediate_size"],
         block_size=block_size or hf.get("max_position_embeddings", 2048),  # sizes the RoPE tables (KV caches too)
         rope_theta=float(rope_theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig defaults
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig and Qwen3Config defaults
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
@@ -156,7 +177,7 @@ def state_from_hf(tensors, model):
     cfg = model.config
     expected = model.state_dict()
     state = {}
-    for ours, theirs in llama.weight_names(cfg.n_layer, cfg.tie_embeddings):
+    for ours, theirs in llama.weight_names(cfg):
         if theirs not in tensors:
             common.die(f"the checkpoint has no tensor {theirs} (config.json: {cfg.n_layer} layers, "
                        f"tie_word_embeddings={str(cfg.tie_embeddings).lower()})")
@@ -212,9 +233,11 @@ def save_import(out_dir, model, state, config):
     path = os.path.join(out_dir, "ckpt.pt")
     ckpt.save_checkpoint(checkpoint, path)
     dtype = DTYPES.get(state["tok_emb.weight"].dtype, str(state["tok_emb.weight"].dtype))
+    scaling = "" if values["rope_scaling"] is None else f" scaled {values['rope_scaling']}"
     print(f"wrote {path}: {model.num_params() / 1e6:.1f}M parameters in {dtype}, {values['n_layer']} layers, "
-          f"{values['n_head']}/{values['n_kv_head']} heads, {'tied' if values['tie_embeddings'] else 'untied'} "
-          f"head, block_size {values['block_size']}, rope_theta {values['rope_theta']:g}; tokenizer "
+          f"{values['n_head']}/{values['n_kv_head']} heads of {values['head_dim']}"
+          f"{' with q/k norms' if values['qk_norm'] else ''}, {'tied' if values['tie_embeddings'] else 'untied'} "
+          f"head, block_size {values['block_size']}, rope_theta {values['rope_theta']:g}{scaling}; tokenizer "
           f"{meta['tokenizer_file']}")
 
 
@@ -222,25 +245,31 @@ def save_import(out_dir, model, state, config):
 # GGUF -> ours: the file's metadata becomes a config.json dict and its tensors Hugging Face-named ones, then the same
 # checks and placement as `hf`.
 
-# llama.cpp's tensor names for the llama architecture (gguf-py's TENSOR_NAMES) -> Hugging Face's.
+# llama.cpp's tensor names for the llama and qwen3 architectures (gguf-py's TENSOR_NAMES) -> Hugging Face's.
 GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-# The llama.* metadata that becomes config.json's fields (as transformers' GGUF loader maps them).
+                    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# The {architecture}.* metadata that becomes config.json's fields (as transformers' GGUF loader maps them).
 GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size",
-               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
-               "attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
-               "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
+               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+               "context_length": "max_position_embeddings", "rope.freq_base": "rope_theta",
+               "attention.layer_norm_rms_epsilon": "rms_norm_eps", "attention.key_length": "head_dim"}
+# The original context llama.cpp's convert_hf_to_gguf.py assumes when it computes a Llama 3 file's rope_freqs: it
+# reads a top-level original_max_position_embeddings, which no Llama 3.x config.json has (theirs is in rope_scaling).
+LLAMA3_CONTEXT = 8192
 # llama.cpp's pre-tokenizers (llama-vocab.cpp): regexes applied in turn, each to the pieces the one before left, then
 # GPT-2's byte-to-unicode map. SmolLM2's first regex puts every digit apart, so 2024 is four tokens: its own
 # tokenizer.json does this with a Digits pre-tokenizer, which transformers' GGUF tokenizer leaves out.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2's and Qwen3's: Llama 3's with digits apart
 GGUF_SPLITS = {"gpt2": [GPT2_SPLIT], "smollm": [r"\p{N}", GPT2_SPLIT], "starcoder": [r"\p{N}", GPT2_SPLIT],
-               "llama-bpe": [LLAMA3_SPLIT]}
+               "llama-bpe": [LLAMA3_SPLIT], "qwen2": [QWEN2_SPLIT]}
 GGUF_IGNORE_MERGES = {"llama-bpe"}  # llama.cpp looks a whole piece up in the vocabulary before merging (Llama 3)
 
 
@@ -249,78 +278,122 @@ def gguf_metadata(reader):
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def config_from_gguf(metadata, tensor_names, path):
-    """A config.json dict for config_from_hf from a GGUF's llama.* metadata. Any other llama.* key could change what
-    the model computes (RoPE scaling, experts, another head size): it is refused by name unless its value is one
-    model_det computes anyway."""
+def llama3_rope_from_gguf(divisors, hf, path):
+    """config.json's rope_scaling from a llama file's rope_freqs.weight: the number each RoPE frequency is divided
+    by, which convert_hf_to_gguf.py computes from Llama 3's remap (1 for short wavelengths, factor for long ones,
+    1 / ((1 - s) / factor + s) between, s linear in 1 / wavelength). The divisors fix factor and that line only, not
+    which (low_freq_factor, high_freq_factor, context) drew it: two blended frequencies give the line, the context
+    is LLAMA3_CONTEXT (which makes a Llama 3.x file's own 1 and 4), and the remap recomputed from the fit must give
+    every stored divisor."""
+    import numpy as np
+
+    def refuse(why):
+        common.die(f"{path} has the tensor rope_freqs.weight (RoPE frequency divisors) {why}")
+
+    theta = hf.get("rope_theta", 10000.0)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if divisors.shape != (head_dim // 2,):
+        refuse(f"that is not one divisor for each of the {head_dim // 2} frequencies of a head")
+    d = divisors.astype(np.float64)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if np.all(d == 1):
+        return None  # every frequency kept: plain RoPE
+    factor = d.max()
+    between = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
+    if between.sum() < 2:
+        refuse("with fewer than two blended frequencies: Llama 3's remap cannot be told from it")
+    blend = (1 / d[between] - 1 / factor) / (1 - 1 / factor)  # s of each blended frequency
+    slope, offset = np.polyfit(LLAMA3_CONTEXT * inv_freq[between] / (2 * np.pi), blend, 1)  # s = slope x + offset
+    if slope <= 0:
+        refuse("whose blend does not grow with the frequency: not Llama 3's remap")
+    digits = lambda x: float(f"{x:.6g}")  # the precision float32 divisors carry: a Llama 3.x file gives 1 and 4
+    factor, low, high = digits(factor), digits(-offset / slope), digits((1 - offset) / slope)
+    s = np.clip((LLAMA3_CONTEXT * inv_freq / (2 * np.pi) - low) / (high - low), 0, 1)
+    if not np.allclose(1 / ((1 - s) / factor + s), d, rtol=1e-5, atol=0):
+        refuse("which is not Llama 3's frequency remap, the only one model_det computes")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": LLAMA3_CONTEXT}
+
+
+def config_from_gguf(metadata, tensors, path):
+    """A config.json dict for config_from_hf from a GGUF's llama.* or qwen3.* metadata (and a llama file's
+    rope_freqs). Any other key of the architecture could change what the model computes (RoPE scaling, experts):
+    it is refused by name unless its value is one model_det computes anyway."""
+    import numpy as np
 
     def refuse(key, why):
-        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; scripts/convert.py gguf reads plain Llama files "
-                   f"with a byte-level BPE (SmolLM2 and the like)")
+        common.die(f"{path} has {key}={json.dumps(metadata.get(key))}: {why}; scripts/convert.py gguf reads llama and "
+                   f"qwen3 files with a byte-level BPE (SmolLM2, Llama 3.x, Qwen3 and the like)")
 
-    if metadata.get("general.architecture") != "llama":
-        refuse("general.architecture", "not the Llama architecture")
-    hf = {field: metadata[f"llama.{key}"] for key, field in GGUF_CONFIG.items() if f"llama.{key}" in metadata}
+    arch = metadata.get("general.architecture")
+    if arch not in FAMILIES:
+        refuse("general.architecture", f"not an architecture model_det computes ({', '.join(FAMILIES)})")
+    hf = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
     hf.setdefault("vocab_size", len(metadata.get("tokenizer.ggml.tokens", [])))
-    missing = [f"llama.{k}" for k in ("embedding_length", "attention.head_count") if f"llama.{k}" not in metadata]
+    missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count") if f"{arch}.{k}" not in metadata]
     if missing:
-        common.die(f"{path} has no {missing[0]}: not a complete llama GGUF")
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+        common.die(f"{path} has no {missing[0]}: not a complete {arch} GGUF")
+    hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])  # llama.cpp's default for both
     harmless = {  # key: (the value model_det computes, why another value is refused)
-        "rope.dimension_count": (head_dim, "model_det rotates every channel of a head"),
-        "attention.key_length": (head_dim, "model_det's heads are embedding_length / head_count wide"),
-        "attention.value_length": (head_dim, "model_det's heads are embedding_length / head_count wide"),
-        "rope.scaling.type": ("none", "RoPE scaling (long-context variants such as Llama 3.1's) is not in model_det"),
+        "rope.dimension_count": (hf["head_dim"], "model_det rotates every channel of a head"),
+        "attention.value_length": (hf["head_dim"], "model_det's values are as wide as its keys"),
+        "rope.scaling.type": ("none", "RoPE scaling other than Llama 3's rope_freqs is not in model_det"),
         "expert_count": (0, "a mixture of experts is not in model_det"),
         "expert_used_count": (0, "a mixture of experts is not in model_det"),
     }
     for key, value in metadata.items():
-        name = key.removeprefix("llama.")
-        if key.startswith("llama.") and name not in GGUF_CONFIG:
+        name = key.removeprefix(f"{arch}.")
+        if key.startswith(f"{arch}.") and name not in GGUF_CONFIG:
             if name not in harmless:
                 refuse(key, "a setting scripts/convert.py does not read, so model_det may not compute what it asks")
             if value != harmless[name][0]:
                 refuse(key, harmless[name][1])
+    if "rope_freqs.weight" in tensors:  # Llama 3.1 and 3.2 files: the remap as one divisor per frequency
+        from gguf.quants import dequantize
+        rope_freqs = tensors.pop("rope_freqs.weight")
+        hf["rope_scaling"] = llama3_rope_from_gguf(
+            np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type)).reshape(-1), hf, path)
     special = {f"{name}_token_id": metadata[f"tokenizer.ggml.{key}_token_id"]
                for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
                if f"tokenizer.ggml.{key}_token_id" in metadata}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "tie_word_embeddings": "output.weight" not in tensor_names,  # no output matrix: llama.cpp uses token_embd
+    return {"architectures": [FAMILIES[arch]], "model_type": arch, "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in tensors,  # no output matrix: llama.cpp uses token_embd
             **hf, **special}
 
 
 def unpermute(weights, n_head):
-    """llama.cpp's convert_hf_to_gguf.py stores wq and wk with the rows of each head reordered for its rotary layout
-    (permute(): view (n_head, 2, head_dim / 2, C), swap axes 1 and 2); this is its inverse, as transformers' GGUF
-    loader applies it. model_det rotates the two halves of a head, as Hugging Face's checkpoints are laid out."""
+    """llama.cpp's convert_hf_to_gguf.py stores a llama file's wq and wk with the rows of each head reordered for its
+    rotary layout (permute(): view (n_head, 2, head_dim / 2, C), swap axes 1 and 2); this is its inverse, as
+    transformers' GGUF loader applies it. model_det rotates the two halves of a head, as Hugging Face's checkpoints
+    are laid out, and as llama.cpp's qwen3 files keep them (its NeoX rotation: no permutation)."""
     return weights.reshape(n_head, weights.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_tensors(reader, hf, path):
-    """{Hugging Face name: float32 tensor} from a GGUF, each dequantized by the gguf package itself."""
+def gguf_tensors(tensors, hf, path):
+    """{Hugging Face name: float32 tensor} from a GGUF's {name: tensor}, each dequantized by the gguf package."""
     import numpy as np
     from gguf.quants import dequantize
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
-    tensors = {}
-    for tensor in reader.tensors:
+    out = {}
+    for tensor in tensors.values():
         parts = tensor.name.split(".")  # blk.{i}.{what}.weight
         if tensor.name in GGUF_NAMES:
             name = GGUF_NAMES[tensor.name]
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES and parts[3] == "weight":
             name = f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.weight"
         else:
-            common.die(f"{path} has the tensor {tensor.name}, which has no place in model_det: a bias, a QK-norm, "
-                       f"RoPE frequency factors or another architecture")
+            common.die(f"{path} has the tensor {tensor.name}, which has no place in model_det: a bias or another "
+                       f"architecture")
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)  # float32, numpy's order: ggml's shape reversed
         except NotImplementedError:
             common.die(f"{path}: the gguf package cannot dequantize {tensor.name}'s type {tensor.tensor_type.name}: "
                        f"upgrade it (pip install -U gguf) or requantize the file to Q8_0 or F16")
         weights = np.array(weights, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
-        if parts[2:3] and parts[2] in heads:
+        if hf["model_type"] == "llama" and parts[2:3] and parts[2] in heads:
             weights = unpermute(weights, heads[parts[2]])
-        tensors[name] = torch.from_numpy(weights)
-    return tensors
+        out[name] = torch.from_numpy(weights)
+    return out
 
 
 def gguf_tokenizer(metadata, path):
@@ -367,12 +440,13 @@ def import_gguf(gguf_file, out_dir, block_size=0):
     except Exception as e:  # not a GGUF, or one cut short
         common.die(f"{gguf_file} is not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     metadata = gguf_metadata(reader)
-    hf = config_from_gguf(metadata, {t.name for t in reader.tensors}, gguf_file)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    hf = config_from_gguf(metadata, tensors, gguf_file)  # takes rope_freqs.weight out of tensors
     values = config_from_hf(hf, block_size)
     tok = gguf_tokenizer(metadata, gguf_file)
     with torch.device("meta"):
         model = models.build_model("det", values)
-    state = state_from_hf(gguf_tensors(reader, hf, gguf_file), model)
+    state = state_from_hf(gguf_tensors(tensors, hf, gguf_file), model)
 
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
@@ -494,7 +568,7 @@ def export_hf(out_dir, dst):
         common.die(f"{path} was trained on prepare.py --vocab=used ids (a renumbered subset of GPT-2's), which no "
                    f"Hugging Face tokenizer reads: export a model trained on a --vocab=full dataset")
     cfg, state = llama.det_state(checkpoint, path)
-    tensors = {theirs: state[ours].contiguous() for ours, theirs in llama.weight_names(cfg.n_layer, cfg.tie_embeddings)}
+    tensors = {theirs: state[ours].contiguous() for ours, theirs in llama.weight_names(cfg)}
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]
     hf = llama.imported_hf_config(checkpoint)  # an imported model keeps its special tokens
     gpt2_eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None

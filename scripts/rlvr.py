@@ -197,10 +197,11 @@ def main():
         common.die(f"task={task} prompts a chat model in its chat template, and {source} has none: import an "
                    f"Instruct model with scripts/convert.py gguf or hf (README, B-Trans minds on a pretrained model)")
     encode, decode = tokendata.tokenizer(meta)
-    stop_ids = encode("<|im_end|>" if spec.chat else "\n")  # a reply ends at the chat turn's end, a problem at '\n'
-    if len(stop_ids) != 1:
-        common.die(f"task={task} needs a chat model whose tokenizer has ChatML's <|im_end|> (SmolLM2-Instruct's)")
-    stop_id = stop_ids[0]
+    # a reply ends at the chat turn's end, a problem at '\n'
+    stop_id = tokendata.turn_end(meta, encode) if spec.chat else encode("\n")[0]
+    if stop_id is None:
+        common.die(f"task={task} needs a chat model whose tokenizer_config.json names its end of turn as one token "
+                   f"(eos_token: <|im_end|>, <|eot_id|>); {source}'s does not")
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
     start = checkpoint["iter_num"] if resume else 0

@@ -1,11 +1,13 @@
-"""convert.py against transformers, an implementation no one here wrote: a Hugging Face Llama imported into model_det
-gives LlamaForCausalLM's logits, loss and greedy tokens; a det checkpoint exported loads in transformers with the same
-logits; an imported tokenizer works through sample.py, prepare.py and evaluate.py; other architectures and broken
-files are refused with one line. Also the tie_embeddings switch of the four model files."""
+"""convert.py against transformers, an implementation no one here wrote: a Hugging Face Llama, Llama-3.1-style
+(rope_type llama3, read beyond its original context) or Qwen3 (q/k norms, its own head_dim) imported into model_det
+gives transformers' logits, loss and greedy tokens, and B-Trans minds drawn from it; a det checkpoint exported loads
+in transformers with the same logits; an imported tokenizer works through sample.py, prepare.py and evaluate.py; other
+architectures and broken files are refused with one line. Also the tie_embeddings switch of the four model files."""
 
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +16,8 @@ import torch
 pytest.importorskip("transformers", reason="the reference implementation of Llama (pip install transformers)")
 pytest.importorskip("safetensors", reason="Hugging Face checkpoints are safetensors files (pip install safetensors)")
 tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers (pip install tokenizers)")
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config,  # noqa: E402
+                          Qwen3ForCausalLM)
 
 from conftest import run_script  # noqa: E402
 
@@ -71,6 +74,37 @@ def hf_llama(folder, tokenizer_file, tie, n_kv_head=2, rope_theta=500.0, rms_nor
     return model
 
 
+# The paper's two families, tiny: Llama 3.1's RoPE remap with an original context of 64 positions, read up to 160
+# (head_dim 16 and theta 100 put 2 frequencies below the remap's band, 3 in it, 3 above); Qwen3's per-head q/k
+# RMSNorms with heads 32 wide where hidden_size / heads is 16.
+FAMILIES = {
+    "llama3": (LlamaConfig, LlamaForCausalLM, dict(
+        max_position_embeddings=160, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(max_position_embeddings=160, head_dim=32, rope_theta=1000.0)),
+}
+
+
+def hf_family(folder, tokenizer_file, family, tie):
+    """A random Llama-3.1-style or Qwen3-style model saved with save_pretrained (+ tokenizer.json), its norm gains
+    (q/k norms included) away from 1, as hf_llama's."""
+    torch.manual_seed(0)
+    config_class, model_class, values = FAMILIES[family]
+    vocab = tokenizers.Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
+    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                          initializer_range=0.1, **values)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(folder)
+    shutil.copyfile(tokenizer_file, os.path.join(folder, "tokenizer.json"))
+    return model
+
+
 def refusal(capsys, *argv):
     """Run convert.py in-process expecting a refusal: exit code 2 and one line on stderr; returns the line."""
     capsys.readouterr()  # what ran before (transformers' progress bars)
@@ -119,6 +153,88 @@ def test_import_gives_the_logits_loss_and_greedy_tokens_of_transformers(tmp_path
     assert torch.equal(ours.generate(prompt, 20, temperature=0), expected)
 
 
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
+@pytest.mark.parametrize("family, tie", [("llama3", True), ("qwen3", False), ("qwen3", True)],
+                         ids=["llama3-tied", "qwen3-untied", "qwen3-tied"])
+def test_llama3_and_qwen3_import_gives_transformers_logits_beyond_the_original_context_and_30_greedy_tokens(
+        tmp_path, tokenizer_file, family, tie):
+    hf = hf_family(tmp_path / "hf", tokenizer_file, family, tie)
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    ours, _ = ckpt.load_model(tmp_path / "ours")
+    ours.eval()
+    cfg = ours.config
+    expected = {"llama3": (16, False, (8.0, 1.0, 4.0, 64)), "qwen3": (32, True, None)}[family]
+    assert (cfg.head_dim, cfg.qk_norm, cfg.rope_scaling) == expected and cfg.block_size == 160
+    assert (ours.lm_head.weight is ours.tok_emb.weight) == tie
+
+    idx = torch.randint(cfg.vocab_size, (2, 151), generator=torch.Generator().manual_seed(1))  # 150 > 64 positions
+    with torch.no_grad():
+        ref = hf(idx, labels=idx)
+        logits, loss, _ = ours(idx[:, :-1], idx[:, 1:])
+    assert ref.logits.abs().max() > 1
+    torch.testing.assert_close(logits, ref.logits[:, :-1], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(loss, ref.loss, rtol=2e-5, atol=2e-5)
+    # The family's own computation is what matches: without it (plain RoPE; no q/k norms) the logits move.
+    plain = models.build_model("det", {**models.config_dict(cfg), "rope_scaling": None, "qk_norm": False}).eval()
+    plain.load_state_dict({k: v for k, v in ours.state_dict().items() if "q_norm" not in k and "k_norm" not in k})
+    with torch.no_grad():
+        assert (plain(idx[:, :-1], idx[:, 1:])[0] - ref.logits[:, :-1]).abs().max() > 1e-2
+
+    prompt = idx[:, :100]  # greedy decoding from position 100 on, past the original context of 64
+    expected = hf.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 30, temperature=0), expected)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_llama3_and_qwen3_export_gives_back_the_same_tensors_and_config(tmp_path, tokenizer_file, family):
+    hf_family(tmp_path / "hf", tokenizer_file, family, tie=False)
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    convert.main(["to_hf", f"--out_dir={tmp_path / 'ours'}", f"--dst={tmp_path / 'back'}"])
+    from safetensors.torch import load_file
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    assert any("q_norm" in k for k in back) == (family == "qwen3")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model) is type(reference) is FAMILIES[family][1]
+    for field in ("head_dim", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+                  "max_position_embeddings"):
+        assert getattr(model.config, field) == getattr(reference.config, field), field
+    idx = torch.randint(model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, reference(idx).logits)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_btrans_minds_of_an_imported_family_are_det_at_sigma_0_differ_per_sequence_and_stay_frozen(
+        tmp_path, tokenizer_file, family):
+    hf_family(tmp_path / "hf", tokenizer_file, family, tie=True)
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    det, _ = ckpt.load_model(tmp_path / "ours")
+    zero, _ = ckpt.load_model(tmp_path / "ours", model_type="btrans", sigma=0.0)
+    minds, _ = ckpt.load_model(tmp_path / "ours", model_type="btrans", sigma=0.05)
+    det.eval(), zero.eval(), minds.eval()
+    # §4: the offsets follow the 2L + 1 hidden-size norms; Qwen3's per-head q/k norms stay plain (docs/models.md)
+    plain = [name for name, m in minds.named_modules() if type(m).__name__ == "RMSNorm"]
+    assert plain == ([f"blocks.{i}.attn.{w}_norm" for i in range(2) for w in "qk"] if family == "qwen3" else [])
+    assert [type(norm).__name__ for norm in minds.norms()] == ["BayesianBiasNorm"] * 5
+    idx = torch.randint(det.config.vocab_size, (3, 120), generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        assert torch.equal(zero(idx, idx, latents=zero.sample_latents(3, g))[0], det(idx, idx)[0])
+        same = idx[:1].expand(3, -1)  # one sequence read by three minds
+        latents = minds.sample_latents(3, g)
+        logits = minds(same, same, latents=latents)[0]
+        assert all((logits[i] - logits[j]).abs().max() > 1e-3 for i, j in ((0, 1), (0, 2), (1, 2)))
+        # §4.3: each mind's eps is frozen for its sequence: generating with the KV cache, step by step, applies the
+        # same offsets as one forward over the whole generated text (its greedy argmax is every generated token)
+        out = minds.generate(same[:, :60], 30, temperature=0, latents=latents)
+        full = minds(out[:, :-1], out[:, 1:], latents=latents)[0]
+    assert torch.equal(full[:, 59:].argmax(-1), out[:, 60:])
+    assert len({tuple(row) for row in out[:, 60:].tolist()}) > 1  # the minds wrote different continuations
+
+
 def test_export_of_an_import_gives_back_the_same_files(tmp_path, tokenizer_file, capsys):
     hf_llama(tmp_path / "hf", tokenizer_file, tie=False)
     convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
@@ -147,7 +263,10 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     hf and to_hf carry it (and generation_config.json) unchanged, and --chat renders it as transformers does."""
     hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}")
+                "{% if add_generation_prompt %}<assistant>{% endif %}"  # and Qwen3's switch for its thinking trace
+                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                # Llama 3.x dates its system turn; transformers' tojson leaves <, > and & as they are
+                "{{ strftime_now('%Y') }}{{ {'tag': '<a&b>', 'é': 1} | tojson }}")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     if where == "chat_template.jinja":
         (tmp_path / "hf" / where).write_text(template)
@@ -159,9 +278,16 @@ def test_the_chat_template_and_generation_config_survive_import_and_export(tmp_p
     for name in (where, "generation_config.json"):  # save_pretrained wrote the generation config
         assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
     meta = ckpt.load_checkpoint(tmp_path / "ours")["meta"]
-    expected = AutoTokenizer.from_pretrained(tmp_path / "back").apply_chat_template(
-        [{"role": "user", "content": "Each mind"}], tokenize=False, add_generation_prompt=True)
-    assert tokendata.chat_prompt(meta, "Each mind") == expected == "<user>Each mind<|endoftext|>\n<assistant>"
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "back")
+    for switch in ({}, {"enable_thinking": False}):
+        expected = hf_tok.apply_chat_template([{"role": "user", "content": "Each mind"}], tokenize=False,
+                                              add_generation_prompt=True, **switch)
+        assert tokendata.chat_prompt(meta, "Each mind", **switch) == expected == (
+            "<user>Each mind<|endoftext|>\n<assistant>" + ("<think></think>" if switch else "")
+            + time.strftime("%Y") + '{"tag": "<a&b>", "é": 1}')
+    # the end of a turn, where rlvr.py and the Pass@K study cut a reply: the eos_token of tokenizer_config.json
+    encode, _ = tokendata.tokenizer(meta)
+    assert tokendata.turn_end(meta, encode) == hf_tok.eos_token_id == hf_tok.convert_tokens_to_ids("<|endoftext|>")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,11 +353,13 @@ def test_a_model_on_renumbered_gpt2_ids_is_not_exported(tmp_path, capsys):
 # the scripts on an imported model, with its tokenizer
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory, tokenizer_file):
-    """An untied random Llama with the BPE tokenizer, imported by the command line; (folder, HF model, tokenizer)."""
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def imported(request, tmp_path_factory, tokenizer_file):
+    """An untied random Llama, or Qwen3, with the BPE tokenizer, imported by the command line; (folder, HF model,
+    tokenizer)."""
     root = tmp_path_factory.mktemp("imported")
-    hf = hf_llama(root / "hf", tokenizer_file, tie=False)
+    hf = (hf_llama(root / "hf", tokenizer_file, tie=False) if request.param == "llama" else
+          hf_family(root / "hf", tokenizer_file, request.param, tie=False))
     run_script("-m", "scripts.convert", "hf", f"--src={root / 'hf'}", f"--out_dir={root / 'ours'}", data_dir=root)
     return root, hf, tokenizers.Tokenizer.from_file(str(tokenizer_file))
 
@@ -319,12 +447,17 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
 @pytest.mark.parametrize("edit, named", [
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling="),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope_parameters="),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+     "rope_parameters="),
     ({"hidden_act": "gelu"}, 'hidden_act="gelu"'),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"model_type": "qwen3"}, 'model_type="qwen3"'),
+    ({"head_dim": 15}, "head_dim=15"),  # RoPE turns channel pairs
+    ({"model_type": "qwen2"}, 'model_type="qwen2"'),
+    ({"model_type": "qwen3"}, 'architectures=["LlamaForCausalLM"]'),  # a Llama's config that calls itself Qwen3
     ({"architectures": ["MistralForCausalLM"]}, "architectures="),
+    ({"use_sliding_window": True}, "use_sliding_window=true"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types="),
 ])
 def test_a_config_model_det_cannot_compute_is_refused_naming_the_field(tmp_path, tokenizer_file, capsys, edit,
                                                                        named):

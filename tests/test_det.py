@@ -124,3 +124,79 @@ def test_flops_per_token_counts_every_matmul():
     weights = L * per_layer + V * C + L * 2 * C + C  # + tied head/embedding, norm gains
     assert model.num_params() == weights
     assert model.flops_per_token() == 6 * weights + 12 * L * C * T
+
+
+def test_llama3_rope_keeps_short_wavelengths_stretches_long_ones_and_blends_between_as_meta_writes_it():
+    """Llama 3.1's remap against Meta's apply_scaling (its reference code, frequency by frequency in floats)."""
+    hd, theta, (factor, low, high, original) = 32, 500.0, (8.0, 1.0, 4.0, 64)
+    plain = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    expected = []
+    for freq in plain.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            expected.append(freq)
+        elif wavelen > original / low:
+            expected.append(freq / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            expected.append((1 - smooth) * freq / factor + smooth * freq)
+    kinds = [(w < original / high, w > original / low) for w in (2 * math.pi / plain).tolist()]
+    assert {(True, False), (False, True), (False, False)} <= set(kinds)  # every branch taken
+    cos, sin = model_det.precompute_rope(hd, 200, theta, (factor, low, high, original))
+    angles = torch.arange(200, dtype=torch.float32)[:, None] * torch.tensor(expected)  # (T, hd/2)
+    torch.testing.assert_close(cos, torch.cat([angles.cos()] * 2, -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin, torch.cat([-angles.sin(), angles.sin()], -1), rtol=0, atol=1e-5)
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys_before_rope_and_head_dim_is_free_of_n_embd():
+    model = tiny(head_dim=12, qk_norm=True, n_embd=20)  # 4 heads of 12 in a width of 20
+    attn = model.blocks[0].attn
+    assert attn.wq.weight.shape == (48, 20) and attn.wk.weight.shape == (24, 20) and attn.wo.weight.shape == (20, 48)
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1.0, 0.3), attn.k_norm.weight.normal_(1.0, 0.3)
+    x, cos, sin = torch.randn(2, 10, 20), model.rope_cos[:10], model.rope_sin[:10]
+    rms = lambda t, w: t / t.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * w
+    q = model_det.apply_rope(rms(attn.wq(x).view(2, 10, 4, 12), attn.q_norm.weight).transpose(1, 2), cos, sin)
+    k = model_det.apply_rope(rms(attn.wk(x).view(2, 10, 2, 12), attn.k_norm.weight).transpose(1, 2), cos, sin)
+    v = attn.wv(x).view(2, 10, 2, 12).transpose(1, 2)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(12)
+    scores = scores.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
+    expected = attn.wo((scores.softmax(-1) @ v.repeat_interleave(2, dim=1)).transpose(1, 2).reshape(2, 10, -1))
+    torch.testing.assert_close(attn(x, cos, sin, 0), expected, rtol=1e-5, atol=1e-5)
+    idx = torch.randint(0, 50, (2, 12))
+    assert torch.equal(model.generate(idx[:, :4], 8, temperature=0)[:, 4:],  # the KV cache reads the normed keys
+                       torch.stack([model.generate(idx[i:i + 1, :4], 8, temperature=0)[0, 4:] for i in range(2)]))
+
+
+@pytest.mark.parametrize("values, named", [
+    (dict(n_embd=30), "n_embd=30"),  # 30 / 4 heads, and no head_dim of its own
+    (dict(head_dim=7), "head_dim=7"),
+    (dict(rope_scaling=(0.5, 1.0, 4.0, 64)), "rope_scaling="),
+    (dict(rope_scaling=(8.0, 4.0, 1.0, 64)), "rope_scaling="),
+    (dict(rope_scaling=(8.0, 1.0, 4.0)), "rope_scaling="),
+])
+def test_a_head_width_or_rope_scaling_det_cannot_compute_is_one_value_error_naming_it(values, named):
+    with pytest.raises(ValueError, match=named):
+        model_det.Config(**{**dict(vocab_size=50, n_head=4, n_kv_head=2, n_embd=32), **values})
+
+
+def test_the_shared_building_blocks_are_the_same_text_in_the_four_model_files():
+    """nanoGPT-style repetition kept honest: what the four files share reads the same in each (the Free Transformer
+    changes Attention and Block, and B-Trans Block, as their papers do)."""
+    import ast
+    import os
+    from conftest import ROOT
+
+    def blocks(name):
+        with open(os.path.join(ROOT, f"model_{name}.py")) as f:
+            source = f.read()
+        return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+
+    det = blocks("det")
+    shared = ["RMSNorm", "precompute_rope", "apply_rope", "KVCache", "Attention", "MLP", "sample_next_token"]
+    for name in ("eve", "free", "btrans"):
+        other = blocks(name)
+        for block in shared:
+            if (name, block) not in {("free", "Attention"), ("eve", "MLP")}:
+                assert other[block] == det[block], (name, block)

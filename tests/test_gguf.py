@@ -6,6 +6,7 @@ Files that hold what model_det does not compute are refused with one line naming
 
 import importlib.util
 import json
+import math
 import os
 
 import numpy as np
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conftest import run_script  # noqa: E402
 
+import model_det  # noqa: E402
 from nanolatent import ckpt  # noqa
 from scripts import convert  # noqa: E402
 from nanolatent import tasks, tokendata  # noqa
@@ -73,6 +75,20 @@ def k_quant_bytes(rows, cols, qtype, rng):
     return raw.reshape(rows, -1)
 
 
+def add_tokenizer(writer, tok, pre, tokenizer_model="gpt2"):
+    """The byte-level BPE tok in a GGUF's metadata, as llama.cpp stores one: tokens, types, merges, special ids and
+    a chat template."""
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([" ".join(merge(m)) for m in json.loads(tok.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+    writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    writer.add_chat_template(CHAT)
+
+
 def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), extra_tensors=(), arch="llama",
                tokenizer_model="gpt2", seed=0):
     """A random 2-layer Llama written as llama.cpp writes one: q and k permuted, each tensor in its ggml type
@@ -103,15 +119,7 @@ def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), 
     writer.add_layer_norm_rms_eps(1e-3)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab)
-    tokens = [tok.id_to_token(i) for i in range(vocab)]
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    writer.add_token_merges([" ".join(merge(m)) for m in json.loads(tok.to_str())["model"]["merges"]])
-    writer.add_bos_token_id(tok.token_to_id("<|im_start|>"))
-    writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
-    writer.add_chat_template(CHAT)
+    add_tokenizer(writer, tok, pre, tokenizer_model)
     for key, value, vtype in extra_kv:
         writer.add_key_value(key, value, vtype)
     weights = {}
@@ -254,6 +262,153 @@ def test_to_hf_writes_back_the_tokenizer_chat_template_and_generation_config(sma
         torch.testing.assert_close(exported(idx).logits, reference(idx).logits, rtol=1e-4, atol=1e-4)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the B-Trans paper's families: Llama 3.1 (RoPE remap as rope_freqs) and Qwen3 (q/k norms, its own head width)
+
+# Hugging Face's layer tensor names -> llama.cpp's (gguf-py's TENSOR_NAMES for the llama and qwen3 architectures)
+LLAMA_CPP_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def hf_family(family, vocab, head_dim=32, tie=False):
+    """A random transformers model of 2 layers, hidden size 64, 4/2 heads: Llama-3.1-style (LLAMA3_ROPE: an original
+    context of 64 read up to 160; head_dim 16 and theta 100 put 3 of the 8 frequencies in the remap's blend) or
+    Qwen3-style (q/k norms, head_dim of its own). Norm gains away from 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=160, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                  initializer_range=0.1)
+    model = (LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE, **common)) if family == "llama3" else
+             Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, rope_theta=1000.0, **common))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    return model
+
+
+def llama_cpp_rope_freqs(head_dim, rope):
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for rope_type llama3: each frequency's
+    divisor (its loop, with the model's own original context where convert_hf_to_gguf.py reads 8192)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                              rope["high_freq_factor"], rope["factor"])
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def gguf_of_hf(path, hf, tok, pre, qtype=Q.F32):
+    """A transformers model written as convert_hf_to_gguf.py writes a llama or qwen3 file: the metadata under the
+    architecture's name, key_length from head_dim, a llama file's q and k rows permuted and its RoPE remap as
+    rope_freqs (a qwen3 file keeps q and k as they are: llama.cpp rotates its heads NeoX-style), matrices in qtype,
+    norms in float32."""
+    cfg, arch = hf.config, hf.config.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    add_tokenizer(writer, tok, pre)
+    state = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for name, w in state.items():
+        parts = name.split(".")  # model.layers.{i}.{module...}.weight
+        if parts[1] == "layers":
+            what = LLAMA_CPP_NAMES[".".join(parts[3:-1])]
+            if arch == "llama" and what in ("attn_q", "attn_k"):
+                w = permute(w, cfg.num_attention_heads if what == "attn_q" else cfg.num_key_value_heads)
+            tensors[f"blk.{parts[2]}.{what}.weight"] = w
+    if cfg.rope_parameters["rope_type"] == "llama3":
+        tensors["rope_freqs.weight"] = llama_cpp_rope_freqs(cfg.head_dim, cfg.rope_parameters)
+    for name, w in tensors.items():
+        stored = w if w.ndim == 1 or qtype == Q.F32 else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_llama3_and_qwen3_gguf_give_the_logits_of_the_transformers_model_they_hold(tmp_path, family):
+    """transformers' GGUF loader ignores a llama file's rope_freqs and reads no qwen3 head width but its default 128:
+    the reference here is the transformers model whose float32 weights the file holds."""
+    tok = byte_level_bpe(False)
+    hf = hf_family(family, tok.get_vocab_size())
+    gguf_of_hf(tmp_path / "m.gguf", hf, tok, "llama-bpe" if family == "llama3" else "qwen2")
+    convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
+    ours, _ = ckpt.load_model(tmp_path / "ours")
+    ours.eval()
+    cfg = ours.config
+    assert (cfg.head_dim, cfg.qk_norm, cfg.block_size) == ((16, False, 160) if family == "llama3" else (32, True, 160))
+    if family == "llama3":  # the remap read back from the divisors: the same RoPE tables as the true parameters
+        assert cfg.rope_scaling[0] == 8.0 and cfg.rope_scaling[3] == convert.LLAMA3_CONTEXT
+        true = (8.0, 1.0, 4.0, 64)
+        torch.testing.assert_close(ours.rope_cos, model_det.precompute_rope(16, 160, 100.0, true)[0], rtol=0, atol=1e-6)
+    idx = torch.randint(cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(1))  # beyond 64 positions
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits = ours(idx, idx)[0]
+    assert ref.abs().max() > 1
+    torch.testing.assert_close(logits, ref, rtol=2e-4, atol=2e-4)
+    expected = hf.generate(idx[:, :100], max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(idx[:, :100], 30, temperature=0), expected)
+
+
+@pytest.mark.slow  # transformers' generate as the reference: about 10 s
+def test_quantized_qwen3_gguf_gives_transformers_gguf_loader_logits_and_tokens(tmp_path):
+    """Qwen3's head width as Qwen3-0.6B's (128, where hidden_size / heads is 16 here), which transformers' GGUF
+    loader takes by default; Q8_0 matrices, and the qwen2 pre-tokenizer (Llama 3's split, digits one by one)."""
+    tok = byte_level_bpe(False)
+    gguf_of_hf(tmp_path / "m.gguf", hf_family("qwen3", tok.get_vocab_size(), head_dim=128, tie=True), tok, "qwen2",
+               Q.Q8_0)
+    convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
+    ours, checkpoint = ckpt.load_model(tmp_path / "ours")
+    ours.eval()
+    assert (ours.config.head_dim, ours.config.qk_norm, ours.lm_head.weight is ours.tok_emb.weight) == (128, True, True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    idx = torch.randint(ours.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits = ours(idx, idx)[0]
+    assert ref.abs().max() > 1
+    torch.testing.assert_close(logits, ref, rtol=2e-4, atol=2e-4)
+    expected = hf.generate(idx[:, :16], max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(idx[:, :16], 30, temperature=0), expected)
+    encode, _ = tokendata.tokenizer(checkpoint["meta"])
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    for text in (PROBE, "THE MODEL'S 1234567 ANSWERS\n\n  I'LL read 12 of them", TEXT[:300]):
+        assert encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert len(encode("x 12345")) == 7  # Qwen's split: x, the space, then every digit its own piece
+
+
 S = gguf.GGUFValueType
 
 
@@ -261,13 +416,13 @@ S = gguf.GGUFValueType
     (dict(arch="qwen2"), 'general.architecture="qwen2"'),
     (dict(extra_kv=[("llama.rope.scaling.type", "linear", S.STRING)]), 'llama.rope.scaling.type="linear"'),
     (dict(extra_kv=[("llama.expert_count", 8, S.UINT32)]), "llama.expert_count=8"),
-    (dict(extra_kv=[("llama.attention.key_length", 32, S.UINT32)]), "llama.attention.key_length=32"),
+    (dict(extra_kv=[("llama.attention.value_length", 32, S.UINT32)]), "llama.attention.value_length=32"),
     (dict(extra_kv=[("llama.attention.layer_norm_epsilon", 1e-5, S.FLOAT32)]), "llama.attention.layer_norm_epsilon="),
     (dict(extra_tensors=[("blk.0.attn_q.bias", (64,))]), "the tensor blk.0.attn_q.bias"),
     (dict(extra_tensors=[("rope_freqs.weight", (8,))]), "the tensor rope_freqs.weight"),
-    (dict(pre="qwen2"), 'tokenizer.ggml.pre="qwen2"'),
+    (dict(pre="deepseek-llm"), 'tokenizer.ggml.pre="deepseek-llm"'),
     (dict(tokenizer_model="llama"), 'tokenizer.ggml.model="llama"'),
-], ids=["arch", "rope-scaling", "experts", "head-size", "layernorm", "bias", "rope-freqs", "pre-tokenizer",
+], ids=["arch", "rope-scaling", "experts", "value-size", "layernorm", "bias", "rope-freqs", "pre-tokenizer",
         "sentencepiece"])
 def test_a_gguf_model_det_cannot_compute_is_refused_naming_the_key(tmp_path, capsys, edit, named):
     edit = {"pre": "gpt2", **edit}

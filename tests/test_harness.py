@@ -62,7 +62,7 @@ MC_FIELDS = dict(doc_to_text="context", doc_to_choice="choices", doc_to_target="
 def needs_lm_eval():
     """harness.py (which registers nanolatent) and lm_eval, or a skip: lm_eval is optional."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install \"lm_eval[hf]\"")
-    import harness
+    from scripts import harness
     return harness
 
 
@@ -329,3 +329,52 @@ def test_out_items_in_a_missing_folder_is_refused_before_evaluating(stochastic, 
                       "--device=cpu", f"--out_items={tmp_path / 'no' / 'items.jsonl'}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --out_items=") and proc.stderr.count("\n") == 1
     assert "mc examples" not in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the B-Trans paper's families imported
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_an_imported_llama3_or_qwen3_scores_as_lm_evals_hf_model_on_the_checkpoint(tmp_path, family):
+    """harness.py on a convert.py hf import (Llama 3.1's remap with contexts past its original 16 positions; Qwen3's
+    q/k norms and 32-wide heads) gives lm_eval's own hf model's per-choice log-likelihoods on the original folder."""
+    transformers = pytest.importorskip("transformers", reason="lm_eval's hf model needs transformers")
+    tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers (pip install tokenizers)")
+    needs_lm_eval()
+    text = "".join(f"The {a} cat sat on the {b}. " for a in ("small", "black", "old") for b in ("mat", "moon", "sofa"))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                                   initial_alphabet=tokenizers.pre_tokenizers.ByteLevel
+                                                                   .alphabet()))
+    torch.manual_seed(0)
+    shape = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+    hf = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})) if family == "llama3" else
+          transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=32)))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    tasks = tmp_path / "tasks"
+    os.makedirs(tasks)
+    write_task(tasks, "mc", [
+        {"context": "The small cat sat on the", "choices": ["mat.", "moon.", "sofa."], "label": 0},
+        {"context": "The old cat sat on the sofa. The black cat sat on the", "choices": ["moon.", "mat."], "label": 1},
+        {"context": text[:150], "choices": ["black cat", "old mat"], "label": 0}], **MC_FIELDS)
+    ours, ours_results = harness_run("nanolatent", {"out_dir": str(tmp_path / "ours")}, ["mc"], tasks)
+    theirs, theirs_results = harness_run("hf", {"pretrained": str(tmp_path / "hf"), "dtype": "float32"}, ["mc"], tasks)
+    assert len(tok.encode(text[:150]).ids) > 16  # the last item reads past the original context
+    assert len(ours["mc"]) == len(theirs["mc"]) == 3
+    for a, b in zip(ours["mc"], theirs["mc"]):
+        assert lls(a) == pytest.approx(lls(b), abs=2e-4) and len(set(lls(a))) == len(lls(a))
+    assert ours_results["mc"]["acc,none"] == theirs_results["mc"]["acc,none"]

@@ -123,6 +123,13 @@ def test_chat_task_answers_gsm8k_numbers_and_lettered_choices():
     assert tasks.letter_answer("E", n_choices=5) == "E"
     question = tasks.lettered_question(" A man sits.", ["reads. ", "runs", "sleeps", "eats"])
     assert question.splitlines()[2:8] == ["A man sits.", "", "A. reads.", "B. runs", "C. sleeps", "D. eats"]
+    # MMLU-Pro's rows (B-Trans §5.1): the question is the text, up to 10 options A-J, the answer its index's letter
+    rows = [{"question": "Which is a gas giant?", "options": ["Mars", *"abcdefgh", "Saturn"], "answer": "J",
+             "answer_index": 9}, {"question": "2 + 2?", "options": ["3", "4", "5"], "answer": "B", "answer_index": 1}]
+    problems = tasks.mmlu_pro_problems(rows)
+    assert [(p["answer"], p["choices"]) for p in problems] == [("J", 10), ("B", 3)]
+    assert problems[1]["question"] == "2 + 2?\n\nA. 3\nB. 4\nC. 5\n\nAnswer with the letter only."
+    assert tasks.letter_answer("J. Saturn", n_choices=10) == "J" and tasks.letter_answer("D", n_choices=3) is None
 
 
 def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):

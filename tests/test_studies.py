@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SHARED_DATA, TINY, run_script, train_det
+from conftest import SHARED_DATA, run_script, train_det
 
 pytestmark = pytest.mark.slow
 

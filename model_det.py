@@ -178,6 +178,8 @@ class Config:
                              "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:  # 1 / theta^0 and sqrt(-eps): NaN from the first step
+            raise ValueError(f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}: both must be > 0")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")

@@ -173,7 +173,7 @@ def main():
         common.die(f"init_from=resume continues the scripts/rlvr.py run in {out_dir}, and {ckpt_file} does not exist: start "
                    f"one with --init_from=<a trained model>")
     if resume and not rlvr_run():
-        common.die(f"init_from=resume continues an scripts/rlvr.py run, and {ckpt_file} is a train.py or scripts/convert.py "
+        common.die(f"init_from=resume continues a scripts/rlvr.py run, and {ckpt_file} is a train.py or scripts/convert.py "
                    f"checkpoint: give it as --init_from={out_dir} with another --out_dir")
     if not resume:
         ckpt.refuse_existing_run(out_dir, overwrite,

@@ -325,7 +325,7 @@ def test_a_run_stopped_by_sigterm_mid_rollout_resumes_to_the_weights_and_rewards
 @pytest.mark.slow
 @pytest.mark.parametrize("existing, message", [
     (None, "does not exist: start one with --init_from=<a trained model>"),
-    ("det", "is a train.py or convert.py checkpoint: give it as --init_from="),
+    ("det", "checkpoint: give it as --init_from="),
 ])
 def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path, existing, message):
     root, det_out = arith_ckpt

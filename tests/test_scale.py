@@ -159,20 +159,20 @@ def config_values(path):
 
 
 def script_of(config):
-    """The script a config file is for: the one its header runs it with (`python rlvr.py config/rlvr_arith.py`)."""
+    """The script a config file is for: the one its header runs it with (`python -m scripts.rlvr config/rlvr_arith.py`)."""
     with open(os.path.join(ROOT, config)) as f:
-        scripts = set(re.findall(r"python (\w+\.py) " + re.escape(config), f.read()))
+        scripts = set(re.findall(r"python (\w+\.py|-m scripts\.\w+) " + re.escape(config), f.read()))
     return "train.py" if not scripts or "train.py" in scripts else scripts.pop()
 
 
 TRAIN_CONFIGS = sorted(c for c in (os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config", "*.py")))
-                       if script_of(c) == "train.py")  # rlvr.py's configs are tested in test_rlvr.py
+                       if script_of(c) == "train.py")  # scripts/rlvr.py's configs are tested in test_rlvr.py
 
 
 @pytest.mark.parametrize("config", TRAIN_CONFIGS)
 def test_every_config_parses_and_dry_runs(config, tmp_path):
     values = config_values(os.path.join(ROOT, config))
-    model_type = values.get("model", "free")
+    model_type = values.get("model_type", "free")
     if "vocab_size" not in values:  # a meta.json is all a dry run reads: no tokens
         os.makedirs(tmp_path / values["dataset"])
         (tmp_path / values["dataset"] / "meta.json").write_text(json.dumps({"vocab_size": 65, "tokenizer": "char"}))

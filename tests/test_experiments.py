@@ -186,9 +186,10 @@ def test_a_study_resumes_a_stopped_run_and_leaves_a_finished_one_alone(data_root
     assert ckpt.finished(tmp_path / "stopped") and ckpt.finished(tmp_path / "whole")
     losses = lambda run: {r["iter"]: r["val_loss"] for r in records(run) if "val_loss" in r}
     assert losses(tmp_path / "stopped") == losses(tmp_path / "whole") and max(losses(tmp_path / "whole")) == 8
-    before = {p: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != "train.log"}
+    files = lambda run: {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "train.log"}
+    before = files(tmp_path / "whole")
     study.train_if_missing(str(tmp_path / "whole"), *args)  # finished: not trained again
-    assert {p: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != "train.log"} == before
+    assert files(tmp_path / "whole") == before
 
 
 def test_a_study_refuses_parallel_zero_before_training_anything(tmp_path, capsys):

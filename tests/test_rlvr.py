@@ -415,4 +415,5 @@ def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith
     assert len(stderr.strip().splitlines()) == 1 and "stopped by" in stderr
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
     if (tmp_path / "ckpt.pt").exists():  # the second signal came after the save (else: before it, nothing saved)
-        assert ckpt.load_model(tmp_path)[1]["iter_num"] == 4
+        # the step under way when the first signal lands is finished and saved: 4, or 5 when the log line was read late
+        assert ckpt.load_model(tmp_path)[1]["iter_num"] in (4, 5)

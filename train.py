@@ -583,10 +583,13 @@ while True:
         record = {"iter": iter_num, "tokens": (iter_num + 1) * tokens_per_iter, "lr": lr,
                   "loss": loss_sum.item(), **{k: float(v) for k, v in stats.items()},
                   "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
+        if device_type == "cuda":  # the dry run's "memory per GPU" plan, measured (weights, optimizer, activations)
+            record["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         elapsed = time.time() - t_start
         paced = iter_num - start_iter  # steps since the first, evaluations between them included
         eta = ((time.time() - t_paced) / paced if paced else dt) * (max_iters - iter_num - 1)
         speed = f"| {dt * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu else "")
+        speed += f", peak {record['peak_mib']:,.0f} MiB" if "peak_mib" in record else ""
         skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
         print(fit((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
                    [f"{k} {float(v):.4f}" for k, v in stats.items()],

@@ -5,10 +5,17 @@
     python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
     python prepare.py text --input=wp.jsonl --fields=prompt,story --name=wp
     python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json --name=shakespeare_smollm2
-    python prepare.py writingprompts | tinystories | fineweb_edu  # Hugging Face hub, GPT-2 BPE
+    python prepare.py writingprompts | tinystories                # Hugging Face hub, GPT-2 BPE
+    python prepare.py fineweb_edu --subset=sample-100BT --max_tokens=47e9   # resumable shards of 100M tokens
 """
 
+import codecs
+import collections
+import glob
+import io
+import itertools
 import json
+import multiprocessing
 import os
 import sys
 
@@ -34,11 +41,19 @@ bpe_file = ""  # a local gpt2.tiktoken (offline; or $NANOLATENT_GPT2_BPE)
 vocab = "full"  # gpt2: 'full' (50,257 ids) or 'used' (only the ids the train and val text use, renumbered from 0)
 max_docs = 0  # stop after this many training documents (0 = all); text and hub
 # hub datasets
-val_docs = 0  # validation documents (0 = the whole validation split, or 1,000 for a hub set with none)
+val_docs = 0  # validation documents (0 = the whole validation split)
+# fineweb_edu: data/<name>/val_000000.bin, train_000001.bin, ... resumable: a rerun skips the shards already written
+subset = "sample-10BT"  # sample-10BT, sample-100BT, sample-350BT, or default (the full set)
+max_tokens = 0.0  # training tokens to write, e.g. 47e9; 0 = the whole subset
+shard_tokens = 1e8  # tokens a training shard holds (the last one the rest)
+val_tokens = 1e7  # the stream's first tokens, the validation shard
+num_proc = 0  # tokenizing processes (0 = one per CPU core)
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals(), positional="source")
-configurator.require(globals(), non_negative=("num_train", "num_val", "max_docs", "val_docs"),
-                     choices={"vocab": ("full", "used")}, within={"val_fraction": "(0, 1)"})
+configurator.require(globals(), positive=("shard_tokens", "val_tokens"),
+                     non_negative=("num_train", "num_val", "max_docs", "val_docs", "max_tokens", "num_proc"),
+                     choices={"vocab": ("full", "used"), "subset": tuple(tokendata.FINEWEB_EDU_SUBSETS)},
+                     within={"val_fraction": "(0, 1)"})
 
 
 def hf_meta(path):
@@ -127,15 +142,16 @@ def prepare_arith():
 
 
 def gpt2_chunks(docs, encoding, batch=256):
-    """Encode documents in batches (tiktoken threads), each followed by <|endoftext|> as in GPT-2's training data."""
-    eot = encoding.eot_token
-    buffer = []
-    for doc in docs:
-        buffer.append(doc)
-        if len(buffer) == batch:
-            yield from (ids + [eot] for ids in encoding.encode_ordinary_batch(buffer, num_threads=os.cpu_count()))
-            buffer = []
-    yield from (ids + [eot] for ids in encoding.encode_ordinary_batch(buffer, num_threads=os.cpu_count()))
+    """Encode documents (each an iterable of text pieces) in batches of pieces (tiktoken threads), each document
+    followed by <|endoftext|> as in GPT-2's training data."""
+    def pieces():  # (text, whether <|endoftext|> follows it)
+        for doc in docs:
+            yield from ((piece, False) for piece in doc)
+            yield "", True
+    stream = pieces()
+    while group := list(itertools.islice(stream, batch)):
+        ids = encoding.encode_ordinary_batch([text for text, _ in group], num_threads=os.cpu_count())
+        yield from (tokens + [encoding.eot_token] if end else tokens for tokens, (_, end) in zip(ids, group))
 
 
 def write_gpt2(out, train_docs, val_docs, **meta):
@@ -165,8 +181,72 @@ def load_datasets():
     return datasets
 
 
-def load_local_documents(path, fields):
-    """Documents of a local file: a .txt is one document, a .jsonl one per line (its `fields` joined)."""
+def read_blocks(path, size=1 << 20):
+    """A local file's text in blocks of `size` bytes, decoded as open(path).read() decodes it (UTF-8, newlines made
+    \\n): never the whole file in memory."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            data, pending = f.read(size), len(decoder.getstate()[0])  # bytes of a character cut by the last block
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                common.die(f"{path} is not UTF-8 text (byte {offset - pending + e.start}: {e.reason}); convert it, "
+                           f"e.g. iconv -t utf-8")
+            offset += len(data)
+            if text:
+                yield text
+            if not data:
+                return
+
+
+def crop(blocks, start, stop):
+    """The characters [start, stop) of consecutive blocks of text (stop None: to the end)."""
+    position = 0
+    for block in blocks:
+        if stop is not None and position >= stop:
+            return
+        piece = block[max(start - position, 0):None if stop is None else max(stop - position, 0)]
+        position += len(block)
+        if piece:
+            yield piece
+
+
+def jsonl_texts(path, fields):
+    """The documents of a .jsonl file, a line each (its `fields` joined), read line by line."""
+    rest, number = "", 0
+    for block in itertools.chain(read_blocks(path), ["\n"]):
+        *lines, rest = (rest + block).split("\n")
+        for line in lines:
+            number += 1
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                common.die(f"{path} line {number} could not be parsed ({e.msg}): a .jsonl holds one JSON object per "
+                           f"line")
+            if not isinstance(record, dict):
+                common.die(f"{path} line {number} is a JSON {type(record).__name__}, not an object: a .jsonl holds "
+                           f"one JSON object per line, its text under --fields={','.join(fields)}")
+            yield record_text(record, fields)
+
+
+def local_documents(path, fields, start=0, stop=None):
+    """A local file's documents, streamed, each an iterable of text pieces cut where GPT-2's pre-tokenizer cuts
+    (tokendata.text_pieces): a .txt is one document, a .jsonl a document a line. start, stop: the characters to keep
+    of a file that holds one document."""
+    if path.endswith(".txt"):
+        yield tokendata.text_pieces(crop(read_blocks(path), start, stop))
+    else:
+        for text in jsonl_texts(path, fields):
+            yield tokendata.text_pieces(crop([text], start, stop))
+
+
+def check_local_file(path, fields):
+    """A first pass over a local file, so that what would stop the preparation stops it before anything is written:
+    (its documents, the characters of the first)."""
     if os.path.isdir(path):
         common.die(f"input {path!r} is a folder: give one .txt or .jsonl file inside it (prepare.py reads one file, "
                    f"and --val_input=FILE a second)")
@@ -174,39 +254,33 @@ def load_local_documents(path, fields):
         common.die(f"input file {path!r} not found")
     if not path.endswith((".jsonl", ".txt")):
         common.die(f"{path}: expected a .txt or .jsonl file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        common.die(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. iconv -t utf-8")
-    docs = [text] if path.endswith(".txt") else []
-    for i, line in enumerate(text.split("\n") if path.endswith(".jsonl") else [], 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                common.die(f"{path} line {i} could not be parsed ({e.msg}): a .jsonl holds one JSON object per line")
-            if not isinstance(record, dict):
-                common.die(f"{path} line {i} is a JSON {type(record).__name__}, not an object: a .jsonl holds one "
-                           f"JSON object per line, its text under --fields={','.join(fields)}")
-            docs.append(record_text(record, fields))
-    if not any(doc.strip() for doc in docs):
+    docs = chars = 0
+    text = False
+    for doc in local_documents(path, fields):
+        docs += 1
+        for piece in doc:
+            chars += len(piece) if docs == 1 else 0
+            text = text or bool(piece.strip())
+    if not text:
         common.die(f"{path} holds no text: nothing to prepare")
-    return docs
+    return docs, chars
 
 
 def local_splits(input, val_input, fields):
-    """(train documents, validation documents) of local files: val_input's, or the last val_fraction of the input."""
-    docs = load_local_documents(input, fields)
+    """(train documents, validation documents) of local files, streamed: val_input's, or the last val_fraction of the
+    input's documents (of its characters when it holds one)."""
+    docs, chars = check_local_file(input, fields)
     if val_input:
-        train_docs, val_docs = docs, load_local_documents(val_input, fields)
-    elif len(docs) == 1:  # one text (Tiny Shakespeare): the last val_fraction of its characters is validation
-        cut = int(len(docs[0]) * (1 - val_fraction))
-        train_docs, val_docs = [docs[0][:cut]], [docs[0][cut:]]
+        check_local_file(val_input, fields)
+        train, val = local_documents(input, fields), local_documents(val_input, fields)
+    elif docs == 1:  # one text (Tiny Shakespeare): the last val_fraction of its characters is validation
+        cut = int(chars * (1 - val_fraction))
+        train, val = local_documents(input, fields, 0, cut), local_documents(input, fields, cut)
     else:
-        cut = int(len(docs) * (1 - val_fraction))
-        train_docs, val_docs = docs[:cut], docs[cut:]
-    return train_docs[:max_docs or None], val_docs
+        cut = int(docs * (1 - val_fraction))
+        train = itertools.islice(local_documents(input, fields), cut)
+        val = itertools.islice(local_documents(input, fields), cut, None)
+    return itertools.islice(train, max_docs or None), val
 
 
 def prepare_text():
@@ -217,14 +291,23 @@ def prepare_text():
     out = name or f"{os.path.splitext(os.path.basename(input))[0]}_{kind}"
     if kind == "hf":  # a pretrained model's own vocabulary (scripts/convert.py copies its tokenizer.json next to ckpt.pt)
         meta, encode_text = hf_meta(tokenizer)
-        encode = lambda ds: [encode_text("\n\n".join(ds))]
+        # its pre-tokenizer may join text across any cut (Llama 3's joins punctuation and the newlines after it), so
+        # each split is encoded as one text, in memory
+        encode = lambda docs: [encode_text("\n\n".join("".join(doc) for doc in docs))]
         write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
-    elif kind == "char":  # the characters of the text, and the blank line that joins its documents
-        chars = sorted(set("\n\n".join(train_docs)) | set("\n\n".join(val_docs)))
-        stoi = {ch: i for i, ch in enumerate(chars)}
-        encode = lambda ds: [[stoi[c] for c in "\n\n".join(ds)]]
-        meta = dict(vocab_size=len(chars), tokenizer="char", chars=chars)
-        write_dataset(out, {"train": encode(train_docs), "val": encode(val_docs)}, meta)
+    elif kind == "char":  # the characters of the text, and the blank line that joins its documents: a pass to find them
+        chars = set()
+        for docs in (train_docs, val_docs):
+            for i, doc in enumerate(docs):
+                chars |= set("\n" if i else "").union(*doc)
+        stoi = {ch: i for i, ch in enumerate(sorted(chars))}
+
+        def encode(docs):
+            for i, doc in enumerate(docs):
+                yield from itertools.chain([[stoi["\n"]] * 2] if i else [], ([stoi[c] for c in piece] for piece in doc))
+        meta = dict(vocab_size=len(chars), tokenizer="char", chars=sorted(chars))
+        write_dataset(out, {split: encode(docs) for split, docs in
+                            zip(("train", "val"), local_splits(input, val_input, fields))}, meta)
     else:
         write_gpt2(out, train_docs, val_docs)
 
@@ -252,25 +335,194 @@ def prepare_hub():
             for i, record in enumerate(stream):  # streamed: the hub can fail at any record
                 if limit and i >= limit:
                     return
-                yield record_text(record, spec["fields"])
+                yield [record_text(record, spec["fields"])]
         except Exception as e:
             hub_failure(e)
 
-    if spec["val"]:
-        train, val = documents(spec["train"], max_docs), documents(spec["val"], val_docs)
-    else:  # a single split: its first val_docs documents are validation, the rest training
-        n_val = val_docs or 1000
-        val = documents(spec["train"], n_val)
-        train = (d for i, d in enumerate(documents(spec["train"], max_docs and max_docs + n_val)) if i >= n_val)
-    write_gpt2(name or source, train, val, source=spec["path"])
+    write_gpt2(name or source, documents(spec["train"], max_docs), documents(spec["val"], val_docs), source=spec["path"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FineWeb-Edu at the papers' scale: shards of shard_tokens tokens, tokenized by a pool of processes, resumable. Shard 0
+# (val) holds the stream's first val_tokens tokens, shards 1, 2, ... (train) the next, shard_tokens each, cut at a
+# token count (a document may continue in the next shard) until max_tokens. After each shard, progress.json records
+# where the next one begins: a document, a token offset in it, and the datasets stream's state_dict() at an earlier
+# document, which a rerun loads (datasets then skips whole parquet files, and the records of one) to read on from
+# there. A kill at any instant leaves whole shards (each written as .tmp, then renamed) and a rerun writes the same
+# bytes as an uninterrupted run.
+
+
+def fineweb_stream():
+    """(FineWeb-Edu's records of the chosen subset, a datasets streaming IterableDataset; where they come from): the
+    hub, or under $NANOLATENT_LOCAL_DATA a copy of the hub's files (fineweb-edu/sample/10BT/*.parquet, or .jsonl) read
+    by the same datasets call with the files named."""
+    datasets = load_datasets()
+    folder = tokendata.local_data(os.path.join("fineweb-edu", tokendata.FINEWEB_EDU_SUBSETS[subset]))
+    if not folder:
+        return datasets.load_dataset(tokendata.FINEWEB_EDU, name=subset, split="train", streaming=True), \
+            f"{tokendata.FINEWEB_EDU} {subset}"
+    files = {ext: sorted(glob.glob(os.path.join(folder, "**", f"*.{ext}"), recursive=True)) for ext in ("parquet", "jsonl")}
+    builder = "parquet" if files["parquet"] else "json"
+    if not files[builder if builder == "parquet" else "jsonl"]:
+        common.die(f"{folder} ({tokendata.LOCAL_DATA_ENV}) holds no .parquet or .jsonl files of FineWeb-Edu {subset}")
+    data_files = files["parquet"] or files["jsonl"]
+    print(f"fineweb_edu: reading {len(data_files)} files under {folder} ({tokendata.LOCAL_DATA_ENV}) in place of the hub")
+    return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True), folder
+
+
+def document_batches(stream, start, size=1024):
+    """(index of the first document, anchor, texts) for batches of documents from start["doc"] on. An anchor (document
+    index, stream state) is where a rerun can load the stream and count documents from: the batch's first document,
+    or in the first batch of a resumed run the anchor it resumed from."""
+    anchor = (start["anchor_doc"], start["state"])
+    doc, first, batch = start["anchor_doc"], start["doc"], []
+    try:
+        for record in stream:
+            if doc >= start["doc"]:  # those before it are read again from the anchor, not tokenized
+                batch.append(record["text"])
+            doc += 1
+            if len(batch) == size:
+                yield first, anchor, batch
+                first, anchor, batch = doc, (doc, stream.state_dict()), []
+    except Exception as e:  # the hub may fail at any record
+        common.die(f"could not read {tokendata.FINEWEB_EDU} ({type(e).__name__}: {str(e)[:200]}); the shards written "
+                   f"are kept: run the same command again to go on, or offline export {tokendata.LOCAL_DATA_ENV}=DIR "
+                   f"with DIR/fineweb-edu/{tokendata.FINEWEB_EDU_SUBSETS[subset]}/*.parquet")
+    if batch:
+        yield first, anchor, batch
+
+
+def encoded(batches, bpe_file, processes):
+    """(first document, anchor, tokens, lengths) of each batch, in order, encoded by a pool of processes (spawned, so
+    the same on every platform), at most two batches a process ahead of the writer: the stream is read as fast as it
+    is written, never into memory."""
+    if processes == 1:  # the same code in this process
+        tokendata.start_gpt2_process(bpe_file)
+        yield from ((first, anchor, *tokendata.encode_gpt2_documents(texts)) for first, anchor, texts in batches)
+        return
+    pending = collections.deque()
+    with multiprocessing.get_context("spawn").Pool(processes, tokendata.start_gpt2_process, (bpe_file,)) as pool:
+        for first, anchor, texts in batches:
+            pending.append((first, anchor, pool.apply_async(tokendata.encode_gpt2_documents, (texts,))))
+            if len(pending) > 2 * processes:
+                first, anchor, job = pending.popleft()
+                yield first, anchor, *job.get()
+        while pending:
+            first, anchor, job = pending.popleft()
+            yield first, anchor, *job.get()
+
+
+def write_atomically(path, write):
+    """write(file) to path.tmp, then renamed to path: a kill leaves the old file or the new one, never a part."""
+    with open(path + ".tmp", "wb" if path.endswith(".bin") else "w") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def finished_shards(out, settings):
+    """The shards a previous run of the same command wrote whole (progress.json's, while their files are there), or
+    None when the dataset is complete. Anything else in data/<name> is refused: nothing prepared is overwritten."""
+    if os.path.exists(os.path.join(out, "meta.json")):
+        meta = tokendata.load_meta(os.path.basename(out))
+        if meta.get("settings") != settings:
+            common.die(f"{out} holds a dataset prepared otherwise ({meta.get('settings') or 'not in shards'}): give "
+                       f"another --name, or remove the folder")
+        return None
+    if not os.path.exists(os.path.join(out, "progress.json")):
+        return []
+    with open(os.path.join(out, "progress.json")) as f:
+        progress = json.load(f)
+    if progress["settings"] != settings:
+        common.die(f"{out} holds the shards of another preparation ({progress['settings']}): run that command again to "
+                   f"finish it, give another --name, or remove the folder")
+    intact = lambda shard: os.path.exists(path := os.path.join(out, shard["file"])) and \
+        os.path.getsize(path) == 2 * shard["tokens"]
+    return list(itertools.takewhile(intact, progress["shards"]))
+
+
+def prepare_fineweb():
+    if max_docs or val_docs:
+        common.die("fineweb_edu takes token counts: --max_tokens (training) and --val_tokens, not --max_docs or "
+                   "--val_docs")
+    out = tokendata.data_dir(name or source)
+    encoding, local_bpe = tokendata.gpt2_encoding(bpe_file)
+    stream, origin = fineweb_stream()
+    settings = dict(source=origin, subset=subset, max_tokens=int(max_tokens), shard_tokens=int(shard_tokens),
+                    val_tokens=int(val_tokens))  # what a rerun must repeat to write the same bytes
+    shards = finished_shards(out, settings)
+    if shards is None:
+        print(f"{out} is prepared already: nothing to do")
+        return
+    if shards:
+        print(f"{out}: {len(shards)} shards written before, going on from shard {len(shards)}")
+    start = shards[-1]["next"] if shards else dict(doc=0, offset=0, anchor_doc=0, state=None)
+    if start["state"] is not None:
+        stream.load_state_dict(start["state"])
+    os.makedirs(out, exist_ok=True)
+
+    def size(k):  # tokens of shard k: 0 for none (the budget is spent)
+        if k == 0:
+            return int(val_tokens)
+        budget = int(max_tokens) - (k - 1) * int(shard_tokens) if max_tokens else int(shard_tokens)
+        return max(0, min(int(shard_tokens), budget))
+
+    def write(buffer, next):
+        split = "val" if len(shards) == 0 else "train"
+        shards.append(dict(file=f"{split}_{len(shards):06d}.bin", tokens=len(buffer), next=next))
+        write_atomically(os.path.join(out, shards[-1]["file"]), lambda f: f.write(buffer.tobytes()))
+        write_atomically(os.path.join(out, "progress.json"), lambda f: json.dump(
+            dict(settings=settings, shards=shards), f))
+        print(f"wrote {shards[-1]['file']} ({len(buffer):,} tokens)")
+
+    buffer, fill = np.empty(size(len(shards)), dtype=np.uint16), 0
+    try:
+        batches = document_batches(stream, start) if len(buffer) else ()  # () when a kill came after the last shard
+        for first, anchor, tokens, lengths in encoded(batches, local_bpe, num_proc or os.cpu_count()):
+            ends = np.cumsum(lengths)
+            position = start["offset"] if first == start["doc"] else 0  # a resumed run's first document: its rest
+            while position < len(tokens) and len(buffer):
+                take = min(len(tokens) - position, len(buffer) - fill)
+                buffer[fill:fill + take] = tokens[position:position + take]
+                fill, position = fill + take, position + take
+                if fill == len(buffer):  # the next shard begins at this token of document first + j
+                    j = int(np.searchsorted(ends, position, side="right"))
+                    offset = position - (int(ends[j - 1]) if j else 0)
+                    write(buffer, dict(doc=first + j, offset=offset, anchor_doc=anchor[0], state=anchor[1]))
+                    buffer, fill = np.empty(size(len(shards)), dtype=np.uint16), 0
+            if not len(buffer):  # the budget is spent: the pool's work ahead is dropped
+                break
+        else:  # the subset ended: its last tokens are the last shard
+            if fill:
+                write(buffer[:fill], dict(doc=first + len(lengths), offset=0, anchor_doc=anchor[0], state=anchor[1]))
+            if len(shards) < 2:
+                common.die(f"FineWeb-Edu {subset} ended after {sum(s['tokens'] for s in shards):,} tokens, within the "
+                           f"validation shard: lower --val_tokens")
+    except OSError as e:
+        common.die(f"could not write {e.filename or out}: {e.strerror or e}{common.free_space(out)}; the shards "
+                   f"written whole are kept: run the same command again to go on")
+    split = lambda name: [shard["file"] for shard in shards if shard["file"].startswith(name)]
+    meta = dict(vocab_size=encoding.n_vocab, tokenizer="gpt2", bpe_file=local_bpe and os.path.abspath(local_bpe),
+                dtype="uint16", source=tokendata.FINEWEB_EDU, settings=settings,
+                shards=dict(val=split("val"), train=split("train")),
+                val_tokens=shards[0]["tokens"], train_tokens=sum(shard["tokens"] for shard in shards[1:]))
+    write_atomically(os.path.join(out, "meta.json"), lambda f: json.dump(meta, f, indent=1))
+    os.remove(os.path.join(out, "progress.json"))
+    if max_tokens and meta["train_tokens"] < int(max_tokens):
+        print(f"FineWeb-Edu {subset} holds {meta['train_tokens']:,} training tokens, fewer than --max_tokens: a larger "
+              f"--subset holds more")
+    print(f"wrote {out}: {meta['val_tokens']:,} validation tokens, {meta['train_tokens']:,} training tokens in "
+          f"{len(meta['shards']['train'])} shards")
 
 
 PREPARE = {"synthetic": prepare_synthetic, "arith": prepare_arith, "text": prepare_text,
-           **{hub: prepare_hub for hub in tokendata.HUB_DATASETS}}
-if source not in PREPARE:
-    common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
-               + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")
-if vocab == "used" and (source in ("synthetic", "arith") or tokenizer != "gpt2"):
-    common.die(f"--vocab=used renumbers GPT-2 BPE ids: it applies to text with --tokenizer=gpt2 and to hub datasets, "
-               f"not to {source} with --tokenizer={tokenizer}")
-PREPARE[source]()
+           **{hub: prepare_hub for hub in tokendata.HUB_DATASETS}, "fineweb_edu": prepare_fineweb}
+if __name__ == "__main__":  # not in prepare_fineweb's tokenizing processes, which import this file (spawn)
+    if source not in PREPARE:
+        common.die(f"what to prepare? the first argument is one of {', '.join(PREPARE)}"
+                   + (f", got {source!r}" if source else "") + " (e.g. python prepare.py synthetic)")
+    if vocab == "used" and (source in ("synthetic", "arith", "fineweb_edu") or tokenizer != "gpt2"):
+        common.die(f"--vocab=used renumbers GPT-2 BPE ids: it applies to text with --tokenizer=gpt2 and to hub "
+                   f"datasets, not to {source} with --tokenizer={tokenizer}")
+    PREPARE[source]()

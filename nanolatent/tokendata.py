@@ -18,6 +18,13 @@ LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (g
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
+# FineWeb-Edu (prepare.py fineweb_edu): its subsets, as the hub names them, and the folder of each one's parquet files in
+# the hub's repository, which a local copy under $NANOLATENT_LOCAL_DATA/fineweb-edu/ mirrors ("default" is the full set)
+FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
+FINEWEB_EDU_SUBSETS = {"sample-10BT": "sample/10BT", "sample-100BT": "sample/100BT", "sample-350BT": "sample/350BT",
+                       "default": "data"}
+
+
 # Named hub datasets: parquet-backed repositories (no loading scripts), their text fields and splits, and the local
 # copies under $NANOLATENT_LOCAL_DATA that prepare.py reads in their place (training file, then validation file).
 HUB_DATASETS = {
@@ -25,8 +32,6 @@ HUB_DATASETS = {
                            local=("writingprompts/wp_sample_train.jsonl", "writingprompts/wp_sample_test.jsonl")),
     "tinystories": dict(path="roneneldan/TinyStories", fields=("text",), train="train", val="validation",
                         local=("tinystories/tinystories_head_197k.txt",)),
-    "fineweb_edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", fields=("text",), train="train",
-                        val=None, local=()),
 }
 
 
@@ -49,7 +54,7 @@ def local_data(path, otherwise=""):
 def load_meta(dataset):
     path = os.path.join(data_dir(dataset), "meta.json")
     if not os.path.exists(path):
-        named = dataset in ("synthetic", "arith", *HUB_DATASETS)  # the names prepare.py makes on its own
+        named = dataset in ("synthetic", "arith", "fineweb_edu", *HUB_DATASETS)  # the names prepare.py makes on its own
         how = (f"`python prepare.py {dataset}`" if named else
                f"`python prepare.py text --input=FILE --name={dataset}` on a local .txt or .jsonl")
         die(f"dataset {dataset!r} is not prepared ({path} is missing): run {how}")
@@ -58,13 +63,78 @@ def load_meta(dataset):
 
 
 def load_tokens(dataset, split, meta):
-    path = os.path.join(data_dir(dataset), f"{split}.bin")
-    if not os.path.exists(path):
-        die(f"{path} is missing: run `python prepare.py {dataset}` again")
-    if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
-        die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that holds "
-            f"tokens")
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    """A split's token stream: the memmap of its .bin, or its shards (prepare.py fineweb_edu) read as one."""
+    arrays = []
+    for file in meta["shards"][split] if "shards" in meta else [f"{split}.bin"]:
+        path = os.path.join(data_dir(dataset), file)
+        if not os.path.exists(path):
+            die(f"{path} is missing: run `python prepare.py {dataset}` again")
+        if os.path.getsize(path) == 0:  # np.memmap cannot map an empty file
+            die(f"{path} is empty (prepared with --val_fraction=0?): prepare {dataset!r} again with a split that "
+                f"holds tokens")
+        arrays.append(np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r"))
+    return arrays[0] if len(arrays) == 1 else Shards(arrays)
+
+
+class Shards:
+    """Token files read as one stream: len() and data[i:j], which reads across a file boundary as the stream before
+    sharding did (prepare.py cuts shards at a token count, so a document may begin in one file and end in the next)."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # where each file begins in the stream
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        start, stop, step = index.indices(len(self))  # slices only: what train.py and evaluate.py read
+        assert step == 1, "Shards reads contiguous windows"
+        parts = []
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            piece = self.arrays[k][start - self.starts[k]:stop - self.starts[k]]
+            parts.append(piece)
+            start += len(piece)
+            k += 1
+        return np.concatenate(parts) if parts else np.empty(0, self.arrays[0].dtype)
+
+
+def text_pieces(blocks):
+    """The text of consecutive blocks, cut again only between a non-space character and a newline, where GPT-2's
+    pre-tokenizer always cuts (no pre-token holds a non-space character followed by a space, and its only end-of-text
+    rule, `\\s++$`, needs a space before the cut): each piece encodes to exactly the tokens it has inside the whole
+    text, so a file is encoded piece by piece. A text with no such cut stays one piece."""
+    buffer = ""
+    for block in blocks:
+        buffer += block
+        cut = len(buffer)
+        while (cut := buffer.rfind("\n", 0, cut)) > 0 and buffer[cut - 1].isspace():  # str.isspace covers \s
+            pass
+        if cut > 0:
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    if buffer:
+        yield buffer
+
+
+# prepare.py's tokenizing processes: GPT-2's BPE loaded once per process, documents encoded in batches
+_gpt2 = None
+
+
+def start_gpt2_process(bpe_file):
+    global _gpt2
+    if bpe_file:
+        _gpt2 = gpt2_from_file(bpe_file)
+    else:  # tiktoken's own copy, downloaded (and cached) by the parent process already
+        import tiktoken
+        _gpt2 = tiktoken.get_encoding("gpt2")
+
+
+def encode_gpt2_documents(texts):
+    """(tokens, lengths): the documents in GPT-2 BPE, each followed by <|endoftext|>, as one uint16 array."""
+    docs = [_gpt2.encode_ordinary(text) + [_gpt2.eot_token] for text in texts]
+    return np.array([t for doc in docs for t in doc], dtype=np.uint16), np.array([len(doc) for doc in docs])
 
 
 _PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -3,6 +3,10 @@
 import json
 import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -239,3 +243,198 @@ def test_prepared_data_lives_in_data_at_the_repository_root_unless_the_variable_
     assert tokendata.data_dir("synthetic") == os.path.join(ROOT, "data", "synthetic")  # where prepare.py writes
     monkeypatch.setenv("NANOLATENT_DATA", "/elsewhere")
     assert tokendata.data_dir("synthetic") == os.path.join("/elsewhere", "synthetic")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prepare.py fineweb_edu: shards, a pool of processes, a kill and a rerun, on a local copy read by the same datasets calls
+
+FINEWEB = ["prepare.py", "fineweb_edu", f"--bpe_file={GPT2_BPE}", "--val_tokens=3000", "--shard_tokens=9000"]
+needs_bpe = pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+
+
+def fineweb_texts(subset_seed, n):
+    """n documents of words and the whitespace GPT-2's BPE merges (blank lines, runs of spaces)."""
+    rng = np.random.default_rng(subset_seed)
+    words = np.array("the of and a to in is that for it as was with be by on not this are or from at which".split()
+                     + ["  ", "\n", "\n\n", "3.14", "l'été"])
+    return [" ".join(rng.choice(words, size=rng.integers(3, 60))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fineweb_copy(tmp_path_factory):
+    """A local FineWeb-Edu copy in the hub's layout: sample-10BT as 4 parquet files (row groups of 100 records, as
+    the hub's files hold many), sample-100BT as 2 .jsonl files; and the GPT-2 tokens each subset's stream must have."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    root = tmp_path_factory.mktemp("copies")
+    expected = {}
+    for subset, files, ext in (("sample-10BT", 4, "parquet"), ("sample-100BT", 2, "jsonl")):
+        folder = root / "fineweb-edu" / tokendata.FINEWEB_EDU_SUBSETS[subset]
+        folder.mkdir(parents=True)
+        texts = fineweb_texts(len(expected), 1100 * files)
+        for k in range(files):
+            part = texts[1100 * k:1100 * (k + 1)]
+            if ext == "parquet":
+                pq.write_table(pa.table({"text": part, "id": [f"{k}-{i}" for i in range(len(part))]}),
+                               folder / f"{k:03d}_00000.parquet", row_group_size=100)
+            else:
+                (folder / f"{k:03d}_00000.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+        encoding = tokendata.gpt2_from_file(GPT2_BPE)
+        expected[subset] = np.array([t for text in texts for t in encoding.encode_ordinary(text) + [50256]])
+    return root, expected
+
+
+def fineweb(copy, data, *args, check=True):
+    """prepare.py fineweb_edu with the local copy as $NANOLATENT_LOCAL_DATA."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(tokendata.LOCAL_DATA_ENV, str(copy))
+        return run_script(*FINEWEB, *args, data_dir=data, check=check)
+
+
+def shard_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def fineweb_run(fineweb_copy, tmp_path_factory):
+    """An uninterrupted run by 2 processes with a budget of 120,000 training tokens (of the copy's 185,124): 13 shards of
+    9,000 and one of 3,000, the documents of 3 of its 4 files."""
+    data = tmp_path_factory.mktemp("data")
+    proc = fineweb(fineweb_copy[0], data, "--max_tokens=1.2e5", "--num_proc=2")
+    return data / "fineweb_edu", proc.stdout
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_shards_are_the_subsets_tokens_in_order_cut_at_the_budget(fineweb_copy, fineweb_run):
+    folder, stdout = fineweb_run
+    expected = fineweb_copy[1]["sample-10BT"]
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["shards"] == {"val": ["val_000000.bin"], "train": [f"train_{k:06d}.bin" for k in range(1, 15)]}
+    sizes = [len(np.fromfile(folder / f, dtype=np.uint16)) for f in meta["shards"]["train"]]
+    assert sizes == [9000] * 13 + [3000] and (meta["train_tokens"], meta["val_tokens"]) == (120_000, 3000)
+    stream = np.concatenate([np.fromfile(folder / f, dtype=np.uint16) for f in ["val_000000.bin", *meta["shards"]["train"]]])
+    assert np.array_equal(stream, expected[:123_000])  # documents in the copy's order, each closed by <|endoftext|>
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["meta.json", "val_000000.bin", *meta["shards"]["train"]])
+    assert f"reading 4 files under {fineweb_copy[0]}/fineweb-edu/sample/10BT" in stdout
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_in_one_process_writes_the_bytes_of_two(fineweb_copy, fineweb_run, tmp_path):
+    fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.2e5", "--num_proc=1")
+    assert shard_bytes(tmp_path / "fineweb_edu") == shard_bytes(fineweb_run[0])
+
+
+# python -c KILL_BEFORE_RENAME N prepare.py ARGS: prepare.py with a SIGKILL of its whole job (itself and its pool, the
+# process group of a session of its own) injected before its Nth os.replace, the step that makes a file whole
+KILL_BEFORE_RENAME = """import os, runpy, signal, sys
+kill_at, calls, replace = int(sys.argv[1]), [0], os.replace
+def killing(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == kill_at:
+        os.killpg(0, signal.SIGKILL)
+    return replace(*args, **kwargs)
+os.replace, sys.argv = killing, sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_killed_three_times_and_rerun_writes_the_uninterrupted_bytes(fineweb_copy, fineweb_run, tmp_path):
+    """A shard renamed but not yet in progress.json, a shard written but not renamed, every shard written but not
+    meta.json: the same command, run again after each SIGKILL, skips the shards recorded whole, reads on from where
+    they end (the stream's saved state, in the middle of the copy's second file), and finishes with the bytes of the
+    uninterrupted run."""
+    folder = tmp_path / "fineweb_edu"
+    env = {**os.environ, "NANOLATENT_DATA": str(tmp_path), tokendata.LOCAL_DATA_ENV: str(fineweb_copy[0]),
+           "OMP_NUM_THREADS": "1"}
+    # renames, in order: val, progress, train_1, progress, ...; then (1 to 3) as counted again by each rerun
+    for kill_at, recorded in ((20, 9), (5, 11), (9, 15)):  # before progress lists train_9; before train_11; meta.json
+        job = subprocess.run([sys.executable, "-c", KILL_BEFORE_RENAME, str(kill_at), *FINEWEB, "--max_tokens=1.2e5",
+                              "--num_proc=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                             start_new_session=True)
+        assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
+        assert len(json.loads((folder / "progress.json").read_text())["shards"]) == recorded
+        assert not (folder / "meta.json").exists()
+    proc = fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.2e5", "--num_proc=2")
+    assert "15 shards written before" in proc.stdout
+    assert shard_bytes(folder) == shard_bytes(fineweb_run[0])  # and no .tmp, no progress.json
+    assert "prepared already" in fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.2e5").stdout
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_subset_reads_its_own_files_and_without_a_budget_all_of_them(fineweb_copy, tmp_path):
+    fineweb(fineweb_copy[0], tmp_path, "--subset=sample-100BT", "--name=fw100", "--num_proc=1")
+    meta = json.loads((tmp_path / "fw100" / "meta.json").read_text())
+    stream = np.concatenate([np.fromfile(tmp_path / "fw100" / f, dtype=np.uint16)
+                             for f in meta["shards"]["val"] + meta["shards"]["train"]])
+    assert np.array_equal(stream, fineweb_copy[1]["sample-100BT"])  # the .jsonl files, to their last token
+    assert meta["settings"]["subset"] == "sample-100BT" and meta["train_tokens"] == len(stream) - 3000
+
+
+@pytest.mark.slow
+@needs_bpe
+@pytest.mark.parametrize("args, phrase", [
+    (["--subset=sample-1BT"], "--subset must be one of sample-10BT, sample-100BT, sample-350BT, default"),
+    (["--max_tokens=-1"], "--max_tokens must be >= 0"),
+    (["--shard_tokens=0"], "--shard_tokens must be > 0"),
+    (["--max_docs=10"], "fineweb_edu takes token counts"),
+])
+def test_fineweb_edu_bad_settings_are_one_line_and_write_nothing(args, phrase, fineweb_copy, tmp_path):
+    proc = fineweb(fineweb_copy[0], tmp_path / "data", *args, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and phrase in proc.stderr, proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_other_settings_on_a_prepared_name_are_refused_and_it_is_kept(fineweb_copy, fineweb_run, tmp_path):
+    shutil.copytree(fineweb_run[0], tmp_path / "fineweb_edu")
+    proc = fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.3e5", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "give another --name" in proc.stderr, proc.stderr
+    assert shard_bytes(tmp_path / "fineweb_edu") == shard_bytes(fineweb_run[0])
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_train_py_trains_on_the_shards_as_one_stream(fineweb_run, tmp_path):
+    shutil.copytree(fineweb_run[0], tmp_path / "fineweb_edu")
+    proc = run_script("train.py", "--dataset=fineweb_edu", "--model_type=det", f"--out_dir={tmp_path / 'out'}",
+                      "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--block_size=64",
+                      "--batch_size=4", "--max_iters=3", "--eval_interval=3", "--eval_iters=2", "--log_interval=1",
+                      "--warmup_iters=1", "--lr_decay_iters=3", data_dir=tmp_path)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 3 and all(9 < loss < 12 for loss in losses), proc.stdout  # ln(50257) = 10.8 at the start
+
+
+def test_shards_read_as_one_stream_across_their_boundaries(tmp_path):
+    meta = {"dtype": "uint16", "shards": {"train": ["a.bin", "b.bin", "c.bin"]}}
+    stream = np.arange(23, dtype=np.uint16)
+    for file, part in zip(meta["shards"]["train"], np.split(stream, [10, 13])):
+        part.tofile(tmp_path / file)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NANOLATENT_DATA", str(tmp_path.parent))
+        data = tokendata.load_tokens(tmp_path.name, "train", meta)
+    assert len(data) == 23
+    for i, j in [(0, 23), (8, 12), (9, 14), (10, 13), (12, 12), (20, 23), (-5, None)]:
+        assert np.array_equal(data[i:j], stream[i:j]), (i, j)
+
+
+@needs_bpe
+def test_text_pieces_encode_to_the_tokens_of_the_whole_text():
+    """GPT-2's pre-tokenizer always cuts between a non-space character and a newline: the pieces tokendata.text_pieces
+    cuts there encode, one by one, to the whole text's tokens, whatever the blocks the file was read in."""
+    encoding = tokendata.gpt2_from_file(GPT2_BPE)
+    rng = np.random.default_rng(0)
+    alphabet = ["a", "b", " ", "  ", "\n", "\n\n", "\t", "'s", "'ll", "1", "23", ".", "é", "\u00a0", "\x1c",
+                "\u3000", "\r\n", " \n"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet, size=rng.integers(1, 60)))
+        size = int(rng.integers(1, 10))
+        pieces = list(tokendata.text_pieces(text[i:i + size] for i in range(0, len(text), size)))
+        assert "".join(pieces) == text
+        assert [t for p in pieces for t in encoding.encode_ordinary(p)] == encoding.encode_ordinary(text), repr(text)

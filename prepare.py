@@ -1,4 +1,4 @@
-"""Tokenize a dataset into data/<name>/{train,val}.bin (a flat uint16/uint32 token stream) and meta.json.
+"""Tokenize a dataset into data/<name>/{train,val}.bin (a flat uint16/uint32 token stream), or shards, and meta.json.
 
     python prepare.py synthetic                                  # Free Transformer §4.1 task, no download
     python prepare.py arith                                      # "37*12=444" lines for scripts/rlvr.py, no download
@@ -315,14 +315,13 @@ def prepare_text():
 def prepare_hub():
     spec = tokendata.HUB_DATASETS[source]
     copies = [tokendata.local_data(path) for path in spec["local"]]
-    if copies and all(copies):  # offline: as prepare.py text on the copies (the first the training file)
+    if all(copies):  # offline: as prepare.py text on the copies (the first the training file)
         print(f"{source}: reading {' and '.join(copies)} ({tokendata.LOCAL_DATA_ENV}) in place of the hub")
         write_gpt2(name or source, *local_splits(copies[0], copies[1] if len(copies) > 1 else "", spec["fields"]),
                    source=spec["path"], local_copies=copies)
         return
     datasets = load_datasets()
-    offline = (f"export {tokendata.LOCAL_DATA_ENV}=DIR with DIR/{' and DIR/'.join(spec['local'])}, or "
-               if spec["local"] else "")
+    offline = f"export {tokendata.LOCAL_DATA_ENV}=DIR with DIR/{' and DIR/'.join(spec['local'])}, or "
 
     def hub_failure(e):
         common.die(f"could not load {spec['path']} from the Hugging Face hub ({type(e).__name__}); offline, "
@@ -331,7 +330,7 @@ def prepare_hub():
 
     def documents(split, limit):
         try:
-            stream = datasets.load_dataset(spec["path"], spec.get("name"), split=split, streaming=True)
+            stream = datasets.load_dataset(spec["path"], split=split, streaming=True)
             for i, record in enumerate(stream):  # streamed: the hub can fail at any record
                 if limit and i >= limit:
                     return
@@ -339,7 +338,8 @@ def prepare_hub():
         except Exception as e:
             hub_failure(e)
 
-    write_gpt2(name or source, documents(spec["train"], max_docs), documents(spec["val"], val_docs), source=spec["path"])
+    write_gpt2(name or source, documents(spec["train"], max_docs), documents(spec["val"], val_docs),
+               source=spec["path"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,6 +352,12 @@ def prepare_hub():
 # bytes as an uninterrupted run.
 
 
+def fineweb_failure(e, kept=""):
+    common.die(f"could not read {tokendata.FINEWEB_EDU} {subset} ({type(e).__name__}){kept}; offline, export "
+               f"{tokendata.LOCAL_DATA_ENV}=DIR with a copy of the hub's files in "
+               f"DIR/fineweb-edu/{tokendata.FINEWEB_EDU_SUBSETS[subset]}/ (.parquet or .jsonl)")
+
+
 def fineweb_stream():
     """(FineWeb-Edu's records of the chosen subset, a datasets streaming IterableDataset; where they come from): the
     hub, or under $NANOLATENT_LOCAL_DATA a copy of the hub's files (fineweb-edu/sample/10BT/*.parquet, or .jsonl) read
@@ -359,14 +365,18 @@ def fineweb_stream():
     datasets = load_datasets()
     folder = tokendata.local_data(os.path.join("fineweb-edu", tokendata.FINEWEB_EDU_SUBSETS[subset]))
     if not folder:
-        return datasets.load_dataset(tokendata.FINEWEB_EDU, name=subset, split="train", streaming=True), \
-            f"{tokendata.FINEWEB_EDU} {subset}"
-    files = {ext: sorted(glob.glob(os.path.join(folder, "**", f"*.{ext}"), recursive=True)) for ext in ("parquet", "jsonl")}
-    builder = "parquet" if files["parquet"] else "json"
-    if not files[builder if builder == "parquet" else "jsonl"]:
+        try:
+            return datasets.load_dataset(tokendata.FINEWEB_EDU, name=subset, split="train", streaming=True), \
+                f"{tokendata.FINEWEB_EDU} {subset}"
+        except Exception as e:
+            fineweb_failure(e)
+    files = {ext: sorted(glob.glob(os.path.join(folder, "**", f"*.{ext}"), recursive=True))
+             for ext in ("parquet", "jsonl")}
+    builder, data_files = ("parquet", files["parquet"]) if files["parquet"] else ("json", files["jsonl"])
+    if not data_files:
         common.die(f"{folder} ({tokendata.LOCAL_DATA_ENV}) holds no .parquet or .jsonl files of FineWeb-Edu {subset}")
-    data_files = files["parquet"] or files["jsonl"]
-    print(f"fineweb_edu: reading {len(data_files)} files under {folder} ({tokendata.LOCAL_DATA_ENV}) in place of the hub")
+    print(f"fineweb_edu: reading {len(data_files)} files under {folder} ({tokendata.LOCAL_DATA_ENV}) in place of "
+          f"the hub")
     return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True), folder
 
 
@@ -385,9 +395,7 @@ def document_batches(stream, start, size=1024):
                 yield first, anchor, batch
                 first, anchor, batch = doc, (doc, stream.state_dict()), []
     except Exception as e:  # the hub may fail at any record
-        common.die(f"could not read {tokendata.FINEWEB_EDU} ({type(e).__name__}: {str(e)[:200]}); the shards written "
-                   f"are kept: run the same command again to go on, or offline export {tokendata.LOCAL_DATA_ENV}=DIR "
-                   f"with DIR/fineweb-edu/{tokendata.FINEWEB_EDU_SUBSETS[subset]}/*.parquet")
+        fineweb_failure(e, "; the shards written whole are kept: the same command, run again, goes on")
     if batch:
         yield first, anchor, batch
 
@@ -425,7 +433,8 @@ def finished_shards(out, settings):
     """The shards a previous run of the same command wrote whole (progress.json's, while their files are there), or
     None when the dataset is complete. Anything else in data/<name> is refused: nothing prepared is overwritten."""
     if os.path.exists(os.path.join(out, "meta.json")):
-        meta = tokendata.load_meta(os.path.basename(out))
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
         if meta.get("settings") != settings:
             common.die(f"{out} holds a dataset prepared otherwise ({meta.get('settings') or 'not in shards'}): give "
                        f"another --name, or remove the folder")

@@ -210,7 +210,7 @@ if ddp:  # every process reads rank 0's choice, so out_dir must be on storage th
                    f"that every node sees (a shared filesystem), for DDP and FSDP")
 resume = start_dir is not None
 
-# data: a flat token stream per split, read through a memmap
+# data: a token stream per split, read through memmaps (one file, or the shards of prepare.py fineweb_edu)
 meta = tokendata.load_meta(dataset)
 train_data, val_data = (tokendata.load_tokens(dataset, split, meta) for split in ("train", "val"))
 TRAIN_BATCH, EVAL_BATCH, MODEL_NOISE, EVAL_NOISE = 0, 1, 2, 3  # the streams common.seeded() draws from

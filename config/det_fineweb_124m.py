@@ -1,5 +1,5 @@
 # GPT-2-124M-class Llama decoder on FineWeb-Edu, for one node of 8 GPUs:
-#   python prepare.py fineweb_edu --max_docs=5000000
+#   python prepare.py fineweb_edu        # sample-10BT: its ~10B tokens in shards of 100M, resumable
 #   torchrun --standalone --nproc_per_node=8 train.py config/det_fineweb_124m.py
 # 8 x 16 x 4 micro-batches x 1024 tokens = 524,288 tokens per step (GPT-3 small's batch), 10B tokens in 19,073 steps.
 model_type = "det"

@@ -6,14 +6,14 @@
 # a Llama-style AdamW schedule. Its vocabulary has 2^17 tokens; we use GPT-2's 50,257, padded to 50,304.
 # DDP fits in 80 GB; --fsdp=True frees the 22 GiB of replicated weights, gradients and AdamW state per GPU.
 #
-#   python prepare.py fineweb_edu          # sample-10BT: 47B tokens are ~4.7 passes; use a larger set if you have one
+#   python prepare.py fineweb_edu --subset=sample-100BT --max_tokens=47e9 --name=fineweb_edu_47b   # one pass
 #   torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/free_1b5.py
 #
 # python train.py config/free_1b5.py --dry_run=True (32 GPUs, 40% MFU of an H100's 989 TFLOP/s):
 #   1,535,036,928 parameters, 11.00 GFLOPs per token; 35,972 tokens/s per GPU, 0.911 s per step, 11.3 h for 44,823 steps
 #   memory per GPU 50.59 GiB: 22.87 GiB weights, gradients, AdamW (replicated by DDP) + 27.71 GiB activations
 model_type = "free"
-dataset = "fineweb_edu"
+dataset = "fineweb_edu_47b"
 out_dir = "out-free-1b5"
 vocab_size = 50304
 block_size = 4096

@@ -6,8 +6,9 @@
 # values below are ours: 4,096-token sequences and 2^22 tokens per step (the initial batch of Llama 3's
 # pre-training), Llama 2 7B's learning rate. FSDP shards the 123 GB of fp32 weights, gradients and AdamW state
 # across the GPUs. Every process builds the full fp32 model (31 GB) before sharding it: 8 per node need 250 GB of
-# host memory at start-up. fineweb_edu (sample-10BT) holds 10B tokens: point `dataset` at a larger prepared set.
+# host memory at start-up.
 #
+#   python prepare.py fineweb_edu --subset=sample-350BT --max_tokens=200e9 --name=fineweb_edu_200b   # one pass
 #   torchrun --nnodes=32 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/free_8b.py
 #
 # python train.py config/free_8b.py --dry_run=True (256 GPUs, 40% MFU of an H100's 989 TFLOP/s):
@@ -15,7 +16,7 @@
 #   memory per GPU 37.81 GiB: 0.45 GiB weights, gradients, AdamW (sharded over 256 GPUs by FSDP) + 37.37 GiB activations
 #   (on one node, --dry_run_world_size=8: 51.66 GiB per GPU, of which 14.29 GiB weights, gradients, AdamW)
 model_type = "free"
-dataset = "fineweb_edu"
+dataset = "fineweb_edu_200b"
 out_dir = "out-free-8b"
 fsdp = True
 vocab_size = 50304

@@ -1,5 +1,6 @@
-"""Prepared datasets (data/<name>/{train,val}.bin and meta.json) and their tokenizers: characters, GPT-2's BPE, a
-pretrained model's tokenizer.json and chat template; offline copies of public files through NANOLATENT_LOCAL_DATA."""
+"""Prepared datasets (data/<name>/{train,val}.bin or shards of them, and meta.json) and their tokenizers: characters,
+GPT-2's BPE, a pretrained model's tokenizer.json and chat template; offline copies of public files through
+NANOLATENT_LOCAL_DATA."""
 
 import datetime
 import json
@@ -18,8 +19,8 @@ LOCAL_DATA_ENV = "NANOLATENT_LOCAL_DATA"  # offline: a folder of local copies (g
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-# FineWeb-Edu (prepare.py fineweb_edu): its subsets, as the hub names them, and the folder of each one's parquet files in
-# the hub's repository, which a local copy under $NANOLATENT_LOCAL_DATA/fineweb-edu/ mirrors ("default" is the full set)
+# FineWeb-Edu (prepare.py fineweb_edu): its subsets, as the hub names them, and the folder of each one's parquet files
+# in the hub's repository, which a local copy under $NANOLATENT_LOCAL_DATA/fineweb-edu/ mirrors ("default": the full set)
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_SUBSETS = {"sample-10BT": "sample/10BT", "sample-100BT": "sample/100BT", "sample-350BT": "sample/350BT",
                        "default": "data"}
@@ -54,8 +55,13 @@ def local_data(path, otherwise=""):
 def load_meta(dataset):
     path = os.path.join(data_dir(dataset), "meta.json")
     if not os.path.exists(path):
+        if os.path.exists(os.path.join(data_dir(dataset), "progress.json")):
+            die(f"dataset {dataset!r} is not finished ({path} is missing): its shards are being written, or their "
+                f"writing was stopped; the same prepare.py fineweb_edu command, run again, goes on where it stopped")
         named = dataset in ("synthetic", "arith", "fineweb_edu", *HUB_DATASETS)  # the names prepare.py makes on its own
         how = (f"`python prepare.py {dataset}`" if named else
+               f"`python prepare.py fineweb_edu --name={dataset}` with the --subset and --max_tokens its config names"
+               if dataset.startswith("fineweb_edu") else
                f"`python prepare.py text --input=FILE --name={dataset}` on a local .txt or .jsonl")
         die(f"dataset {dataset!r} is not prepared ({path} is missing): run {how}")
     with open(path) as f:

@@ -246,7 +246,7 @@ def test_prepared_data_lives_in_data_at_the_repository_root_unless_the_variable_
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# prepare.py fineweb_edu: shards, a pool of processes, a kill and a rerun, on a local copy read by the same datasets calls
+# prepare.py fineweb_edu: shards, a pool of processes, kills and reruns, on a local copy read by the same datasets calls
 
 FINEWEB = ["prepare.py", "fineweb_edu", f"--bpe_file={GPT2_BPE}", "--val_tokens=3000", "--shard_tokens=9000"]
 needs_bpe = pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
@@ -297,8 +297,8 @@ def shard_bytes(folder):
 
 @pytest.fixture(scope="module")
 def fineweb_run(fineweb_copy, tmp_path_factory):
-    """An uninterrupted run by 2 processes with a budget of 120,000 training tokens (of the copy's 185,124): 13 shards of
-    9,000 and one of 3,000, the documents of 3 of its 4 files."""
+    """An uninterrupted run by 2 processes with a budget of 120,000 training tokens (of the copy's 185,124): 13 shards
+    of 9,000 and one of 3,000, the documents of 3 of its 4 files."""
     data = tmp_path_factory.mktemp("data")
     proc = fineweb(fineweb_copy[0], data, "--max_tokens=1.2e5", "--num_proc=2")
     return data / "fineweb_edu", proc.stdout
@@ -313,7 +313,8 @@ def test_fineweb_edu_shards_are_the_subsets_tokens_in_order_cut_at_the_budget(fi
     assert meta["shards"] == {"val": ["val_000000.bin"], "train": [f"train_{k:06d}.bin" for k in range(1, 15)]}
     sizes = [len(np.fromfile(folder / f, dtype=np.uint16)) for f in meta["shards"]["train"]]
     assert sizes == [9000] * 13 + [3000] and (meta["train_tokens"], meta["val_tokens"]) == (120_000, 3000)
-    stream = np.concatenate([np.fromfile(folder / f, dtype=np.uint16) for f in ["val_000000.bin", *meta["shards"]["train"]]])
+    stream = np.concatenate([np.fromfile(folder / f, dtype=np.uint16)
+                             for f in meta["shards"]["val"] + meta["shards"]["train"]])
     assert np.array_equal(stream, expected[:123_000])  # documents in the copy's order, each closed by <|endoftext|>
     assert sorted(p.name for p in folder.iterdir()) == sorted(["meta.json", "val_000000.bin", *meta["shards"]["train"]])
     assert f"reading 4 files under {fineweb_copy[0]}/fineweb-edu/sample/10BT" in stdout
@@ -386,6 +387,16 @@ def test_fineweb_edu_subset_reads_its_own_files_and_without_a_budget_all_of_them
 def test_fineweb_edu_bad_settings_are_one_line_and_write_nothing(args, phrase, fineweb_copy, tmp_path):
     proc = fineweb(fineweb_copy[0], tmp_path / "data", *args, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and phrase in proc.stderr, proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_fineweb_edu_without_the_hub_or_a_copy_is_one_line_naming_the_copys_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub unreachable at once, as on a machine without a network
+    proc = fineweb(tmp_path / "copies", tmp_path / "data", "--subset=sample-350BT", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "export NANOLATENT_LOCAL_DATA=DIR with a copy of the hub's files in DIR/fineweb-edu/sample/350BT/" in proc.stderr
     assert not (tmp_path / "data").exists()
 
 

@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -477,13 +478,16 @@ def prepare_fineweb():
         budget = int(max_tokens) - (k - 1) * int(shard_tokens) if max_tokens else int(shard_tokens)
         return max(0, min(int(shard_tokens), budget))
 
+    began, resumed = time.time(), len(shards)  # the rate a long run reports, its start-up included
+
     def write(buffer, next):
         split = "val" if len(shards) == 0 else "train"
         shards.append(dict(file=f"{split}_{len(shards):06d}.bin", tokens=len(buffer), next=next))
         write_atomically(os.path.join(out, shards[-1]["file"]), lambda f: f.write(buffer.tobytes()))
         write_atomically(os.path.join(out, "progress.json"), lambda f: json.dump(
             dict(settings=settings, shards=shards), f))
-        print(f"wrote {shards[-1]['file']} ({len(buffer):,} tokens)")
+        rate = sum(shard["tokens"] for shard in shards[resumed:]) / (time.time() - began)
+        print(f"wrote {shards[-1]['file']} ({len(buffer):,} tokens; {rate:,.0f} tokens/s since this run began)")
 
     buffer, fill = np.empty(size(len(shards)), dtype=np.uint16), 0
     try:

@@ -92,6 +92,22 @@ def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
+def test_gpt2_text_read_in_blocks_has_the_tokens_of_the_whole_text(tmp_path):
+    """A .txt of 1.3 MB, read in 1 MiB blocks and encoded piece by piece, against tiktoken's encoding of the whole
+    text (its first 90% of characters, then the rest): whitespace runs, CRLF and 2-byte characters at any cut."""
+    rng = np.random.default_rng(0)
+    parts = np.array(["word", "é", " ", "  ", "\n", "\n\n", " \n", "\r\n", "\t", "'s", "42", "."])
+    (tmp_path / "in.txt").write_bytes("".join(rng.choice(parts, size=700_000)).encode())
+    run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", f"--bpe_file={GPT2_BPE}", "--name=s",
+               data_dir=tmp_path)
+    text = open(tmp_path / "in.txt", encoding="utf-8").read()  # newlines as Python reads them, "\r\n" as "\n"
+    cut, encoding = int(len(text) * 0.9), tokendata.gpt2_from_file(GPT2_BPE)
+    assert read(tmp_path, "s", "train")[0].tolist() == encoding.encode_ordinary(text[:cut]) + [50256]
+    assert read(tmp_path, "s", "val")[0].tolist() == encoding.encode_ordinary(text[cut:]) + [50256]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason="../shared/data/gpt2 (offline GPT-2 BPE) is absent")
 def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_path):
     rows = [{"text": f"The {w} sat on the mat, story {i}."} for i, w in enumerate(["cat", "dog", "owl"] * 4)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, SHARED_DATA, run_script
 
-from nanolatent import tokendata
+from nanolatent import common, tokendata
 
 GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
 SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
@@ -465,3 +465,16 @@ def test_text_pieces_encode_to_the_tokens_of_the_whole_text():
         pieces = list(tokendata.text_pieces(text[i:i + size] for i in range(0, len(text), size)))
         assert "".join(pieces) == text
         assert [t for p in pieces for t in encoding.encode_ordinary(p)] == encoding.encode_ordinary(text), repr(text)
+
+
+def test_train_py_on_shards_not_yet_finished_says_to_run_their_command_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOLATENT_DATA", str(tmp_path))
+    with pytest.raises(common.Refused) as refused:
+        tokendata.load_meta("fineweb_edu_47b")  # config/free_1b5.py's dataset, not prepared
+    assert "run `python prepare.py fineweb_edu --name=fineweb_edu_47b` with the --subset and --max_tokens its config" \
+        in refused.value.message
+    (tmp_path / "fineweb_edu_47b").mkdir()
+    (tmp_path / "fineweb_edu_47b" / "progress.json").write_text("{}")  # a preparation killed, or still running
+    with pytest.raises(common.Refused) as refused:
+        tokendata.load_meta("fineweb_edu_47b")
+    assert "is not finished" in refused.value.message and "run again, goes on where it stopped" in refused.value.message

@@ -439,6 +439,8 @@ def finished_shards(out, settings):
         if meta.get("settings") != settings:
             common.die(f"{out} holds a dataset prepared otherwise ({meta.get('settings') or 'not in shards'}): give "
                        f"another --name, or remove the folder")
+        if os.path.exists(os.path.join(out, "progress.json")):  # a kill came between meta.json and its removal
+            os.remove(os.path.join(out, "progress.json"))
         return None
     if not os.path.exists(os.path.join(out, "progress.json")):
         return []

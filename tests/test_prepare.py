@@ -375,10 +375,13 @@ def test_fineweb_edu_killed_three_times_and_rerun_writes_the_uninterrupted_bytes
         assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
         assert len(json.loads((folder / "progress.json").read_text())["shards"]) == recorded
         assert not (folder / "meta.json").exists()
+    progress = (folder / "progress.json").read_text()
     proc = fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.2e5", "--num_proc=2")
     assert "15 shards written before" in proc.stdout
     assert shard_bytes(folder) == shard_bytes(fineweb_run[0])  # and no .tmp, no progress.json
+    (folder / "progress.json").write_text(progress)  # as a kill between meta.json and progress.json's removal leaves it
     assert "prepared already" in fineweb(fineweb_copy[0], tmp_path, "--max_tokens=1.2e5").stdout
+    assert shard_bytes(folder) == shard_bytes(fineweb_run[0])
 
 
 @pytest.mark.slow

@@ -458,6 +458,9 @@ def prepare_fineweb():
     if max_docs or val_docs:
         common.die("fineweb_edu takes token counts: --max_tokens (training) and --val_tokens, not --max_docs or "
                    "--val_docs")
+    for key, value in dict(max_tokens=max_tokens, shard_tokens=shard_tokens, val_tokens=val_tokens).items():
+        if not float(value).is_integer():
+            common.die(f"--{key} is a number of tokens, got {value!r}")
     out = tokendata.data_dir(name or source)
     encoding, local_bpe = tokendata.gpt2_encoding(bpe_file)
     stream, origin = fineweb_stream()

@@ -401,6 +401,7 @@ def test_fineweb_edu_subset_reads_its_own_files_and_without_a_budget_all_of_them
     (["--subset=sample-1BT"], "--subset must be one of sample-10BT, sample-100BT, sample-350BT, default"),
     (["--max_tokens=-1"], "--max_tokens must be >= 0"),
     (["--shard_tokens=0"], "--shard_tokens must be > 0"),
+    (["--val_tokens=0.5"], "--val_tokens is a number of tokens, got 0.5"),
     (["--max_docs=10"], "fineweb_edu takes token counts"),
 ])
 def test_fineweb_edu_bad_settings_are_one_line_and_write_nothing(args, phrase, fineweb_copy, tmp_path):

@@ -149,6 +149,6 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
           f" + {terms['activations'] / GiB:.2f} GiB activations saved for the backward "
           f"({'block inputs, one block recomputed at a time' if checkpointing else 'eager, per model'}, "
           f"B={batch_size}, T={cfg.block_size}) + {terms['loss'] / GiB:.2f} GiB the logits' gradient")
-    print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (the "
-          "CPU: 0.6 of it for det and the Free Transformer, 0.9 for EVE); not counted: the CUDA context and allocator "
+    print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (on the "
+          "CPU 0.65 of it for det, B-Trans and the Free Transformer, 0.92 for EVE); not counted: the CUDA context and allocator "
           "slack (1-3 GiB)")

@@ -10,9 +10,11 @@ gradients and AdamW state across the processes instead of replicating them (FSDP
     torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=8 train.py ...
     torchrun --standalone --nproc_per_node=8 train.py config/free_8b.py          # fsdp = True in the file
 
-Plan a run without running it (parameters, FLOPs, expected tokens/s and memory per GPU):
+Plan a run without running it (parameters, FLOPs, expected tokens/s and memory per GPU); where it does not fit,
+--activation_checkpointing=True recomputes each block in the backward pass instead of keeping its activations:
 
     python train.py config/free_1b5.py --dry_run=True
+    python train.py config/free_8b.py --dry_run=True --dry_run_world_size=8 --activation_checkpointing=True
 """
 
 import datetime

@@ -86,7 +86,11 @@ def checkpoint_blocks(model):
     FSDP's units are those of the plain model. Noise drawn inside a block (dropout) is drawn again identically:
     checkpoint saves and restores the CPU and CUDA generators (preserve_rng_state). The models' latents (EVE's eps,
     the Free Transformer's Z, B-Trans's offsets) are drawn outside the blocks and passed in, so the recomputation
-    sees the same values; EVE's stash of per-unit statistics is overwritten by the same values, never added to."""
+    sees the same values; EVE's stash of per-unit statistics is overwritten by the same values, never added to.
+    Compiled, that stash is an attribute set inside the checkpointed region, which dynamo refuses (the whole forward
+    would fall back to eager) unless told to make it in the forward only, as torchtitan does: the recomputation
+    needs it not."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in transformer_blocks(model):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 

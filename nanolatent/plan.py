@@ -10,11 +10,11 @@ from nanolatent import models
 from nanolatent.common import PEAK_FLOPS, die, peak_flops
 
 
-def saved_per_token(planned, checkpointing=False):
+def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
     """Bytes autograd saves for the backward pass per token of one forward under bf16 autocast (eager), from the
-    shapes: what torch's saved tensors hold, counted once per storage (tests/test_plan.py measures them on the CPU: within
-    1% for all four models at its shapes). Per Transformer block, with d = n_embd,
-    q and kv the query and key/value widths, f the SwiGLU width, nh the query heads:
+    shapes: what torch's saved tensors hold, counted once per storage (tests/test_plan.py measures them on the CPU:
+    within 1% for all four models at its shapes). Per Transformer block, with d = n_embd, q and kv the query and
+    key/value widths, f the SwiGLU width, nh the query heads:
       16 d  two RMSNorms, each keeping its float32 input and normalised output (4 + 4 bytes a value)
       10 d  the bf16 copies autocast makes of a normed input, one per projection reading it (wq, wk, wv; w1, w3)
       6 q + 4 kv + 4 nh  attention: queries after RoPE, its output and wo's input; keys, values; the log-sum-exp
@@ -26,19 +26,23 @@ def saved_per_token(planned, checkpointing=False):
     (the middle block's second norm and its copies, R, X + R) adds 20.5 d a token. Outside the blocks: the final
     norm and the head's input (10 d), the bf16 logits (2 V, held by the caller), the loss's float32 log-probabilities
     (4 V). checkpointing: a block keeps only its float32 input (4 d; EVE also its eps) and one block at a time is
-    recomputed in full."""
+    recomputed in full. bytes_per_value=4 (float32, no autocast): no copies, every bf16 value above at 4 bytes;
+    EVE's and the Free Transformer's own terms doubled, which bounds them."""
     cfg, kind = planned.config, type(planned).__module__
     d, V, nh, n_blocks = cfg.n_embd, cfg.vocab_size, cfg.n_head, len(models.transformer_blocks(planned))
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    attention = 26 * d + 6 * q + 4 * kv + 4 * nh
+    x = bytes_per_value / 2  # the bf16 values' scale
+    autocast = bytes_per_value == 2  # its bf16 copies of the normed inputs: 5 in a block, 1 for the head
+    attention = 16 * d + (10 * d if autocast else 0) + x * (6 * q + 4 * kv) + 4 * nh
     kept = 0  # per block, kept whatever checkpointing does
     if kind == "model_eve" and cfg.variational:
-        block, kept = attention + 22.5 * cfg.n_latent, 4 * cfg.n_latent + (4 * d if cfg.layer_weights else 0)
+        block, kept = attention + x * 22.5 * cfg.n_latent, 4 * cfg.n_latent + (4 * d if cfg.layer_weights else 0)
     else:
-        block = attention + 8 * cfg.ffn_hidden
-    extra = 20.5 * d if kind == "model_free" else 0
+        block = attention + x * 8 * cfg.ffn_hidden
+    extra = x * 20.5 * d if kind == "model_free" else 0
     blocks = n_blocks * (4 * d + kept) + block if checkpointing else n_blocks * (block + kept)
-    return blocks + extra + 10 * d + 6 * V
+    head = 8 * d + (2 * d if autocast else 0) + x * 2 * V + 4 * V  # final norm, head input, logits, log-probs
+    return blocks + extra + head
 
 
 def saved_bytes(model, idx, targets, autocast_dtype=torch.bfloat16):
@@ -57,7 +61,8 @@ def saved_bytes(model, idx, targets, autocast_dtype=torch.bfloat16):
             seen.setdefault(storage.data_ptr(), (storage.nbytes(), tuple(t.shape), t.dtype))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(idx.device.type, autocast_dtype):
+    autocast = torch.autocast(idx.device.type, autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         logits, _, _ = model(idx, targets)
     copies = sum(n for n, shape, dtype in seen.values()
                  if dtype == autocast_dtype and shape in shapes and n == dtype.itemsize * math.prod(shape))
@@ -75,11 +80,10 @@ def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2, checkpointin
     activations saved_per_token x tokens per micro-batch;
     loss        the backward's gradient of the logits, float32 then bf16 (6 bytes a logit), alive at the start of
                 the backward beside everything saved.
-    bytes_per_value=4 (float32, no autocast): no copies, and saved values and logits at twice the bytes bound it."""
+    bytes_per_value=4 (float32, no autocast): no copies, float32 logits and their gradient."""
     cfg = planned.config
     n_params = planned.num_params()
     tokens = batch_size * cfg.block_size * getattr(cfg, "n_samples", 1)
-    scale = bytes_per_value / 2
     # the weights matmuls read: the Free Transformer's post-sampler is read as a column lookup, never cast
     matmul = sum(m.weight.numel() for m in planned.modules()
                  if isinstance(m, torch.nn.Linear) and m is not getattr(planned, "post_sampler", None))
@@ -90,15 +94,15 @@ def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2, checkpointin
     else:
         copies = 2 * matmul if bytes_per_value == 2 else 0
     return {"states": 16 * n_params / (gpus if fsdp else 1), "buckets": 0 if fsdp else 4 * n_params,
-            "copies": copies, "activations": saved_per_token(planned, checkpointing) * tokens * scale,
-            "loss": 6 * tokens * cfg.vocab_size * scale}
+            "copies": copies, "activations": saved_per_token(planned, checkpointing, bytes_per_value) * tokens,
+            "loss": (4 + bytes_per_value) * tokens * cfg.vocab_size}
 
 
 def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False, world_size=1, checkpointing=False):
     """Before allocating anything: one line when the run's weights, gradients, AdamW state and saved activations (the
-    dry run's plan without DDP's buckets, autocast's copies and the loss's gradient, so a run refused would not have
-    fit) exceed the memory of this machine (RAM available now) or of the GPU, instead of minutes in the allocator
-    and a crash."""
+    dry run's plan less DDP's buckets, autocast's copies and the loss's gradient; eager's count, which a compiled
+    run undercuts by about a third) exceed the memory of this machine (RAM available now) or of the GPU, instead of
+    minutes in the allocator and a crash."""
     planned = models.meta_model(model_type, model_values)
     per_value = 4 if dtype == "float32" else 2
     terms = memory_plan(planned, batch_size, fsdp, world_size, per_value, checkpointing)

@@ -89,7 +89,7 @@ def checkpoint_blocks(model):
     sees the same values; EVE's stash of per-unit statistics is overwritten by the same values, never added to.
     Compiled, that stash is an attribute set inside the checkpointed region, which dynamo refuses (the whole forward
     would fall back to eager) unless told to make it in the forward only, as torchtitan does: the recomputation
-    needs it not."""
+    has no use for it."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in transformer_blocks(model):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

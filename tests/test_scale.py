@@ -81,8 +81,8 @@ def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_
           "--activation_checkpointing=True", nproc=2)
     assert_same_weights(sharded_weights(tmp_path / "fsdp", tmp_path)["model"], plain_weights(det_runs / "single"))
     for name, flag in (("plain", "False"), ("checkpointed", "True")):
-        train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True", "--homeostat_warmup=1",
-              "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
+        train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
+              "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
     assert_same_weights(plain_weights(tmp_path / "checkpointed"), plain_weights(tmp_path / "plain"))
 
 

@@ -92,7 +92,14 @@ def checkpoint_blocks(model):
     has no use for it."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in transformer_blocks(model):
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(recomputed, block.forward)
+
+
+def recomputed(forward, *args, **kwargs):
+    """forward(*args, **kwargs) under non-reentrant activation checkpointing. A function of ours, not torch's checkpoint
+    itself, is the block's forward: block.compile() (train.py under FSDP) compiles the first frame outside torch, and
+    checkpoint's own frame is never compiled, which would leave the block eager."""
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def repeat_latents(latents, n):

@@ -107,6 +107,12 @@ def test_checkpointed_blocks_trace_without_graph_breaks(model_type):
     models.checkpoint_blocks(model)
     explanation = torch._dynamo.explain(model)(*batch())
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    # train.py under FSDP compiles each block alone (block.compile()): its checkpointed forward is one graph too
+    block, calls = model.blocks[-1], []
+    block.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    model(*batch())
+    explanation = torch._dynamo.explain(block)(*calls[0][0], **calls[0][1])
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
 
 
 @pytest.mark.slow  # torch.compile: about a minute a model on two cores

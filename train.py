@@ -10,9 +10,11 @@ gradients and AdamW state across the processes instead of replicating them (FSDP
     torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=8 train.py ...
     torchrun --standalone --nproc_per_node=8 train.py config/free_8b.py          # fsdp = True in the file
 
-Plan a run without running it (parameters, FLOPs, expected tokens/s and memory per GPU):
+Plan a run without running it (parameters, FLOPs, expected tokens/s and memory per GPU); where it does not fit,
+--activation_checkpointing=True recomputes each block in the backward pass instead of keeping its activations:
 
     python train.py config/free_1b5.py --dry_run=True
+    python train.py config/free_8b.py --dry_run=True --dry_run_world_size=8 --activation_checkpointing=True
 """
 
 import datetime
@@ -83,6 +85,9 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
 fsdp = False  # under torchrun: shard weights, gradients and AdamW state across processes (FSDP2) instead of DDP
+# recompute every Transformer block's forward in the backward pass (torchtitan's "full" mode): each block keeps only
+# its input, a third more FLOPs; for a config whose activations do not fit (the dry run plans both)
+activation_checkpointing = False
 seed = 1337
 dist_timeout = 300  # seconds a collective waits for every process: a process that died or hangs stops the job after
 # this long at most (under torchrun; a save by rank 0 and the first compilation must fit in it)
@@ -119,7 +124,7 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
-                    dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu)
+                    dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu, activation_checkpointing)
     raise SystemExit(0)
 
 
@@ -260,7 +265,7 @@ if min(len(train_data), len(val_data)) <= model_config["block_size"]:
                f"window of block_size + 1 = {model_config['block_size'] + 1}; prepare more data or lower block_size")
 threads = torch.get_num_threads() if device == "cpu" else None  # common.check_device chose it
 # before a batch_size=1000000 meets the allocator
-plan.check_memory(model_type, model_config, batch_size, device, dtype, fsdp, world_size)
+plan.check_memory(model_type, model_config, batch_size, device, dtype, fsdp, world_size, activation_checkpointing)
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 model = models.build_model(model_type, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
@@ -290,7 +295,10 @@ model_config = models.config_dict(model.config)
 # head, final norm, the Free Transformer's post-sampler), and each process keeps a 1/world_size shard of every
 # parameter as a DTensor, its gradient and its AdamW moments. Under bf16, blocks are gathered in bf16 and gradients
 # reduce-scattered in fp32; autocast stays on as under DDP (inputs are not cast, so the RoPE tables and the models'
-# own noise keep their dtypes). Otherwise: torch.compile, then DDP, which replicates it.
+# own noise keep their dtypes). Otherwise: torch.compile, then DDP, which replicates it. Activation checkpointing
+# wraps each block's forward first, so compilation and FSDP's units see the recomputing block (as torchtitan orders it).
+if activation_checkpointing:
+    models.checkpoint_blocks(model)
 if fsdp:
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,

@@ -4,7 +4,8 @@
 #
 # python train.py config/btrans_fineweb_124m.py --dry_run=True (8 GPUs, 40% MFU of an H100's 989 TFLOP/s):
 #   114,169,344 parameters, 0.80 GFLOPs per token; 495,612 tokens/s per GPU, 0.132 s per step, 0.701 h for 19,073 steps
-#   memory per GPU 11.09 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 9.39 GiB activations
+#   memory per GPU 19.36 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 0.43 GiB DDP buckets + 0.21 GiB
+#   autocast's copies + 12.42 GiB activations + 4.61 GiB the logits' gradient
 exec(open("config/det_fineweb_124m.py").read())
 model_type = "btrans"
 out_dir = "out-btrans-124m"

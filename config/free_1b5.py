@@ -4,17 +4,21 @@
 # dry run's 40% MFU below. The paper gives no SwiGLU width, context length, batch or optimizer settings (they were
 # "highly tuned for the baselines", §4.3); the values below are ours: 4,096-token sequences, 2^20 tokens per step,
 # a Llama-style AdamW schedule. Its vocabulary has 2^17 tokens; we use GPT-2's 50,257, padded to 50,304.
-# DDP fits in 80 GB; --fsdp=True frees the 22 GiB of replicated weights, gradients and AdamW state per GPU.
+# Trained under FSDP (fsdp = True below): under DDP the plan is 95.13 GiB per GPU (22.87 GiB of replicated weights,
+# gradients and AdamW state, 5.72 GiB of buckets), beyond an 80 GB H100; --fsdp=False --activation_checkpointing=True
+# plans 45.77 GiB instead, at a third more FLOPs (15.1 h).
 #
 #   python prepare.py fineweb_edu --subset=sample-100BT --max_tokens=47e9 --name=fineweb_edu_47b   # one pass
 #   torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/free_1b5.py
 #
 # python train.py config/free_1b5.py --dry_run=True (32 GPUs, 40% MFU of an H100's 989 TFLOP/s):
-#   1,535,036,928 parameters, 11.00 GFLOPs per token; 35,972 tokens/s per GPU, 0.911 s per step, 11.3 h for 44,823 steps
-#   memory per GPU 50.59 GiB: 22.87 GiB weights, gradients, AdamW (replicated by DDP) + 27.71 GiB activations
+#   1,535,036,928 parameters, 11.00 GFLOPs per token; 35,973 tokens/s per GPU, 0.911 s per step, 11.3 h for 44,823 steps
+#   memory per GPU 65.09 GiB: 0.71 GiB weights, gradients, AdamW (sharded over 32 GPUs by FSDP) + 0.51 GiB gathered
+#   bf16 blocks and root + 59.26 GiB activations + 4.61 GiB the logits' gradient
 model_type = "free"
 dataset = "fineweb_edu_47b"
 out_dir = "out-free-1b5"
+fsdp = True
 vocab_size = 50304
 block_size = 4096
 n_layer = 28  # Z enters after block 14 (§3.2)

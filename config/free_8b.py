@@ -13,8 +13,10 @@
 #
 # python train.py config/free_8b.py --dry_run=True (256 GPUs, 40% MFU of an H100's 989 TFLOP/s):
 #   7,672,254,464 parameters, 51.60 GFLOPs per token; 7,666 tokens/s per GPU, 2.14 s per step, 28.3 h for 47,684 steps
-#   memory per GPU 37.81 GiB: 0.45 GiB weights, gradients, AdamW (sharded over 256 GPUs by FSDP) + 37.37 GiB activations
-#   (on one node, --dry_run_world_size=8: 51.66 GiB per GPU, of which 14.29 GiB weights, gradients, AdamW)
+#   memory per GPU 70.64 GiB: 0.45 GiB weights, gradients, AdamW (sharded over 256 GPUs by FSDP) + 1.70 GiB gathered
+#   bf16 blocks and root + 66.19 GiB activations + 2.30 GiB the logits' gradient; with --activation_checkpointing=True
+#   13.73 GiB (a third more FLOPs, 37.7 h). On one node (--dry_run_world_size=8) 84.48 GiB, beyond an 80 GB H100:
+#   there, --activation_checkpointing=True (27.58 GiB).
 model_type = "free"
 dataset = "fineweb_edu_200b"
 out_dir = "out-free-8b"

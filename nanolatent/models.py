@@ -2,10 +2,12 @@
 on the meta device: shapes, no memory), and what scripts ask of any of them (its blocks, latents shared)."""
 
 import dataclasses
+import functools
 import importlib
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from nanolatent.common import die
 
@@ -75,6 +77,29 @@ def transformer_blocks(model):
     """Every Transformer block, whatever holds it (model.blocks, the Free Transformer's encoder): FSDP's units of
     all-gather and reduce-scatter, and the layers of the dry run's activation estimate."""
     return [m for m in model.modules() if type(m).__name__.endswith("Block")]
+
+
+def checkpoint_blocks(model):
+    """Activation checkpointing (train.py --activation_checkpointing, torchtitan's "full" mode): every Transformer
+    block keeps only its inputs for the backward pass and runs its forward again there, one block at a time. The
+    model files stay plain: the block's own forward is wrapped on the instance, so names, state_dict keys and
+    FSDP's units are those of the plain model. Noise drawn inside a block (dropout) is drawn again identically:
+    checkpoint saves and restores the CPU and CUDA generators (preserve_rng_state). The models' latents (EVE's eps,
+    the Free Transformer's Z, B-Trans's offsets) are drawn outside the blocks and passed in, so the recomputation
+    sees the same values; EVE's stash of per-unit statistics is overwritten by the same values, never added to.
+    Compiled, that stash is an attribute set inside the checkpointed region, which dynamo refuses (the whole forward
+    would fall back to eager) unless told to make it in the forward only, as torchtitan does: the recomputation
+    has no use for it."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in transformer_blocks(model):
+        block.forward = functools.partial(recomputed, block.forward)
+
+
+def recomputed(forward, *args, **kwargs):
+    """forward(*args, **kwargs) under non-reentrant activation checkpointing. A function of ours, not torch's checkpoint
+    itself, is the block's forward: block.compile() (train.py under FSDP) compiles the first frame outside torch, and
+    checkpoint's own frame is never compiled, which would leave the block eager."""
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def repeat_latents(latents, n):

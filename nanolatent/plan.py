@@ -1,6 +1,7 @@
 """A training run planned before it starts: parameters, FLOPs, speed and memory per GPU (train.py --dry_run), and
 one line when a run cannot fit the machine."""
 
+import math
 import os
 
 import torch
@@ -9,27 +10,103 @@ from nanolatent import models
 from nanolatent.common import PEAK_FLOPS, die, peak_flops
 
 
-def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2):
-    """(bytes of weights, gradients and AdamW state, bytes of activations, blocks) per process for a model built on
-    the meta device. fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two moments (8): 16 bytes per parameter,
-    on every process under DDP, a 1/gpus shard under FSDP. Activations saved for the backward pass, in bf16 without
-    recomputation: Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, §4.1) count
-    B*T*d*(34 + 5*a*T/d) bytes per layer; flash attention keeps no T x T scores, which leaves 34*B*T*d. Plus the
-    logits: B*T*V in bf16 (2) and in float for the loss (4). bytes_per_value=4 (float32) doubles it all."""
-    cfg, n_blocks = planned.config, len(models.transformer_blocks(planned))
-    states = 16 * planned.num_params() / (gpus if fsdp else 1)
-    B, T, d, V = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size
-    activations = (34 * B * T * d * n_blocks + 6 * B * T * V) * bytes_per_value / 2
-    return states, activations, n_blocks
+def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
+    """Bytes autograd saves for the backward pass per token of one forward under bf16 autocast (eager), from the
+    shapes: what torch's saved tensors hold, counted once per storage (tests/test_plan.py measures them on the CPU:
+    within 1% for all four models at its shapes). Per Transformer block, with d = n_embd, q and kv the query and
+    key/value widths, f the SwiGLU width, nh the query heads:
+      16 d  two RMSNorms, each keeping its float32 input and normalised output (4 + 4 bytes a value)
+      10 d  the bf16 copies autocast makes of a normed input, one per projection reading it (wq, wk, wv; w1, w3)
+      6 q + 4 kv + 4 nh  attention: queries after RoPE, its output and wo's input; keys, values; the log-sum-exp
+      8 f   SwiGLU: w1 x, w3 x, silu(w1 x) and their product, in bf16
+    (Korthikanti et al. 2022 §4.1 count 34 d for GPT's block: autocast's copies and RMSNorm's float32 are the rest.)
+    EVE: its neurons in place of the SwiGLU, 26.5 bytes per latent coordinate D (4 of them the float32 eps, drawn
+    for every block before the first), plus each block's float32 output kept for the head's layer mix (4 d);
+    n_samples > 1 multiplies the tokens. Free Transformer: the encoder is one more block, and the injection of Z
+    (the middle block's second norm and its copies, R, X + R) adds 20.5 d a token. Outside the blocks: the final
+    norm and the head's input (10 d), the bf16 logits (2 V, held by the caller), the loss's float32 log-probabilities
+    (4 V). checkpointing: a block keeps only its float32 input (4 d; EVE also its eps) and one block at a time is
+    recomputed in full. bytes_per_value=4 (float32, no autocast): no copies, every bf16 value above at 4 bytes;
+    EVE's and the Free Transformer's own terms doubled, which bounds them."""
+    cfg, kind = planned.config, type(planned).__module__
+    d, V, nh, n_blocks = cfg.n_embd, cfg.vocab_size, cfg.n_head, len(models.transformer_blocks(planned))
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    x = bytes_per_value / 2  # the bf16 values' scale
+    autocast = bytes_per_value == 2  # its bf16 copies of the normed inputs: 5 in a block, 1 for the head
+    attention = 16 * d + (10 * d if autocast else 0) + x * (6 * q + 4 * kv) + 4 * nh
+    kept = 0  # per block, kept whatever checkpointing does
+    if kind == "model_eve" and cfg.variational:
+        block, kept = attention + x * 22.5 * cfg.n_latent, 4 * cfg.n_latent + (4 * d if cfg.layer_weights else 0)
+    else:
+        block = attention + x * 8 * cfg.ffn_hidden
+    extra = x * 20.5 * d if kind == "model_free" else 0
+    blocks = n_blocks * (4 * d + kept) + block if checkpointing else n_blocks * (block + kept)
+    head = 8 * d + (2 * d if autocast else 0) + x * 2 * V + 4 * V  # final norm, head input, logits, log-probs
+    return blocks + extra + head
 
 
-def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False, world_size=1):
-    """Before allocating anything: one line when the run's weights, gradients, AdamW state and activations (the dry
-    run's arithmetic, a lower bound) exceed the memory of this machine (RAM available now) or of the GPU, instead
-    of minutes in the allocator and a crash."""
+def saved_bytes(model, idx, targets, autocast_dtype=torch.bfloat16):
+    """Measured: (bytes autograd saves for the backward in one training forward, bytes of autocast's weight copies
+    among them), each storage counted once (views share it), the parameters themselves left out, the logits the
+    forward returns counted. The copies are the saved storages of a weight's shape in autocast_dtype. The
+    calibration of saved_per_token, and its test."""
+    params = list(model.parameters())
+    own = {p.untyped_storage().data_ptr() for p in params}
+    shapes = {s for p in params if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen.setdefault(storage.data_ptr(), (storage.nbytes(), tuple(t.shape), t.dtype))
+        return t
+
+    autocast = torch.autocast(idx.device.type, autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        logits, _, _ = model(idx, targets)
+    copies = sum(n for n, shape, dtype in seen.values()
+                 if dtype == autocast_dtype and shape in shapes and n == dtype.itemsize * math.prod(shape))
+    return sum(n for n, _, _ in seen.values()) - copies + logits.nbytes, copies
+
+
+def memory_plan(planned, batch_size, fsdp, gpus, bytes_per_value=2, checkpointing=False):
+    """{term: bytes} per process for a model built on the meta device:
+    states      fp32 weights (4 bytes a parameter), fp32 gradients (4) and AdamW's two moments (8), on every process
+                under DDP, a 1/gpus shard under FSDP;
+    buckets     DDP's fp32 gradient buckets (4 bytes a parameter: gradient_as_bucket_view is off); FSDP: none;
+    copies      autocast's bf16 copy of every weight a matmul reads (2 bytes each), held from the forward to the
+                backward; under FSDP the gathered bf16 weights instead: the root's (embedding, head) and two
+                blocks' (the one computing and the one prefetched);
+    activations saved_per_token x tokens per micro-batch;
+    loss        the backward's gradient of the logits, float32 then bf16 (6 bytes a logit), alive at the start of
+                the backward beside everything saved.
+    bytes_per_value=4 (float32, no autocast): no copies, float32 logits and their gradient."""
+    cfg = planned.config
+    n_params = planned.num_params()
+    tokens = batch_size * cfg.block_size * getattr(cfg, "n_samples", 1)
+    # the weights matmuls read: the Free Transformer's post-sampler is read as a column lookup, never cast
+    matmul = sum(m.weight.numel() for m in planned.modules()
+                 if isinstance(m, torch.nn.Linear) and m is not getattr(planned, "post_sampler", None))
+    if fsdp:
+        blocks = models.transformer_blocks(planned)
+        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        copies = bytes_per_value * (n_params - sum(p.numel() for b in blocks for p in b.parameters()) + 2 * largest)
+    else:
+        copies = 2 * matmul if bytes_per_value == 2 else 0
+    return {"states": 16 * n_params / (gpus if fsdp else 1), "buckets": 0 if fsdp else 4 * n_params,
+            "copies": copies, "activations": saved_per_token(planned, checkpointing, bytes_per_value) * tokens,
+            "loss": (4 + bytes_per_value) * tokens * cfg.vocab_size}
+
+
+def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False, world_size=1, checkpointing=False):
+    """Before allocating anything: one line when the run's weights, gradients, AdamW state and saved activations (the
+    dry run's plan less DDP's buckets, autocast's copies and the loss's gradient; eager's count, which a compiled
+    run undercuts by about a third) exceed the memory of this machine (RAM available now) or of the GPU, instead of
+    minutes in the allocator and a crash."""
     planned = models.meta_model(model_type, model_values)
     per_value = 4 if dtype == "float32" else 2
-    states, activations, _ = memory_plan(planned, batch_size, fsdp, world_size, per_value)
+    terms = memory_plan(planned, batch_size, fsdp, world_size, per_value, checkpointing)
+    states, activations = terms["states"], terms["activations"]
     if str(device).startswith("cuda"):
         available, where = torch.cuda.mem_get_info(device)[1], f"the GPU ({device})"
     else:
@@ -45,10 +122,11 @@ def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False
         die(f"this run needs at least {(states + activations) / GiB:,.1f} GiB ({states / GiB:,.2f} GiB weights, "
             f"gradients and AdamW + {activations / GiB:,.1f} GiB activations at batch_size={batch_size}, "
             f"block_size={planned.config.block_size}) but {where} is {available / GiB:,.1f} GiB: lower batch_size "
-            f"(raise gradient_accumulation_steps to keep the tokens per step) or the model; --dry_run=True plans it")
+            f"(raise gradient_accumulation_steps to keep the tokens per step), set --activation_checkpointing=True "
+            f"or shrink the model; --dry_run=True plans it")
 
 
-def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu):
+def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu, checkpointing=False):
     """train.py --dry_run: parameters, FLOPs, expected speed and memory per GPU of a config, from a model built on
     the meta device (shapes, no memory)."""
     model_values.setdefault("block_size", models.config_fields(model_type)["block_size"])
@@ -56,19 +134,25 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
     cfg = planned.config
     n_params, flops = planned.num_params(), planned.flops_per_token()
     peak = peak_flops(device) or PEAK_FLOPS["H100"]  # the GPU here if known, else an H100: 989 TFLOP/s bf16 dense
-    tokens_per_s = mfu * peak / flops  # per GPU
+    # activation checkpointing runs every block's forward twice: a token's 6 N FLOPs become 8 N
+    tokens_per_s = mfu * peak / flops / (4 / 3 if checkpointing else 1)  # per GPU
     tokens_per_step = grad_accum * batch_size * cfg.block_size  # all GPUs together
     step_s = tokens_per_step / (tokens_per_s * gpus)
-    states, activations, n_blocks = memory_plan(planned, batch_size, fsdp, gpus)
-    B, T, d, V = batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size
+    terms = memory_plan(planned, batch_size, fsdp, gpus, checkpointing=checkpointing)
     GiB = 2 ** 30
     print(f"dry run: {model_type} model, {n_params:,} parameters, {flops / 1e9:.3g} GFLOPs per token (forward + backward)")
-    print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; "
+    print(f"speed: {tokens_per_s:,.0f} tokens/s per GPU at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s"
+          f"{' (each block computed twice: activation checkpointing)' if checkpointing else ''}; "
           f"{gpus} GPU(s), {tokens_per_step:,} tokens per step: {step_s:.3g} s per step, "
           f"{max_iters * step_s / 3600:.3g} h for {max_iters:,} steps, {max_iters * tokens_per_step / 1e9:.3g}B tokens")
-    print(f"memory per GPU: {(states + activations) / GiB:.2f} GiB = {states / GiB:.2f} GiB weights, gradients, "
+    print(f"memory per GPU: {sum(terms.values()) / GiB:.2f} GiB = {terms['states'] / GiB:.2f} GiB weights, gradients, "
           f"AdamW (16 bytes per parameter, {f'sharded over {gpus} GPUs by FSDP' if fsdp else 'replicated by DDP'}) + "
-          f"{activations / GiB:.2f} GiB activations (34*B*T*d per block x {n_blocks} blocks + 6*B*T*V logits, "
-          f"B={B}, T={T}, d={d}, V={V})")
-    print("  not counted: model-specific activations (EVE's neurons, the Free Transformer's Binary Mapper), the "
-          "blocks FSDP gathers, the CUDA context and allocator slack (a few GiB)")
+          + (f"{terms['copies'] / GiB:.2f} GiB gathered bf16 blocks and root" if fsdp else
+             f"{terms['buckets'] / GiB:.2f} GiB DDP gradient buckets + {terms['copies'] / GiB:.2f} GiB autocast's bf16 "
+             f"weight copies") +
+          f" + {terms['activations'] / GiB:.2f} GiB activations saved for the backward "
+          f"({'block inputs, one block recomputed at a time' if checkpointing else 'eager, per model'}, "
+          f"B={batch_size}, T={cfg.block_size}) + {terms['loss'] / GiB:.2f} GiB the logits' gradient")
+    print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (on the "
+          "CPU 0.65 of it for det, B-Trans and the Free Transformer, 0.92 for EVE); not counted: the CUDA context and "
+          "allocator slack (1-3 GiB)")

@@ -74,6 +74,18 @@ def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(
     assert not os.path.exists(det_runs / "fsdp" / "ckpt.pt")
 
 
+def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_runs, data_root, tmp_path):
+    """Each block recomputed in the backward: FSDP x 2 still gives the 1-process weights; EVE under DDP x 2 (noise
+    drawn, homeostat statistics all-reduced) the weights of the same run without it."""
+    train(data_root, tmp_path / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True",
+          "--activation_checkpointing=True", nproc=2)
+    assert_same_weights(sharded_weights(tmp_path / "fsdp", tmp_path)["model"], plain_weights(det_runs / "single"))
+    for name, flag in (("plain", "False"), ("checkpointed", "True")):
+        train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
+              "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
+    assert_same_weights(plain_weights(tmp_path / "checkpointed"), plain_weights(tmp_path / "plain"))
+
+
 def test_fsdp_meta_checkpoint_holds_plain_types_and_the_run(det_runs):
     meta = torch.load(det_runs / "fsdp" / "ckpt_meta.pt", weights_only=True)
     assert sorted(meta) == ["best_val_loss", "config", "iter_num", "meta", "model_config", "model_type",
@@ -140,7 +152,11 @@ def test_dry_run_prints_the_parameter_count_flops_speed_and_memory_of_its_formul
     n_params = V * d + L * per_block + d  # tied embedding and head, final norm
     flops = 6 * n_params + 12 * L * d * T
     tokens_per_s = 0.5 * 989e12 / flops
-    memory = 16 * n_params / (4 if fsdp else 1) + 34 * B * T * d * L + 6 * B * T * V
+    saved = B * T * (L * (26 * d + 6 * d + 4 * kv * hd + 8 * ffn + 4 * heads) + 10 * d + 6 * V)  # plan.saved_per_token
+    # FSDP: the root (embedding = head, final norm) and two blocks gathered in bf16; DDP: fp32 buckets and autocast's
+    # bf16 copies of every matmul's weight (the blocks' and the tied head's)
+    gathered = 2 * (V * d + d + 2 * per_block) if fsdp else 4 * n_params + 2 * (n_params - L * 2 * d - d)
+    memory = 16 * n_params / (4 if fsdp else 1) + gathered + saved + 6 * B * T * V
     assert f"{n_params:,} parameters" in out
     assert f"{tokens_per_s:,.0f} tokens/s per GPU at 50% MFU of 989 TFLOP/s" in out
     assert f"{8 * B * T:,} tokens per step: {8 * B * T / (4 * tokens_per_s):.3g} s per step" in out

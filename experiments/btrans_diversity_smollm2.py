@@ -137,9 +137,11 @@ def report(record):
     fig, axes = plt.subplots(1, 1 + len(pca), figsize=(4.2 * (1 + len(pca)), 4))
     ax = axes[0]
     temp = sorted((n for n in arms if n.startswith("T=")), key=lambda n: np.mean(arms[n]["nll"]))
+    color = {n: f"C{i}" for i, n in enumerate(arms)}  # an arm's colour, the same in every panel
     for names, fmt in ((temp, "o-"), *(([n], "s") for n in arms if n not in temp)):
         a = [arms[n] for n in names]
         ax.errorbar([np.mean(x["nll"]) for x in a], [np.mean(x["diversity"]) for x in a], fmt=fmt,
+                    color="0.4" if names is temp else color[names[0]],
                     xerr=[np.std(x["nll"]) for x in a], yerr=[np.std(x["diversity"]) for x in a],
                     label="det, temperature sweep" if names is temp else names[0])
     for n in temp:
@@ -152,7 +154,8 @@ def report(record):
     for ax, panel in zip(axes[1:], pca):
         for name, xy in panel["points"].items():
             xy = np.array(xy)
-            ax.scatter(xy[:, 0], xy[:, 1], s=14, alpha=0.7, marker="o" if name.startswith("T=") else "s", label=name)
+            ax.scatter(xy[:, 0], xy[:, 1], s=14, alpha=0.7, marker="o" if name.startswith("T=") else "s", label=name,
+                       color=color[name])
         ax.set_title(f"PCA, seed {seeds[0]}: \"{panel['prompt'][:40]}...\"", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])

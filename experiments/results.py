@@ -192,8 +192,9 @@ def btrans_diversity():
                     if name.startswith("T=")) for r in runs]  # each seed's temperature sweep
     matched = [float(np.interp(x, *zip(*c))) for x, c in zip(nll, curve)]
     inside = all(c[0][0] <= x <= c[-1][0] for x, c in zip(nll, curve))
-    measured = (f"SmolLM2, MiniLM cosine distance, greedy minds σ = 0.03: {ms(minds)} vs temperature's "
-                f"{ms(matched)} at equal NLL{'' if inside else ' (extrapolated)'}")
+    few = "" if len(runs) >= 3 else ", one seed" if len(runs) == 1 else f", {len(runs)} seeds"
+    measured = (f"SmolLM2, minds σ 0.03{few}: {ms(minds)} vs {ms(matched)} (T, equal NLL"
+                f"{'' if inside else ', extrapolated'})")
     return ("B-Trans: minds more diverse than temperature (§5.1)", "higher embedding distance", measured,
             link("diversity", PRETRAINED, "Minds' semantic diversity on SmolLM2 (B-Trans §5.1, Fig. 3 and 4)"),
             evidence(minds, matched, len(runs)))

@@ -168,15 +168,36 @@ def eve_layer_weights():
             f"{ms(det, 2)}", link("EVE", REPRO, EVE_HEADING), ev)
 
 
+DIVERSITY = "btrans_diversity_smollm2.json"  # the paper's measure on SmolLM2 (experiments/btrans_diversity_smollm2.py)
+DIVERSITY_ARM = "minds sigma=0.03, T=0"  # the sigma chosen for SmolLM2 before the study (docs/pretrained.md), greedy
+
+
 def btrans_diversity():
-    rows = load("btrans_diversity.json")["rows"]
-    minds = next(r for r in rows if r["source"] == "minds" and r["setting"] == "sigma=0.4, greedy")
-    det = sorted((r["nll"], r["distinct_2"]) for r in rows if r["source"] == "det")  # the temperature sweep
-    at_equal_nll = np.interp(minds["nll"], *zip(*det))
-    measured = (f"paper's measure not run; char toy, one seed: distinct-2 {minds['distinct_2']:.3f} vs "
-                f"{at_equal_nll:.3f} at equal NLL")
+    """Minds' embedding distance against the temperature sweep's at the minds' own NLL, per seed. Before the study
+    ran: the char toy's distinct-2, one seed, not the paper's measure."""
+    heading = "B-Trans minds against temperature (B-Trans §5.1, §6.1)"
+    if not exists(DIVERSITY):
+        rows = load("btrans_diversity.json")["rows"]
+        minds = next(r for r in rows if r["source"] == "minds" and r["setting"] == "sigma=0.4, greedy")
+        det = sorted((r["nll"], r["distinct_2"]) for r in rows if r["source"] == "det")  # the temperature sweep
+        measured = (f"paper's measure not run; char toy, one seed: distinct-2 {minds['distinct_2']:.3f} vs "
+                    f"{np.interp(minds['nll'], *zip(*det)):.3f} at equal NLL")
+        return ("B-Trans: minds more diverse than temperature (§5.1)", "higher embedding distance", measured,
+                link("diversity", REPRO, heading), (None, 1, -1, 0))
+    record = load(DIVERSITY)
+    runs = record["runs"]
+    minds = [float(np.mean(r["arms"][DIVERSITY_ARM]["diversity"])) for r in runs]
+    nll = [float(np.mean(r["arms"][DIVERSITY_ARM]["nll"])) for r in runs]
+    curve = [sorted((float(np.mean(a["nll"])), float(np.mean(a["diversity"]))) for name, a in r["arms"].items()
+                    if name.startswith("T=")) for r in runs]  # each seed's temperature sweep
+    matched = [float(np.interp(x, *zip(*c))) for x, c in zip(nll, curve)]
+    inside = all(c[0][0] <= x <= c[-1][0] for x, c in zip(nll, curve))
+    few = "" if len(runs) >= 3 else ", one seed" if len(runs) == 1 else f", {len(runs)} seeds"
+    measured = (f"SmolLM2, minds σ 0.03{few}: {ms(minds)} vs {ms(matched)} (T, equal NLL"
+                f"{'' if inside else ', extrapolated'})")
     return ("B-Trans: minds more diverse than temperature (§5.1)", "higher embedding distance", measured,
-            link("diversity", REPRO, "B-Trans minds against temperature (B-Trans §5.1, §6.1)"), (None, 1, -1, 0))
+            link("diversity", PRETRAINED, "Minds' semantic diversity on SmolLM2 (B-Trans §5.1, Fig. 3 and 4)"),
+            evidence(minds, matched, len(runs)))
 
 
 def btrans_competent():
@@ -212,16 +233,33 @@ def passk_smollm2():
 GRPO_HEADING = "GRPO with B-Trans minds (B-Trans §5.2, §5.3)"
 
 
-def grpo_toy():
+def grpo_runs():
+    """The toy GRPO study's runs per mode, and whether its base solves at least 30% greedily (the regime)."""
     runs = load("rlvr_compare.json" if exists("rlvr_compare.json") else "rlvr_compare_base004.json")["runs"]
-    change = lambda mode: [r["greedy after"] - r["greedy before"] for r in runs[mode]]
+    return runs, np.mean([r["greedy before"] for r in runs["temperature"]]) >= 0.3
+
+
+def greedy_change(runs, mode):
+    return [r["greedy after"] - r["greedy before"] for r in runs[mode]]
+
+
+def grpo_toy():
+    runs, regime = grpo_runs()
     base = np.mean([r["greedy before"] for r in runs["temperature"]])
-    ttrl = "".join(f", {m} {ms(change(m))}" for m in ("ttrl-temperature", "ttrl-minds") if m in runs)
-    measured = f"arith, base {base:.2f}: greedy {ms(change('minds'))} vs {ms(change('temperature'))}{ttrl}"
-    regime = base >= 0.3  # GRPO needs a base that solves a fair share of the problems
-    ev = evidence(change("minds"), change("temperature"), len(runs["minds"]), regime)
+    token = f", token {ms(greedy_change(runs, 'token'))}" if "token" in runs else ""
+    measured = (f"arith, base {base:.2f}: greedy {ms(greedy_change(runs, 'minds'))} vs "
+                f"{ms(greedy_change(runs, 'temperature'))}{token}")
+    ev = evidence(greedy_change(runs, "minds"), greedy_change(runs, "temperature"), len(runs["minds"]), regime)
     return ("B-Trans: minds' rollouts train better (§5.2), toy", "+4.2 points", measured,
             link("GRPO", REPRO, GRPO_HEADING), ev)
+
+
+def ttrl_toy():
+    runs, regime = grpo_runs()
+    minds, temp = greedy_change(runs, "ttrl-minds"), greedy_change(runs, "ttrl-temperature")
+    measured = f"arith, majority-vote reward: greedy {ms(minds)} vs {ms(temp)}"
+    return ("B-Trans: minds' rollouts train better without labels (§5.3), toy", "higher peak accuracy", measured,
+            link("GRPO", REPRO, GRPO_HEADING), evidence(minds, temp, len(runs["ttrl-minds"]), regime))
 
 
 def grpo_smollm2():
@@ -236,7 +274,7 @@ def grpo_smollm2():
 
 
 ROWS = [free_kappa, free_text, eve_ce, eve_mi, eve_ece, eve_layer_weights, btrans_diversity, btrans_competent,
-        passk_toy, passk_smollm2, grpo_toy, grpo_smollm2]
+        passk_toy, passk_smollm2, grpo_toy, ttrl_toy, grpo_smollm2]
 
 
 def rows():

@@ -30,11 +30,11 @@ import numpy as np
 
 import configurator
 from experiments import study
-from nanolatent import common
+from nanolatent import ckpt, common
 from nanolatent.records import read_records
 
 rlvr_config = "config/rlvr_arith.py"  # scripts/rlvr.py's config: task, data, held-out split; the settings below override it
-sft_dir = "out-det-arith"  # the checkpoint GRPO starts from
+sft_dir = "out-det-arith"  # GRPO starts from this: a train.py run, or a folder of one ckpt.pt
 sft_args = ""  # more train.py arguments for config/det_arith.py when sft_dir holds no checkpoint
 runs_dir = "out-rlvr-compare"  # one folder per (mode, seed)
 modes = ("temperature", "minds", "token", "ttrl-temperature", "ttrl-minds")  # names of ARMS below
@@ -56,7 +56,8 @@ device = "cpu"
 configurator.apply(globals())
 configurator.require(globals(), positive=("parallel",))
 
-if rlvr_config == "config/rlvr_arith.py":
+lone = os.path.exists(os.path.join(sft_dir, "ckpt.pt")) and not ckpt.saved_steps(sft_dir)  # a step kept from a run
+if rlvr_config == "config/rlvr_arith.py" and not lone:  # a train.py run in sft_dir is trained to its end first
     study.train_if_missing(sft_dir, "config/det_arith.py", f"--device={device}", "--compile=False", *sft_args.split())
 ARMS = {"temperature": "--rollout=temperature", "minds": "--rollout=minds", "token": "--rollout=token",
         "ttrl-temperature": "--rollout=temperature --reward=ttrl --train_prompts=eval",
@@ -149,7 +150,7 @@ with open(data, "w") as f:
 print(f"\nwrote {data}")
 
 plt = common.pyplot("the table is above; the figure")
-fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+fig, axes = plt.subplots(1, 3, figsize=(15, 4))
 smooth = lambda c: np.convolve(c, np.ones(window) / window, mode="valid")  # moving mean over `window` steps
 for ax, key, label in zip(axes, ("curve", "accuracy_curve"), ("rollout reward", "rollouts correct")):
     for mode, rows in summary.items():
@@ -163,6 +164,16 @@ for ax, key, label in zip(axes, ("curve", "accuracy_curve"), ("rollout reward", 
 axes[0].set_title("reward (TTRL: agreement with the group's majority)", fontsize=9)
 axes[1].set_title("share of rollouts with the right answer", fontsize=9)
 axes[1].legend(fontsize=8)
+for m, mode in enumerate(summary):  # held-out before (x) and after (o), mean ± std over seeds, per measure
+    for c, (name, _) in enumerate(columns):
+        x = c + (m - (len(summary) - 1) / 2) * 0.13
+        before, after = changes[mode][f"{name} before"], changes[mode][f"{name} after"]
+        axes[2].errorbar(x - 0.03, before[0], yerr=before[1], fmt="x", color=f"C{m}", alpha=0.5)
+        axes[2].errorbar(x + 0.03, after[0], yerr=after[1], fmt="o", color=f"C{m}", label=mode if not c else None)
+axes[2].set_xticks(range(len(columns)), [name for name, _ in columns])
+axes[2].set_ylabel("held-out accuracy (mean ± std over seeds)")
+axes[2].set_title(f"{eval_prompts} held-out problems: before (x) and after (o) GRPO", fontsize=9)
+axes[2].legend(fontsize=8)
 fig.suptitle(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
 fig.tight_layout()

@@ -209,6 +209,17 @@ def pairwise_distance(seqs):
     return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)
 
 
+def cosine_distance(embeddings):
+    """Mean over pairs of rows of 1 - cos(a, b) (B-Trans §5.1's semantic diversity of a group's embeddings, (K, d)):
+    0 for identical directions, 1 for orthogonal, 2 for opposite."""
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    k = len(unit)
+    if k < 2:
+        return 0.0
+    cos = unit @ unit.T  # (K, K)
+    return float((k * k - cos.sum()) / (k * (k - 1)))  # the diagonal's K ones leave K(K-1) off-diagonal terms
+
+
 def chat_problems(task, dataset, split, max_calc_steps=0):
     """(question, answer) of every problem of a chat task's split, in data order. gsm8k: `dataset` is a folder with
     GSM8K's train.jsonl and test.jsonl (openai/grade-school-math), else the hub's openai/gsm8k; 'val' is its test

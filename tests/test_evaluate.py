@@ -324,6 +324,17 @@ def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
     assert tasks.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
 
 
+def test_cosine_distance_is_the_mean_over_pairs_of_one_minus_cosine():
+    e = np.array([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0]])  # lengths ignored: orthogonal, opposite, orthogonal
+    assert tasks.cosine_distance(e) == pytest.approx((1 + 2 + 1) / 3)
+    assert tasks.cosine_distance(np.array([[1.0, 1.0], [3.0, 3.0]])) == pytest.approx(0, abs=1e-12)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 7))
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    pairs = [1 - u[i] @ u[j] for i in range(5) for j in range(i + 1, 5)]
+    assert tasks.cosine_distance(x) == pytest.approx(np.mean(pairs))
+
+
 def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     torch.manual_seed(0)
     chars = sorted(set("\n!>_" + tasks.LETTERS))

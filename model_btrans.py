@@ -64,11 +64,10 @@ class BayesianBiasNorm(RMSNorm):
 
 
 def precompute_rope(head_dim, max_len, theta, scaling=None):
-    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
-    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels.
-    scaling = (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's long-context remap (rope type
-    "llama3"): wavelengths longer than original / low_freq_factor are stretched by factor, those shorter than original
-    / high_freq_factor kept, and the frequencies between blend linearly in original / wavelength."""
+    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd);
+    tables of cos and signed sin, (max_len, hd), so apply_rope needs no split. scaling = (factor, low_freq_factor,
+    high_freq_factor, original context): Llama 3.1's remap ("llama3"), wavelengths over original / low stretched by
+    factor, under original / high kept, linear in original / wavelength between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
     if scaling is not None:
         factor, low, high, original = scaling
@@ -86,8 +85,7 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): a call stores its T positions and
-    attends over the positions filled so far."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast), so a decode step has static shapes."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -136,8 +134,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         else:
             k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, S, hd) each, (T, S) or None
-            # The rep query heads of a key/value head as rep * T rows of one query: attention reads the cache as it
-            # is, where enable_gqa would copy every key/value head rep times at every step.
+            # A kv head's rep query heads as rep * T rows: the cache read as is (enable_gqa would copy it rep times)
             rep = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, rep * T, self.head_dim)  # (B, n_kv, rep T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.repeat(rep, 1))
@@ -203,9 +200,7 @@ class Config:
     ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
-    # Llama 3.1's long-context RoPE (precompute_rope): (factor, low_freq_factor, high_freq_factor, original context),
-    # (8, 1, 4, 8192) in Llama-3.1-8B; None: plain RoPE
-    rope_scaling: tuple = None
+    rope_scaling: tuple = None  # Llama 3.1's long-context RoPE (precompute_rope): (8, 1, 4, 8192) in Llama-3.1-8B
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
@@ -237,14 +232,12 @@ class Config:
     kl_weight: float = 1e-6  # ~ 1 / training tokens: the ELBO spreads the one global KL over every token
 
     def __post_init__(self):
-        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
+        # Shapes; types, counts >= 1, rope_theta and norm_eps > 0 are checked by nanolatent/models.typed_values
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
                              "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:  # 1 / theta^0 and sqrt(-eps): NaN from the first step
-            raise ValueError(f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}: both must be > 0")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
@@ -310,13 +303,11 @@ class Model(nn.Module):
     def forward(self, idx, targets=None, latents=None, start_pos=0, generator=None):
         """idx (B, T) token ids -> (logits, loss, stats); row b is computed by mind latents[b] (B, n_norms, C).
 
-        With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus
-        kl_weight * KL when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0
-        continues a KV cache (generate()). The mode is self.noise_mode: config.train_noise_mode in
-        train() mode, config.noise_mode in eval() mode (either may be switched between calls). latents=None in
-        'sequence' mode draws a fresh mind per row, and 'token' mode its eps at every position, from `generator`
-        (the global RNG when None); 'token' and 'mean' modes ignore latents.
-        """
+        With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus kl_weight * KL
+        when learn_sigma. Without: logits of the last position only, (B, 1, V). start_pos > 0 continues a KV cache
+        (generate()). The mode is self.noise_mode: config.train_noise_mode in train(), config.noise_mode in eval() (both
+        switchable between calls). latents=None in 'sequence' mode draws a fresh mind per row, and 'token' mode its eps
+        at every position, from `generator` (the global RNG when None); 'token' and 'mean' modes ignore latents."""
         B, T = idx.shape
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")
@@ -391,9 +382,8 @@ class Model(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, latents=None, generator=None, step=None):
         """Append max_new_tokens to idx (B, T): one prefill of the prompt, then one cached step per token (step: self's
         forward unless a script passes a compiled one). Row b is generated by mind latents[b]; latents=None draws B
-        minds from `generator` once, first (§4.3). Tokens are drawn between steps, from `generator`. In 'token' mode
-        an eager step draws its eps from `generator` too, so a seed reproduces the generation; a compiled step takes
-        no generator and draws them from the global RNG."""
+        minds from `generator` once, first (§4.3). Tokens are drawn between steps, and in 'token' mode every step's eps
+        (compiled or not), from `generator`, so a seed reproduces the generation."""
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.block_size:
@@ -409,8 +399,7 @@ class Model(nn.Module):
                 idx_next = sample_next_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
                 if pos + 1 < total:  # §4.3 (2) Generation: every step applies the same frozen eps
-                    logits, _, _ = step(idx_next, latents=latents, start_pos=pos,
-                                        **({"generator": generator} if step is self else {}))
+                    logits, _, _ = step(idx_next, latents=latents, start_pos=pos, generator=generator)
         finally:
             self.clear_kv_cache()
         return idx

@@ -39,11 +39,10 @@ class RMSNorm(nn.Module):
 
 
 def precompute_rope(head_dim, max_len, theta, scaling=None):
-    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
-    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels.
-    scaling = (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's long-context remap (rope type
-    "llama3"): wavelengths longer than original / low_freq_factor are stretched by factor, those shorter than original
-    / high_freq_factor kept, and the frequencies between blend linearly in original / wavelength."""
+    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd);
+    tables of cos and signed sin, (max_len, hd), so apply_rope needs no split. scaling = (factor, low_freq_factor,
+    high_freq_factor, original context): Llama 3.1's remap ("llama3"), wavelengths over original / low stretched by
+    factor, under original / high kept, linear in original / wavelength between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
     if scaling is not None:
         factor, low, high, original = scaling
@@ -61,8 +60,7 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): a call stores its T positions and
-    attends over the positions filled so far."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast), so a decode step has static shapes."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -119,8 +117,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         else:
             k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, S, hd) each, (T, S) or None
-            # The rep query heads of a key/value head as rep * T rows of one query: attention reads the cache as it
-            # is, where enable_gqa would copy every key/value head rep times at every step.
+            # A kv head's rep query heads as rep * T rows: the cache read as is (enable_gqa would copy it rep times)
             rep = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, rep * T, self.head_dim)  # (B, n_kv, rep T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.repeat(rep, 1))
@@ -148,30 +145,37 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
 
 
-def scan(x, a, reverse=False):
-    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of ~sqrt(T):
-    steps within all chunks at once, across their last positions, then a^d times the chunk before's last d positions
-    on (as linear-attention codebases do): two passes over x where doubling steps make log2(T)."""
+def doubling(h, a, dim):
+    """h[i] = a h[i-1] + h[i] along `dim`: log2(n) steps h[i] += a^s h[i - s], s = 1, 2, 4 (Hillis & Steele 1986)."""
+    s, n = 1, h.size(dim)
+    while s < n:
+        h = torch.cat([h.narrow(dim, 0, s), torch.addcmul(h.narrow(dim, s, n - s), h.narrow(dim, 0, n - s), a)], dim)
+        s, a = 2 * s, a * a
+    return h
+
+
+def scan(x, a, reverse=False, k=8):
+    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of k positions
+    (as linear-attention codebases do): k - 1 steps in all chunks at once, the T/k chunk ends by doubling with a^k, then
+    a^d times the chunk before's end at distance d. k + log2(T/k) ops: a short graph for torch.compile at any T."""
     B, T, D = x.shape
-    k = 2 ** math.ceil(math.log2(T) / 2)  # chunk length, a power of 2 near sqrt(T)
     h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
     powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
-    steps, chunks = (range(k)[::-1], range(h.size(1))[::-1]) if reverse else (range(k), range(h.size(1)))
+    steps = range(k)[::-1] if reverse else range(k)
     for prev, i in zip(steps, steps[1:]):  # within every chunk at once
         h[:, :, i].addcmul_(h[:, :, prev], a)
-    last = h[:, :, steps[-1]]  # (B, n, D), a view: each chunk's last position in the recurrence's order
-    for prev, j in zip(chunks, chunks[1:]):  # across chunks
-        last[:, j].addcmul_(last[:, prev], powers[-1])
+    ends = h[:, :, steps[-1]]  # (B, n, D): each chunk's last position in the recurrence's order
+    ends = doubling(ends.flip(1), powers[-1], 1).flip(1) if reverse else doubling(ends, powers[-1], 1)
     if reverse:  # position i of a chunk is k - i before the next chunk's first
-        h[:, :-1, 1:].addcmul_(last[:, 1:].unsqueeze(2), powers[:-1].flip(0))
+        h[:, :-1].addcmul_(ends[:, 1:].unsqueeze(2), powers.flip(0))
     else:  # position i is i + 1 after the previous chunk's last
-        h[:, 1:, :-1].addcmul_(last[:, :-1].unsqueeze(2), powers[:-1])
+        h[:, 1:].addcmul_(ends[:, :-1].unsqueeze(2), powers)
     return h.view(B, -1, D)[:, :T]
 
 
 class LinearScan(torch.autograd.Function):
-    """scan() with a hand-written backward: a linear recurrence's gradient is the same recurrence in reverse,
-    dL/dx[t] = g[t] + a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]; backward keeps only h, not the steps'."""
+    """scan() with its backward in closed form, keeping only h: the same recurrence in reverse, dL/dx[t] = g[t] +
+    a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]."""
 
     @staticmethod
     def forward(ctx, x, a):
@@ -198,9 +202,8 @@ class VariationalMLP(nn.Module):
         self.config = config
         N, dz = config.n_neurons, config.latent_dim
         D = N * dz  # latent coordinates of the layer, neuron-major: coordinate n * dz + j is dim j of neuron n
-        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)): the paper gives only these arguments
-        # (and sigma_q(x, h)). Choice, ours: per-neuron linear heads on u, with posterior_memory
-        # mu_q,i = w_mu,i . u + c_i h_i (below); sigma_q reads u only, so z stays affine in h.
+        # §3.2/§3.4 posterior q(z_i | u, h_i) = N(mu_q,i, diag(sigma_q,i^2)), of these arguments only. Choice: linear
+        # heads on u, with posterior_memory mu_q,i = w_mu,i . u + c_i h_i (below); sigma_q reads u only: z affine in h.
         self.w_mu = nn.Linear(config.n_embd, D, bias=False)
         self.w_logvar = nn.Linear(config.n_embd, D, bias=True)  # bias: sigma_q starts at config.sigma_init
         # §3.2 decoder y = g_theta(z). Choice: per neuron y_i = silu(d_i . z_i + c_i), a gain vector d_i (dz,) and a
@@ -209,10 +212,9 @@ class VariationalMLP(nn.Module):
         self.dec_bias = nn.Parameter(torch.zeros(N))
         self.w2 = nn.Linear(N, config.n_embd, bias=False)  # "projected back to the model space" (§3.4)
         if config.ar_prior:
-            # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: the per-coordinate linear recurrence
-            # mu_p(t) = a * mu_p(t-1) + b * z(t-1), mu_p(0) = m0. The prior mean is the neuron's memory, h = mu_p
-            # (§3.2: p(z | h) = N(mu_p(h), ...)). The prior scale is learned per coordinate but static (§3.3: "an
-            # analogous update for the prior scale when used": not used here).
+            # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: per coordinate mu_p(t) = a mu_p(t-1)
+            # + b z(t-1), mu_p(0) = m0; the prior mean is the memory, h = mu_p (§3.2: p(z | h) = N(mu_p(h), .)).
+            # The prior scale: learned per coordinate, static (§3.3's "update for the prior scale when used": none).
             # With the posterior reading h, z(t) = e(t) + c h(t), e = w_mu u + sigma_q eps the innovation, so
             # h(t) = (a + b c) h(t-1) + b e(t-1): the loop's pole is a + b c. Choice: tanh(ar_a) in (-1, 1) is that
             # pole, alpha, and a = alpha - b c, so the recurrence stays stable whatever b and c learn (c = 0: a = alpha)
@@ -220,10 +222,9 @@ class VariationalMLP(nn.Module):
             self.ar_b = nn.Parameter(torch.full((D,), config.ar_b_init))
             self.prior_m0 = nn.Parameter(torch.zeros(D))
             self.prior_logvar = nn.Parameter(torch.zeros(D))  # sigma_p = 1 at init
-        # §3.2 q(z | x, h). Choice: mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate; |c| < 1, so the L_AR and
-        # KL fixed point of the prior, h = mu_q, is finite (h = w_mu u / (1 - c)); b sets h's scale, so c loses
-        # nothing by being bounded. h = 0 at init (b = m0 = 0), so the model starts as the x-only posterior either
-        # way; c != 0 lets the task gradient reach b and m0 through c h from the first step.
+        # §3.2 q(z | x, h). Choice: mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate; |c| < 1 keeps the L_AR and
+        # KL fixed point h = mu_q finite (h = w_mu u / (1 - c)), and b sets h's scale. h = 0 at init (b = m0 = 0): the
+        # model starts as the x-only posterior; c != 0 lets the task gradient reach b and m0 from the first step.
         self.mem_gain = None
         if config.ar_prior and config.posterior_memory:
             self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init)))
@@ -234,10 +235,9 @@ class VariationalMLP(nn.Module):
         self.prior_cache = None  # a PriorCache while generate() runs
 
     def prior(self, e, start_pos):
-        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,), from the innovations e = z - c mu_p
-        (B, T, D) (= the sampled z without posterior_memory): mu_p(t) = alpha mu_p(t-1) + b e(t-1), which is
-        a mu_p(t-1) + b z(t-1) with a = alpha - b c. Training and prefill compute every position at once
-        (linear_scan); a decode step reads and advances the cached state."""
+        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,) from the innovations e = z - c mu_p (B, T, D)
+        (z without posterior_memory): mu_p(t) = alpha mu_p(t-1) + b e(t-1) = a mu_p(t-1) + b z(t-1), a = alpha - b c.
+        Training and prefill compute every position at once (linear_scan); a decode step advances the cached state."""
         alpha = torch.tanh(self.ar_a)
         if self.prior_cache is not None and e.size(1) == 1:  # one position: the state, whatever the position
             mu_p = self.prior_cache.mean.unsqueeze(1).clone()  # (B, 1, D), a copy: the cache moves on below
@@ -282,11 +282,10 @@ class VariationalMLP(nn.Module):
         mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
         if cfg.ar_prior:
             sq_dist = F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1))  # (D,)
-            # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared
-            # one-step error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The
-            # stop-gradient keeps it from pulling the posterior toward the prior (the KL does that, weighted by
-            # beta); it trains f_AR and, through z(t-1), asks past latents to predict the next: §3.3's "temporal
-            # continuity".
+            # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared one-step
+            # error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The stop-gradient keeps
+            # it from pulling the posterior toward the prior (the KL does that, weighted by beta); it trains f_AR and,
+            # through z(t-1), asks past latents to predict the next: §3.3's "temporal continuity".
             ar = F.mse_loss(mu_p, mu_q.detach())
         else:  # config switch: the fixed isotropic prior N(0, I)
             sq_dist, logvar_p, ar = mu2, mu_q.new_zeros(()), mu_q.new_zeros(())
@@ -347,9 +346,7 @@ class Config:
     ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
-    # Llama 3.1's long-context RoPE (precompute_rope): (factor, low_freq_factor, high_freq_factor, original context),
-    # (8, 1, 4, 8192) in Llama-3.1-8B; None: plain RoPE
-    rope_scaling: tuple = None
+    rope_scaling: tuple = None  # Llama 3.1's long-context RoPE (precompute_rope): (8, 1, 4, 8192) in Llama-3.1-8B
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
@@ -386,14 +383,12 @@ class Config:
     n_samples: int = 1  # training draws per token; > 1 averages the objective over that many draws
 
     def __post_init__(self):
-        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
+        # Shapes; types, counts >= 1, rope_theta and norm_eps > 0 are checked by nanolatent/models.typed_values
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
                              "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:  # 1 / theta^0 and sqrt(-eps): NaN from the first step
-            raise ValueError(f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}: both must be > 0")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
@@ -456,11 +451,9 @@ class Model(nn.Module):
         """idx (B, T) token ids -> (logits, loss, stats). latents (B, block_size, n_layer, D) pin the neurons' eps
         (sample_latents); None draws fresh eps from the global RNG, one per token, layer and latent coordinate.
 
-        With targets: logits (B, T, V) and loss = the §3.6 objective CE + beta KL + L_control + alpha_AR L_AR
-        (targets == -1 are ignored by the CE). Without: logits of the last position only, (B, 1, V). start_pos > 0
-        continues a KV cache (generate()). One forward is one stochastic pass: §3.5's Monte
-        Carlo average is evaluate.py's.
-        """
+        With targets: logits (B, T, V) and loss = the §3.6 objective CE + beta KL + L_control + alpha_AR L_AR (targets
+        == -1 are ignored by the CE). Without: logits of the last position only, (B, 1, V). start_pos > 0 continues a
+        KV cache (generate()). One forward is one stochastic pass: §3.5's Monte Carlo average is evaluate.py's."""
         cfg = self.config
         B, T = idx.shape
         if start_pos + T > self.config.block_size:
@@ -499,27 +492,24 @@ class Model(nn.Module):
         return logits, loss, stats
 
     def head_input(self, outs):
-        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for EVE's head layer weights
-        (its §4.2-4.5 report w_1..w_L, which sum to 1): a softmax-weighted mix sum_l w_l x^(l), w =
-        softmax(layer_logits), in the manner of ELMo's scalar mix (Peters et al. 2018). Off: x^(L), the last block."""
+        """The head's input from the blocks' outputs x^(1..L), each (B, T, C). Choice for the head layer weights
+        (§4.2-4.5 report w_1..w_L, summing to 1): sum_l w_l x^(l), w = softmax(layer_logits) (ELMo). Off: x^(L)."""
         if self.layer_logits is None:
             return outs[-1]
         w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)
         return (torch.stack(outs, dim=-1) * w).sum(-1)  # (B, T, C)
 
     def objective(self, ce, logits, auxs):
-        """§3.6 L = L_LM + beta L_KL + L_control + alpha_AR L_AR from the blocks' aux, and the diagnostics of §3.3
-        and §4.2. Each layer's KL is in nats per neuron and token (the scale of the paper's KL_l and of the
-        [0.05, 0.30] unit range); L_KL sums the layers. Returns (loss, stats)."""
+        """§3.6 L = L_LM + beta L_KL + L_control + alpha_AR L_AR and §3.3/§4.2's diagnostics -> (loss, stats); KL in
+        nats per neuron and token (the scale of KL_l and of the [0.05, 0.30] unit range), summed over the layers."""
         cfg = self.config
         lo, hi = cfg.mu2_band
         kl_u = torch.stack([aux["kl_u"] for aux in auxs])  # (L, N) per-unit KL averaged over tokens
         mu2_u = torch.stack([aux["mu2_u"] for aux in auxs])  # (L, N) per-neuron latent energy over tokens
         beta = torch.stack([b.mlp.beta_unit for b in self.blocks]) if cfg.beta_control else cfg.kl_beta
         kl_term = (beta * kl_u).mean(1).sum()  # beta L_KL (per-unit beta under the beta controller)
-        # L_control (choice, §3.3 band): squared hinge on each neuron's batch latent energy outside mu2_band. It acts
-        # on the neuron's regime, mean_t mu^2, not per token, so the token-to-token variation that carries
-        # information is free; the homeostat (update_controllers) does the pulling toward mu2_target.
+        # L_control (choice, §3.3 band): squared hinge on each neuron's batch energy mean_t mu^2 outside mu2_band, not
+        # per token, so the variation that carries information is free; the homeostat pulls toward mu2_target.
         band = F.relu(lo - mu2_u).pow(2) + F.relu(mu2_u - hi).pow(2)  # (L, N)
         control = cfg.control_weight * band.mean(1).sum()
         ar = sum(aux["ar"] for aux in auxs)
@@ -527,34 +517,27 @@ class Model(nn.Module):
         # Diagnostics (§3.3, §4.2), all 0-dim and detached. Band fractions are over the L * N neurons' batch energies.
         kl_u, mu2_u = kl_u.detach(), mu2_u.detach()
         stats = {"ce": ce.detach(), "kl": kl_u.mean(1).sum(), "control": control.detach(), "ar": ar.detach()}
-        stats.update({f"kl_{i}": kl_u[i].mean() for i in range(cfg.n_layer)})
-        stats.update({f"mu2_{i}": mu2_u[i].mean() for i in range(cfg.n_layer)})
-        stats["band_in"] = ((mu2_u >= lo) & (mu2_u <= hi)).float().mean()  # inside-band mass
-        stats["band_low"] = (mu2_u < lo).float().mean()  # fraction too low
-        stats["band_high"] = (mu2_u > hi).float().mean()  # fraction too high
+        stats.update({f"{k}_{i}": v[i].mean() for k, v in (("kl", kl_u), ("mu2", mu2_u)) for i in range(cfg.n_layer)})
+        stats.update(band_in=((mu2_u >= lo) & (mu2_u <= hi)).float().mean(), band_low=(mu2_u < lo).float().mean(),
+                     band_high=(mu2_u > hi).float().mean())  # fractions inside, below and above the band
         stats["target_gap"] = (mu2_u - cfg.mu2_target).abs().mean()  # mean |mu^2 - mu^2_target| over neurons
         stats["active_frac"] = (kl_u > 1e-4).float().mean()  # units with KL_u > 1e-4 nats
         stats["sigma"] = sum(aux["sigma"] for aux in auxs) / cfg.n_layer  # mean sigma_q (§4.4's sigma_mean)
         if self.layer_logits is not None:
-            w = F.softmax(self.layer_logits.detach(), dim=0)
-            stats.update({f"w_{i}": w[i] for i in range(cfg.n_layer)})
-        # Non-finite values among the logits and the per-unit KL and mu^2 (a NaN or inf in any token's posterior
-        # reaches its unit's means, so this counts affected units without another pass over the latents).
+            stats.update({f"w_{i}": w for i, w in enumerate(F.softmax(self.layer_logits.detach(), dim=0))})
+        # Non-finite logits, per-unit KL and mu^2: a NaN in any token's posterior reaches its unit's means, no new pass
         stats["nonfinite"] = sum((~torch.isfinite(t)).sum() for t in (logits.detach(), kl_u, mu2_u))
         return loss, stats
 
     @torch.no_grad()
     def update_controllers(self, all_reduce=None):
-        """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()). Reads the per-unit
-        KL_u and mu2_u each block stashed in its last training forward; all_reduce, when given, averages them in
-        place over processes (train.py's, under DDP and FSDP), so every rank applies the same update:
-        - EMA of each neuron's mu^2 (buffer mu2_ema);
-        - beta controller (beta_control): a unit's beta grows by 1 + beta_rate while its KL is above kl_band and
-          shrinks while below, within beta_range (buffer beta_unit);
-        - homeostat (homeostat): after homeostat_warmup steps, every homeostat_every steps, each neuron's rows of
-          w_mu are scaled by sqrt(mu2_target / EMA) bounded to [1/(1+m), 1+m]; mu_q is linear in them, so its mu^2
-          moves by that factor squared toward the target (and the EMA is moved with it). With posterior_memory,
-          mu_q = w_mu u + c h and h carries sigma_q eps too, so the move is approximate; the next EMA corrects it."""
+        """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()), from the per-unit KL_u and
+        mu2_u each block stashed in its last training forward (all_reduce, when given, averages them in place over
+        processes, so every rank applies the same update): the EMA of each neuron's mu^2 (mu2_ema); beta_control: a
+        unit's beta (beta_unit) times 1 + beta_rate while its KL is above kl_band, divided while below, within
+        beta_range; homeostat: after homeostat_warmup steps, every homeostat_every, each neuron's rows of w_mu (and the
+        EMA) scaled by sqrt(mu2_target / EMA) bounded to [1/(1+m), 1+m], moving mu^2 toward the target (approximately
+        with posterior_memory: h carries sigma_q eps too; the next EMA corrects it)."""
         cfg = self.config
         mlps = [block.mlp for block in self.blocks]
         if not cfg.variational or any(m.stash is None for m in mlps):
@@ -567,10 +550,7 @@ class Model(nn.Module):
         rescale = cfg.homeostat and since >= 0 and since % cfg.homeostat_every == 0
         for m, (kl_u, mu2_u) in zip(mlps, measured):
             m.stash = None
-            if step == 0:
-                m.mu2_ema.copy_(mu2_u)
-            else:
-                m.mu2_ema.lerp_(mu2_u, 1.0 - cfg.homeostat_ema)
+            m.mu2_ema.copy_(mu2_u) if step == 0 else m.mu2_ema.lerp_(mu2_u, 1.0 - cfg.homeostat_ema)
             if cfg.beta_control:
                 up, down = kl_u > cfg.kl_band[1], kl_u < cfg.kl_band[0]
                 factor = torch.where(up, 1.0 + cfg.beta_rate, torch.where(down, 1.0 / (1.0 + cfg.beta_rate), 1.0))
@@ -583,10 +563,9 @@ class Model(nn.Module):
         self.ctrl_step += 1
 
     def sample_latents(self, batch_size, generator=None, prompt=None):
-        """Pinned noise: the eps of every neuron at every position and layer, (B, block_size, n_layer, D) ~ N(0, I).
-        Same latents -> same output (forward and generate). Drawn on the generator's device, so a CPU generator
-        gives the same latents on any device. `prompt` is ignored: eps ~ N(0, I) whatever the tokens (§3.2), the
-        posterior reads them in forward()."""
+        """Pinned noise: the eps of every neuron at every position and layer, (B, block_size, n_layer, D) ~ N(0, I):
+        same latents, same output. Drawn on the generator's device, so a CPU generator gives the same latents on any
+        device. `prompt` is ignored: eps ~ N(0, I) whatever the tokens (§3.2); the posterior reads them."""
         cfg, p = self.config, self.tok_emb.weight
         if not cfg.variational:
             return None  # the deterministic twin: nothing to pin
@@ -651,16 +630,13 @@ class Model(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cpu", "cuda"))
 
     def flops_per_token(self):
-        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT: 6N for the weights (the tied
-        head's matmul and the variational heads w_mu, w_logvar, w2 included, the embedding lookup not) plus
-        12 * L * nh * hd * T for attention scores, plus the neurons' elementwise work per latent coordinate, forward
-        counted and x3 for forward + backward: 11 to sample and decode (clip, exp, z = mu + sigma eps, d z + c,
-        silu), 6 for the means behind the KL and mu^2, and with the AR prior 4 for the chunked scan + 8 for its drive,
-        the KL distance and L_AR, + 3 with posterior_memory (c h, added to mu_q and to z). All of it times n_samples,
-        the draws per training token."""
+        """Training FLOPs per token, PaLM appendix B as in nanoGPT: 6N for the weights (w_mu, w_logvar, w2 and the tied
+        head included, the embedding lookup not), 12 L nh hd T for attention scores, and 3x the neurons' elementwise
+        forward per latent coordinate: 11 to sample and decode (clip, exp, mu + sigma eps, d z + c, silu), 6 for the
+        means behind the KL and mu^2; AR prior: 4 for the scan, 8 for its drive, the KL distance and L_AR, 3 more with
+        posterior_memory (c h into mu_q and z). All times n_samples, the draws per training token."""
         cfg = self.config
-        prior = 4 + 8 if cfg.ar_prior else 0
-        prior += 3 if cfg.ar_prior and cfg.posterior_memory else 0
+        prior = 4 + 8 + 3 * cfg.posterior_memory if cfg.ar_prior else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent if cfg.variational else 0
         dense = 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
         return cfg.n_samples * (dense + variational)

@@ -26,11 +26,10 @@ class RMSNorm(nn.Module):
 
 
 def precompute_rope(head_dim, max_len, theta, scaling=None):
-    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd).
-    Tables of cos and signed sin, one row of hd per position, so apply_rope needs no split of the channels.
-    scaling = (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's long-context remap (rope type
-    "llama3"): wavelengths longer than original / low_freq_factor are stretched by factor, those shorter than original
-    / high_freq_factor kept, and the frequencies between blend linearly in original / wavelength."""
+    """Rotary position embeddings (Su et al. 2021): channels j and j + hd/2 of a head turn by pos * theta^(-2j/hd);
+    tables of cos and signed sin, (max_len, hd), so apply_rope needs no split. scaling = (factor, low_freq_factor,
+    high_freq_factor, original context): Llama 3.1's remap ("llama3"), wavelengths over original / low stretched by
+    factor, under original / high kept, linear in original / wavelength between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
     if scaling is not None:
         factor, low, high, original = scaling
@@ -48,8 +47,7 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer, indexed by position (gpt-fast): a call stores its T positions and
-    attends over the positions filled so far."""
+    """Preallocated keys/values of one layer, indexed by position (gpt-fast), so a decode step has static shapes."""
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         super().__init__()
@@ -103,8 +101,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.n_kv_head != self.n_head)
         else:
             k, v, mask = self.kv_cache.update(start_pos, k, v)  # (B, n_kv, S, hd) each, (T, S) or None
-            # The rep query heads of a key/value head as rep * T rows of one query: attention reads the cache as it
-            # is, where enable_gqa would copy every key/value head rep times at every step.
+            # A kv head's rep query heads as rep * T rows: the cache read as is (enable_gqa would copy it rep times)
             rep = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, rep * T, self.head_dim)  # (B, n_kv, rep T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.repeat(rep, 1))
@@ -228,10 +225,8 @@ class FactoredBinaryMapper(torch.autograd.Function):
                        sum_hi y_{t,hi} U_{h-b}(hi) - sigmoid(L_{t,h}) S_t     for a high bit.
     G is never formed, nor all of v: v is built at most `chunk` values (tokens x codes; at least one token by 2^b
     codes) at a time in one reused buffer. A piece spans whole rows hi: it gives y for those rows and adds its share
-    to x. A piece spans as many tokens as fit and as few codes as needed: (tokens, C) x (C, codes) matmuls
-    with many rows run fastest.
-    The work beyond v's 2 C 2^H flops per token is 4 2^H for the two products.
-    """
+    to x. A piece spans as many tokens as fit and as few codes as needed: (tokens, C) x (C, codes) matmuls with many
+    rows run fastest. The work beyond v's 2 C 2^H flops per token is 4 2^H for the two products."""
 
     @staticmethod
     def forward(ctx, bit_logits, codes, weight, chunk):
@@ -288,9 +283,7 @@ class Config:
     ffn_hidden: int = None  # SwiGLU width; None = 8/3 * n_embd rounded up to ffn_multiple_of (Llama)
     ffn_multiple_of: int = 32  # keeps the SwiGLU matmuls on hardware-friendly sizes
     rope_theta: float = 10000.0  # RoPE base frequency (Llama-2 value)
-    # Llama 3.1's long-context RoPE (precompute_rope): (factor, low_freq_factor, high_freq_factor, original context),
-    # (8, 1, 4, 8192) in Llama-3.1-8B; None: plain RoPE
-    rope_scaling: tuple = None
+    rope_scaling: tuple = None  # Llama 3.1's long-context RoPE (precompute_rope): (8, 1, 4, 8192) in Llama-3.1-8B
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0  # on each residual branch's output while training (nanoGPT's resid_dropout); 0: none
     tie_embeddings: bool = True  # lm_head shares tok_emb's matrix (Press & Wolf 2017); False: its own, as in TinyLlama
@@ -300,14 +293,12 @@ class Config:
     mapper_chunk: int = 2 ** 22  # factored backward: v is built this many values (tokens x codes) at a time
 
     def __post_init__(self):
-        # Shapes; types and counts (an int >= 1) are checked where the scripts build a model (nanolatent/models.py).
+        # Shapes; types, counts >= 1, rope_theta and norm_eps > 0 are checked by nanolatent/models.typed_values
         if self.head_dim is None and self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd / n_head "
                              "must be whole (or head_dim set) and n_head / n_kv_head whole (GQA)")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:  # 1 / theta^0 and sqrt(-eps): NaN from the first step
-            raise ValueError(f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}: both must be > 0")
         scaling = self.rope_scaling
         if scaling is not None and not (len(scaling) == 4 and scaling[0] >= 1 and 0 <= scaling[1] < scaling[2]):
             raise ValueError(f"rope_scaling={scaling}: (factor >= 1, low_freq_factor < high_freq_factor, context)")
@@ -369,8 +360,7 @@ class Model(nn.Module):
         and at a decode step it is uniform over the 2^H codes, drawn from `generator`.
         With targets: logits (B, T, V) and loss = mean cross-entropy (targets == -1 are ignored), plus the free-bits
         term when the encoder ran. Without: logits of the last position only, (B, 1, V). start_pos > 0 continues a KV
-        cache (generate()).
-        """
+        cache (generate())."""
         B, T = idx.shape
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds block_size={self.config.block_size}")

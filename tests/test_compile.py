@@ -76,6 +76,17 @@ def test_compiled_decode_step_gives_the_eager_tokens_greedy_and_sampled(model_ty
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one for each call's length, 11 steps each
 
 
+def test_btrans_token_mode_draws_every_steps_eps_from_the_generator_compiled_or_not():
+    """In 'token' mode each decode step draws fresh eps (§6.1); generate() passes its generator to the compiled step as
+    to the eager one, so a seed gives the same tokens either way."""
+    torch.manual_seed(0)
+    model = models.build_model("btrans", {**TINY, "noise_mode": "token", "sigma": 0.5}).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    eager, compiled = (model.generate(prompt, 8, generator=torch.Generator().manual_seed(3), step=step)
+                       for step in (None, torch.compile(model.forward, dynamic=True)))
+    assert torch.equal(eager, compiled)
+
+
 def test_kv_cache_spans_the_sequence_and_each_step_attends_over_the_positions_so_far(monkeypatch):
     """Decoding attends over the positions filled so far: every step's keys are as many as the tokens so far, in a
     cache of prompt + new tokens, freed after the call."""

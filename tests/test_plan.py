@@ -54,6 +54,9 @@ def test_float32_plan_is_within_15_percent_of_the_saved_tensors_or_above_them(mo
 @pytest.mark.slow  # torch.compile of each model: about 30 s each on two cores
 @pytest.mark.parametrize("model_type", ("det", "eve", "free"))
 def test_compiled_graphs_save_no_more_than_the_eager_plan(model_type):
+    # A fresh dynamo: in a long pytest process the earlier tests' compilations of Model.forward can reach its recompile
+    # limit, and dynamo then runs the model eager, saving eager's bytes.
+    torch._dynamo.reset()
     model = tiny(model_type, SHAPES[0])
     eager, _ = plan.saved_bytes(model, *batch())
     compiled, _ = plan.saved_bytes(torch.compile(model), *batch())
@@ -123,6 +126,7 @@ def test_compiled_activation_checkpointing_gives_the_eager_gradients(model_type)
     eager's random numbers, so both draw the same latents."""
     import torch._inductor.config as inductor_config
 
+    torch._dynamo.reset()  # compiled for certain, not run eager past a recompile limit (above)
     plain, checkpointed = tiny(model_type, SHAPES[0]), tiny(model_type, SHAPES[0])
     models.checkpoint_blocks(checkpointed)
     losses = []

@@ -163,17 +163,11 @@ def report(record):
     fig.suptitle(f"{os.path.basename(os.path.normpath(record['out_dir']))}: semantic diversity "
                  f"({record['embedder']}), {record['num_prompts']} WritingPrompts prompts", fontsize=9)
     fig.tight_layout()
-    figure = os.path.splitext(json_out)[0] + ".png"
-    fig.savefig(figure, dpi=100)
-    print(f"wrote {figure}")
+    study.save_figure(fig, json_out)
 
 
 if from_json:
-    if not os.path.exists(json_out):
-        common.die(f"--from_json=True reads {json_out}, which is not there: run the experiment first (or --json_out=)")
-    with open(json_out) as f:
-        report(json.load(f))
-    raise SystemExit
+    study.report_from_json(json_out, report)
 if not os.path.exists(prompts_file):
     common.die(f"prompts_file={prompts_file!r} not found: WritingPrompts' jsonl ({{prompt, story}} a line; offline, "
                f"writingprompts/wp_sample_test.jsonl under $NANOLATENT_LOCAL_DATA)")

@@ -112,17 +112,11 @@ def report(run):
                  f"min-max", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    figure = os.path.splitext(json_out)[0] + ".png"
-    fig.savefig(figure, dpi=100)
-    print(f"wrote {figure}")
+    study.save_figure(fig, json_out)
 
 
 if from_json:
-    if not os.path.exists(json_out):
-        common.die(f"--from_json=True reads {json_out}, which is not there: run the experiment first (or --json_out=)")
-    with open(json_out) as f:
-        report(json.load(f))
-    raise SystemExit
+    study.report_from_json(json_out, report)
 source = {"gsm8k": gsm8k, "hellaswag": hellaswag, "mmlu_pro": mmlu_pro}[benchmark]
 if source and not os.path.exists(source) and source != "hellaswag":
     common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "

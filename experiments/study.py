@@ -1,6 +1,6 @@
 """What every study shares beside its protocol: train.py run once per run folder (alone, or a grid in parallel), the
-runs an earlier invocation analysed, kept, and the statistics its tables and verdicts use (mean ± std over seeds,
-intervals apart)."""
+runs an earlier invocation analysed, kept, the statistics its tables and verdicts use (mean ± std over seeds,
+intervals apart), and its figure beside its JSON."""
 
 import json
 import os
@@ -86,3 +86,19 @@ def one_seed_note(seeds):
         return ""
     return (f"one seed ({', '.join(map(str, seeds))}): no spread over seeds, so no ± and no interval test (nothing is "
             f"marked *); give two or more seeds, --seeds=1,2,3, for them")
+
+
+def save_figure(fig, json_out):
+    """A study's figure beside its JSON: json_out's name with .png."""
+    figure = os.path.splitext(json_out)[0] + ".png"
+    fig.savefig(figure, dpi=100)
+    print(f"wrote {figure}")
+
+
+def report_from_json(json_out, report):
+    """--from_json=True: report(the record in json_out), its table and figure, running nothing; then exit."""
+    if not os.path.exists(json_out):
+        die(f"--from_json=True reads {json_out}, which is not there: run the experiment first (or --json_out=)")
+    with open(json_out) as f:
+        report(json.load(f))
+    raise SystemExit

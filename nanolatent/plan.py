@@ -154,5 +154,5 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
           f"({'block inputs, one block recomputed at a time' if checkpointing else 'eager, per model'}, "
           f"B={batch_size}, T={cfg.block_size}) + {terms['loss'] / GiB:.2f} GiB the logits' gradient")
     print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (on the "
-          "CPU 0.65 of it for det, B-Trans and the Free Transformer; as much for EVE); not counted: the CUDA context and "
-          "allocator slack (1-3 GiB)")
+          "CPU 0.65 of it for det, B-Trans and the Free Transformer; as much for EVE); not counted: the CUDA context "
+          "and allocator slack (1-3 GiB)")

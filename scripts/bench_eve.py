@@ -104,14 +104,15 @@ def piece_table():
     m, r = leaf(eve.w_mu(u)), leaf(eve.w_logvar(u))
     drive, y = torch.randn(B, T, cfg.n_latent), leaf(torch.randn(B, T, cfg.n_neurons))
     prior = lambda: (torch.tanh(eve.ar_a), eve.ar_b, eve.prior_m0)  # noqa: E731, fresh in each forward
+    alpha = torch.tanh(eve.ar_a).detach()
     rows = {  # piece: (forward, its inputs)
         "posterior heads: w_mu u, w_logvar u": (lambda: (eve.w_mu(u), eve.w_logvar(u)), [u]),
         "eps draw (one layer's)": (lambda: torch.randn(B, T, cfg.n_latent), []),
         "NeuronBank: sigma_q, z, AR prior, decoder, means": (lambda: model_eve.NeuronBank.apply(
             m, r, eps, None, *prior(), torch.tanh(eve.mem_gain), eve.dec_gain, eve.dec_bias, cfg.logvar_min,
             cfg.logvar_max)[:2], [m, r]),
-        "of which the scan (forward only)": (lambda: model_eve.scan(drive, torch.tanh(eve.ar_a).detach()), []),
-        "and its reverse, in the backward": (lambda: model_eve.scan(drive, torch.tanh(eve.ar_a).detach(), reverse=True), []),
+        "of which the scan (forward only)": (lambda: model_eve.scan(drive, alpha), []),
+        "and its reverse, in the backward": (lambda: model_eve.scan(drive, alpha, reverse=True), []),
         "w2 y": (lambda: eve.w2(y), [y]),
         "det's SwiGLU, for contrast": (lambda: det(u), [u]),
     }

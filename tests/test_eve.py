@@ -658,7 +658,9 @@ def test_neuron_bank_backward_passes_gradcheck_with_the_scan_and_at_a_cached_dec
     L_AR's row of the means is left out: its stop-gradient is no derivative (the test above holds it to autograd's)."""
     cfg = make(**overrides).config
     N, dz, g = 3, cfg.latent_dim, gen(5)
-    leaf = lambda *shape, scale=1.0: (scale * torch.randn(*shape, dtype=torch.double, generator=g)).requires_grad_()  # noqa: E731
+
+    def leaf(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, dtype=torch.double, generator=g)).requires_grad_()
     m, r, eps = leaf(2, 11, N * dz), leaf(2, 11, N * dz, scale=4.0), torch.randn(2, 11, N * dz, dtype=torch.double,
                                                                                  generator=g)
     prior = (torch.tanh(leaf(N * dz)), leaf(N * dz), leaf(N * dz)) if cfg.ar_prior else (None, None, None)

@@ -139,19 +139,9 @@ class MLP(nn.Module):
 
 
 def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
-    """KL(N(mu_q, var_q) || N(mu_p, e^logvar_p)) per coordinate in nats (the KL of §3.3, closed form), from
-    sq_dist = (mu_q - mu_p)^2. Linear in logvar_q, var_q and sq_dist: fed their means over tokens, it returns the
-    mean KL over tokens, as long as logvar_p is the same at every token (it is: the prior scale is static)."""
+    """KL(N(mu_q, var_q) || N(mu_p, e^logvar_p)) per coordinate in nats (§3.3's KL, closed form), sq_dist = (mu_q -
+    mu_p)^2. Linear in logvar_q, var_q and sq_dist: their token means give the mean KL (logvar_p is static)."""
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
-
-
-def doubling(h, a, dim):
-    """h[i] = a h[i-1] + h[i] along `dim`: log2(n) steps h[i] += a^s h[i - s], s = 1, 2, 4 (Hillis & Steele 1986)."""
-    s, n = 1, h.size(dim)
-    while s < n:
-        h = torch.cat([h.narrow(dim, 0, s), torch.addcmul(h.narrow(dim, s, n - s), h.narrow(dim, 0, n - s), a)], dim)
-        s, a = 2 * s, a * a
-    return h
 
 
 def scan(x, a, reverse=False, k=8):
@@ -164,8 +154,12 @@ def scan(x, a, reverse=False, k=8):
     steps = range(k)[::-1] if reverse else range(k)
     for prev, i in zip(steps, steps[1:]):  # within every chunk at once
         h[:, :, i].addcmul_(h[:, :, prev], a)
-    ends = h[:, :, steps[-1]]  # (B, n, D): each chunk's last position in the recurrence's order
-    ends = doubling(ends.flip(1), powers[-1], 1).flip(1) if reverse else doubling(ends, powers[-1], 1)
+    ends = h[:, :, steps[-1]].flip(1) if reverse else h[:, :, steps[-1]]  # (B, n, D): chunks' last, in order
+    s, a_s = 1, powers[-1]
+    while s < ends.size(1):  # the ends' own recurrence with a^k, by doubling (Hillis & Steele 1986): log2(n) steps
+        ends = torch.cat([ends[:, :s], torch.addcmul(ends[:, s:], ends[:, :-s], a_s)], dim=1)
+        s, a_s = 2 * s, a_s * a_s
+    ends = ends.flip(1) if reverse else ends
     if reverse:  # position i of a chunk is k - i before the next chunk's first
         h[:, :-1].addcmul_(ends[:, 1:].unsqueeze(2), powers.flip(0))
     else:  # position i is i + 1 after the previous chunk's last
@@ -173,24 +167,74 @@ def scan(x, a, reverse=False, k=8):
     return h.view(B, -1, D)[:, :T]
 
 
-class LinearScan(torch.autograd.Function):
-    """scan() with its backward in closed form, keeping only h: the same recurrence in reverse, dL/dx[t] = g[t] +
-    a dL/dx[t+1], and dL/da = sum_t dL/dx[t] h[t-1]."""
+def posterior(m, r, eps, lo, hi):
+    logvar_q = r.clamp(lo, hi)  # clipped log sigma_q^2
+    sigma_q = torch.exp(0.5 * logvar_q)
+    return logvar_q, sigma_q, torch.addcmul(m, sigma_q, eps)  # §3.2 mu + sigma_q eps: the innovation e
+
+
+def readout(m, e, mu_p, c, gain, bias):
+    """-> mu_q = m + c h, z = e + c h (B, T, D) (§3.2 q(z | x, h), h = mu_p) and the decoder's d_i . z_i + c_i."""
+    mu_q, z = (m, e) if c is None else (torch.addcmul(m, mu_p, c), torch.addcmul(e, mu_p, c))
+    B, T, N, dz = *m.shape[:2], *gain.shape
+    pre = torch.addcmul(bias, z, gain.view(N)) if dz == 1 else (z.view(B, T, N, dz) * gain).sum(-1) + bias
+    return mu_q, z, pre
+
+
+class NeuronBank(torch.autograd.Function):
+    """The bank between its products, element-wise (§3.2, §3.3): from m = w_mu u, r = w_logvar u and eps (B, T, D) to
+    the decoder's output y (B, T, N) and the token means the objective reads. Its backward, written out, keeps m, r,
+    eps and mu_p, recomputes sigma_q, z, mu_q and the decoder's input: 4 (B, T, D) tensors a layer (autograd kept 8)."""
 
     @staticmethod
-    def forward(ctx, x, a):
-        h = scan(x, a)
-        ctx.save_for_backward(h, a)
-        return h
+    def forward(ctx, m, r, eps, mu_p, alpha, b, m0, c, gain, bias, lo, hi):
+        """mu_p: a decode step's cached memory (B, 1, D); None: scanned (alpha None: no AR prior). -> y (B, T, N), token
+        means (6, D) of log sigma_q^2, sigma_q^2, mu_q^2, (mu_q - mu_p)^2 twice (L_AR's: grad to mu_p only), sigma_q,
+        and the memory at the next position."""
+        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
+        ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
+        if ctx.scanned:  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0: sees z(< t) only
+            mu_p = scan(torch.cat([m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)  # (B, T, D)
+        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
+        sq = (mu_q if mu_p is None else mu_q - mu_p).pow(2).mean((0, 1))
+        means = torch.stack([logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), mu_q.pow(2).mean((0, 1)), sq, sq,
+                             sigma_q.mean((0, 1))])  # (6, D)
+        following = None if mu_p is None else alpha * mu_p[:, -1] + b * e[:, -1]  # (B, D)
+        ctx.save_for_backward(m, r, eps, mu_p, alpha, b, c, gain, bias)
+        if following is not None:
+            ctx.mark_non_differentiable(following)  # the decode cache's next state, stored detached
+        return F.silu(pre), means, following
 
     @staticmethod
-    def backward(ctx, grad_h):
-        h, a = ctx.saved_tensors
-        grad_x = scan(grad_h, a, reverse=True)  # (B, T, D)
-        return grad_x, (grad_x[:, 1:] * h[:, :-1]).sum((0, 1))  # (B, T, D), (D,)
-
-
-linear_scan = LinearScan.apply  # (x (B, T, D), a (D,)) -> h (B, T, D)
+    def backward(ctx, grad_y, grad_means, _):
+        m, r, eps, mu_p, alpha, b, c, gain, bias = ctx.saved_tensors
+        (lo, hi), (B, T, D), (N, dz) = ctx.bounds, m.shape, gain.shape
+        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
+        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
+        grad_pre = torch.ops.aten.silu_backward(grad_y, pre)  # (B, T, N)
+        grad_e = (grad_pre.unsqueeze(-1) * gain).view(B, T, D)  # through z: z = e + c h
+        g = grad_means.unsqueeze(1) / (B * T)  # (6, 1, D): a token mean passes 1 / (B T) of its gradient to each
+        dist = mu_q if mu_p is None else mu_q - mu_p
+        grad_mu_q = torch.addcmul(2 * g[2] * mu_q, dist, 2 * g[3])  # of mean mu_q^2 and mean (mu_q - mu_p)^2
+        grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c = None, None, None, None, None
+        if mu_p is not None:
+            grad_mu_p = dist * (-2 * (g[3] + g[4]))  # the KL's distance and L_AR
+            if c is not None:  # c h enters z and mu_q
+                through = grad_e + grad_mu_q
+                grad_c = (through * mu_p).sum((0, 1))
+                grad_mu_p.addcmul_(through, c)
+        if ctx.scanned:  # back through the scan: the same recurrence in reverse (d drive = reverse scan of d mu_p)
+            grad_drive = scan(grad_mu_p, alpha, reverse=True)
+            grad_alpha = (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
+            grad_b = (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
+            grad_m0 = grad_drive[:, 0].sum(0)
+            grad_e[:, :-1].addcmul_(grad_drive[:, 1:], b)  # e(t) drives mu_p(t + 1)
+            grad_mu_p = None  # an output of the scan here, not an input
+        grad_sigma = torch.addcmul(g[5], sigma_q, 2 * g[1]).addcmul_(grad_e, eps)
+        grad_r = torch.addcmul(g[0], sigma_q, grad_sigma, value=0.5).mul_(logvar_q == r)  # the clip: r in [lo, hi]
+        grad_gain = (grad_pre.unsqueeze(-1) * z.view(B, T, N, dz)).sum((0, 1))
+        return (grad_e + grad_mu_q, grad_r, None, grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c, grad_gain,
+                grad_pre.sum((0, 1)), None, None)
 
 
 class VariationalMLP(nn.Module):
@@ -212,9 +256,8 @@ class VariationalMLP(nn.Module):
         self.dec_bias = nn.Parameter(torch.zeros(N))
         self.w2 = nn.Linear(N, config.n_embd, bias=False)  # "projected back to the model space" (§3.4)
         if config.ar_prior:
-            # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: per coordinate mu_p(t) = a mu_p(t-1)
-            # + b z(t-1), mu_p(0) = m0; the prior mean is the memory, h = mu_p (§3.2: p(z | h) = N(mu_p(h), .)).
-            # The prior scale: learned per coordinate, static (§3.3's "update for the prior scale when used": none).
+            # §3.3 local AR prior, mu_p(t) = f_AR(mu_p(t-1), z(t-1)). Choice: mu_p(t) = a mu_p(t-1) + b z(t-1) per
+            # coordinate, mu_p(0) = m0, the memory h = mu_p (§3.2), a static learned scale (§3.3 gives no update).
             # With the posterior reading h, z(t) = e(t) + c h(t), e = w_mu u + sigma_q eps the innovation, so
             # h(t) = (a + b c) h(t-1) + b e(t-1): the loop's pole is a + b c. Choice: tanh(ar_a) in (-1, 1) is that
             # pole, alpha, and a = alpha - b c, so the recurrence stays stable whatever b and c learn (c = 0: a = alpha)
@@ -225,74 +268,38 @@ class VariationalMLP(nn.Module):
         # §3.2 q(z | x, h). Choice: mu_q = w_mu u + c h, c = tanh(mem_gain) per coordinate; |c| < 1 keeps the L_AR and
         # KL fixed point h = mu_q finite (h = w_mu u / (1 - c)), and b sets h's scale. h = 0 at init (b = m0 = 0): the
         # model starts as the x-only posterior; c != 0 lets the task gradient reach b and m0 from the first step.
-        self.mem_gain = None
-        if config.ar_prior and config.posterior_memory:
-            self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init)))
-        # Controller state (§3.3 control), updated by Model.update_controllers and saved in checkpoints.
-        self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # EMA of each neuron's latent energy
-        self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # per-unit KL weight (beta controller)
+        memory = config.ar_prior and config.posterior_memory
+        self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init))) if memory else None
+        self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # §3.3 control: each neuron's mu^2 EMA
+        self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # its KL weight (the beta controller)
         self.stash = None  # (2, N) detached [KL_u, mu2_u] of the last training forward, for update_controllers
         self.prior_cache = None  # a PriorCache while generate() runs
 
-    def prior(self, e, start_pos):
-        """§3.3 AR prior over positions: mu_p (B, T, D) and logvar_p (D,) from the innovations e = z - c mu_p (B, T, D)
-        (z without posterior_memory): mu_p(t) = alpha mu_p(t-1) + b e(t-1) = a mu_p(t-1) + b z(t-1), a = alpha - b c.
-        Training and prefill compute every position at once (linear_scan); a decode step advances the cached state."""
-        alpha = torch.tanh(self.ar_a)
-        if self.prior_cache is not None and e.size(1) == 1:  # one position: the state, whatever the position
-            mu_p = self.prior_cache.mean.unsqueeze(1).clone()  # (B, 1, D), a copy: the cache moves on below
-        elif start_pos > 0:
-            raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
-        else:
-            # Unrolled causally: the input at t is b * e(t-1) (m0 at t = 0), so mu_p(t) sees only z(< t).
-            drive = torch.cat([self.prior_m0.expand(e.size(0), 1, -1), self.ar_b * e[:, :-1]], dim=1)  # (B, T, D)
-            mu_p = linear_scan(drive, alpha)  # (B, T, D)
-        if self.prior_cache is not None:  # the next position's prior mean: the same recurrence, one step on
-            self.prior_cache.mean.copy_((alpha * mu_p[:, -1] + self.ar_b * e[:, -1]).detach())
-        return mu_p, self.prior_logvar.clamp(self.config.logvar_min, self.config.logvar_max)  # (B, T, D), (D,)
-
     def forward(self, u, eps, start_pos=0, with_aux=False):
-        """u (B, T, C) normed residual stream, eps (B, T, D) -> (update (B, T, C), aux or None).
-        aux holds what the objective needs: per-unit KL_u and mu2_u (N,) averaged over tokens, L_AR, and counts."""
-        cfg = self.config
-        B, T, N, dz = *u.shape[:2], cfg.n_neurons, cfg.latent_dim
-        mu_q = self.w_mu(u)  # (B, T, D)
-        logvar_q = self.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2, (B, T, D)
-        sigma_q = torch.exp(0.5 * logvar_q)
-        z = torch.addcmul(mu_q, sigma_q, eps)  # §3.2 reparameterisation z = mu_q + sigma_q * eps, (B, T, D)
-        if self.mem_gain is not None:  # §3.2 q(z | x, h): mu_q and z above are the innovation; add c h, h = mu_p
-            mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
-            c = torch.tanh(self.mem_gain)
-            mu_q = torch.addcmul(mu_q, mu_p, c)  # (B, T, D)
-        if dz == 1:  # §3.2 y = g(z) = silu(d z + c), (B, T, N); with memory, d z = d e + (d c) h: z = e + c h unstored
-            pre = torch.addcmul(self.dec_bias, z, self.dec_gain.view(N))
-            y = F.silu(pre if self.mem_gain is None else pre.addcmul_(mu_p, c * self.dec_gain.view(N)))
-        else:
-            z = z if self.mem_gain is None else torch.addcmul(z, mu_p, c)
-            y = F.silu((z.view(B, T, N, dz) * self.dec_gain).sum(-1) + self.dec_bias)
+        """u = RMSNorm(x) (B, T, C), eps (B, T, D) -> (update (B, T, C), aux: KL_u, mu2_u (N,), L_AR, sigma or None)"""
+        cfg, cache, N, dz = self.config, self.prior_cache, self.config.n_neurons, self.config.latent_dim
+        # the memory h = mu_p: NeuronBank's scan; at one position the cached state (B, 1, D), a copy: it moves on
+        mu_p = cache.mean.unsqueeze(1).clone() if cache is not None and u.size(1) == 1 else None
+        if mu_p is None and cfg.ar_prior and start_pos > 0:
+            raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
+        prior = (torch.tanh(self.ar_a), self.ar_b, self.prior_m0) if cfg.ar_prior else (None, None, None)
+        c = None if self.mem_gain is None else torch.tanh(self.mem_gain)  # (D,)
+        y, means, following = NeuronBank.apply(self.w_mu(u), self.w_logvar(u), eps, mu_p, *prior, c, self.dec_gain,
+                                               self.dec_bias, cfg.logvar_min, cfg.logvar_max)  # (B, T, N), (6, D)
+        if cache is not None: cache.mean.copy_(following)
         out = self.w2(y)  # (B, T, C)
-        if not (with_aux or (cfg.ar_prior and self.prior_cache is not None)):
-            return out, None
-        if cfg.ar_prior and self.mem_gain is None:
-            mu_p, logvar_p = self.prior(z, start_pos)  # (B, T, D), (D,)
         if not with_aux:
             return out, None
-        # The objective and the controllers need only per-coordinate means over the tokens (B, T): reduce first,
-        # then finish the closed forms on (D,) vectors (the KL is linear in the three means, see gaussian_kl).
-        mu2 = mu_q.pow(2).mean((0, 1))  # (D,)
-        if cfg.ar_prior:
-            sq_dist = F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1))  # (D,)
-            # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the AR prior's squared one-step
-            # error at predicting the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2. The stop-gradient keeps
-            # it from pulling the posterior toward the prior (the KL does that, weighted by beta); it trains f_AR and,
-            # through z(t-1), asks past latents to predict the next: §3.3's "temporal continuity".
-            ar = F.mse_loss(mu_p, mu_q.detach())
-        else:  # config switch: the fixed isotropic prior N(0, I)
-            sq_dist, logvar_p, ar = mu2, mu_q.new_zeros(()), mu_q.new_zeros(())
-        kl = gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)  # (D,) §3.3 KL
+        # The objective needs only means over the tokens (B, T); the KL is linear in them: closed forms on (D,) vectors
+        logvar_p = self.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max) if cfg.ar_prior else means.new_zeros(())
+        kl = gaussian_kl(means[0], means[1], means[3], logvar_p)  # (D,) §3.3 KL; the fixed prior: N(0, I)
+        # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the prior's squared one-step error
+        # at the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2: sg keeps it from pulling the posterior (the
+        # KL does, weighted by beta); it trains f_AR and asks past latents to predict the next (§3.3's continuity).
+        ar = means[4].mean() if cfg.ar_prior else means.new_zeros(())
         aux = {"kl_u": kl.view(N, dz).sum(-1),  # (N,) KL of each neuron, summed over its dims, mean over tokens
-               "mu2_u": mu2.view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2, mean over tokens
-               "ar": ar, "sigma": sigma_q.detach().mean()}
+               "mu2_u": means[2].view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2 over tokens
+               "ar": ar, "sigma": means[5].detach().mean()}
         if self.training:  # for update_controllers: the last training forward's per-unit measurements
             self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach().float()  # (2, N), float32 like the buffers
         return out, aux
@@ -448,12 +455,10 @@ class Model(nn.Module):
         return n - self.tok_emb.weight.numel() if non_embedding and not self.config.tie_embeddings else n
 
     def forward(self, idx, targets=None, latents=None, start_pos=0):
-        """idx (B, T) token ids -> (logits, loss, stats). latents (B, block_size, n_layer, D) pin the neurons' eps
-        (sample_latents); None draws fresh eps from the global RNG, one per token, layer and latent coordinate.
-
-        With targets: logits (B, T, V) and loss = the §3.6 objective CE + beta KL + L_control + alpha_AR L_AR (targets
-        == -1 are ignored by the CE). Without: logits of the last position only, (B, 1, V). start_pos > 0 continues a
-        KV cache (generate()). One forward is one stochastic pass: §3.5's Monte Carlo average is evaluate.py's."""
+        """idx (B, T) -> (logits, loss, stats). latents (B, block_size, n_layer, D) pin eps (sample_latents),
+        None draws them from the global RNG. With targets: logits (B, T, V) and the §3.6 objective (targets == -1 not
+        in the CE); without: the last position's (B, 1, V). start_pos > 0 continues a KV cache (generate()). One
+        forward is one stochastic pass: §3.5's Monte Carlo average is evaluate.py's."""
         cfg = self.config
         B, T = idx.shape
         if start_pos + T > self.config.block_size:
@@ -461,8 +466,7 @@ class Model(nn.Module):
         if start_pos > 0 and self.blocks[0].attn.kv_cache is None:
             raise ValueError("start_pos > 0 continues a KV cache: setup_kv_cache(), then a call at position 0")
         pos = start_pos + torch.arange(T, device=idx.device)  # (T,) absolute positions
-        # n_samples > 1 in training: the batch repeated S times with independent eps; the mean CE and the per-unit
-        # averages below are then the objective averaged over the S draws.
+        # n_samples > 1 in training: the batch repeated S times with independent eps, the objective averaged over them
         S = cfg.n_samples if self.training and targets is not None and latents is None else 1
         if S > 1:
             idx, targets = idx.repeat(S, 1), targets.repeat(S, 1)
@@ -500,8 +504,7 @@ class Model(nn.Module):
         return (torch.stack(outs, dim=-1) * w).sum(-1)  # (B, T, C)
 
     def objective(self, ce, logits, auxs):
-        """§3.6 L = L_LM + beta L_KL + L_control + alpha_AR L_AR and §3.3/§4.2's diagnostics -> (loss, stats); KL in
-        nats per neuron and token (the scale of KL_l and of the [0.05, 0.30] unit range), summed over the layers."""
+        """-> §3.6's L = L_LM + beta L_KL + L_control + alpha_AR L_AR (KL in nats a neuron, token), §4.2's stats"""
         cfg = self.config
         lo, hi = cfg.mu2_band
         kl_u = torch.stack([aux["kl_u"] for aux in auxs])  # (L, N) per-unit KL averaged over tokens
@@ -531,13 +534,11 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def update_controllers(self, all_reduce=None):
-        """§3.3 control, once per optimizer step (train.py calls it after optimizer.step()), from the per-unit KL_u and
-        mu2_u each block stashed in its last training forward (all_reduce, when given, averages them in place over
-        processes, so every rank applies the same update): the EMA of each neuron's mu^2 (mu2_ema); beta_control: a
-        unit's beta (beta_unit) times 1 + beta_rate while its KL is above kl_band, divided while below, within
-        beta_range; homeostat: after homeostat_warmup steps, every homeostat_every, each neuron's rows of w_mu (and the
-        EMA) scaled by sqrt(mu2_target / EMA) bounded to [1/(1+m), 1+m], moving mu^2 toward the target (approximately
-        with posterior_memory: h carries sigma_q eps too; the next EMA corrects it)."""
+        """§3.3 control after each optimizer step, from the KL_u and mu2_u each block stashed in its last training
+        forward (all_reduce averages them over processes: every rank updates alike): mu2_ema, an EMA of each neuron's
+        mu^2; beta_control: a unit's beta times or divided by 1 + beta_rate while its KL is above or below kl_band;
+        homeostat: from homeostat_warmup on, every homeostat_every steps, each neuron's w_mu rows (and EMA) scaled by
+        sqrt(mu2_target / EMA) within [1/(1+m), 1+m] (posterior_memory: h carries sigma_q eps too; the EMA corrects)."""
         cfg = self.config
         mlps = [block.mlp for block in self.blocks]
         if not cfg.variational or any(m.stash is None for m in mlps):
@@ -630,11 +631,10 @@ class Model(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cpu", "cuda"))
 
     def flops_per_token(self):
-        """Training FLOPs per token, PaLM appendix B as in nanoGPT: 6N for the weights (w_mu, w_logvar, w2 and the tied
-        head included, the embedding lookup not), 12 L nh hd T for attention scores, and 3x the neurons' elementwise
-        forward per latent coordinate: 11 to sample and decode (clip, exp, mu + sigma eps, d z + c, silu), 6 for the
-        means behind the KL and mu^2; AR prior: 4 for the scan, 8 for its drive, the KL distance and L_AR, 3 more with
-        posterior_memory (c h into mu_q and z). All times n_samples, the draws per training token."""
+        """Training FLOPs per token, PaLM appendix B as in nanoGPT: 6N for the weights (the tied head in, the embedding
+        lookup not), 12 L nh hd T for attention scores, 3x the neurons' elementwise forward per latent coordinate: 11 to
+        sample and decode (clip, exp, mu + sigma eps, d z + c, silu), 6 for the KL's and mu^2's means; AR prior: 4 for
+        the scan, 8 for its drive, the KL distance and L_AR, 3 more with posterior_memory. Times n_samples."""
         cfg = self.config
         prior = 4 + 8 + 3 * cfg.posterior_memory if cfg.ar_prior else 0
         variational = 3 * (17 + prior) * cfg.n_layer * cfg.n_latent if cfg.variational else 0

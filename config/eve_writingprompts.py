@@ -11,9 +11,9 @@
 # 48 x 512 = 24,576 tokens per step take 2,700 steps. With your data: 5 * train_tokens (meta.json) / 24,576.
 #
 # python train.py config/eve_writingprompts.py --dry_run=True (one GPU, 40% MFU of an H100's 989 TFLOP/s):
-#   24,059,523 parameters, 0.15 GFLOPs per token; 2,605,523 tokens/s per GPU, 0.00943 s per step, 25 s for 2,700 steps
-#   memory per GPU 17.25 GiB: 0.36 GiB weights, gradients, AdamW + 0.09 GiB DDP buckets (none on one process) +
-#   0.04 GiB autocast's copies + 9.85 GiB activations + 6.91 GiB the logits' gradient
+#   24,062,595 parameters, 0.15 GFLOPs per token; 2,606,947 tokens/s per GPU, 0.00943 s per step, 25 s for 2,700 steps
+#   memory per GPU 16.40 GiB: 0.36 GiB weights, gradients, AdamW + 0.09 GiB DDP buckets (none on one process) +
+#   0.04 GiB autocast's copies + 9.00 GiB activations + 6.91 GiB the logits' gradient
 model_type = "eve"
 dataset = "writingprompts"
 out_dir = "out-eve-writingprompts"

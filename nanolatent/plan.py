@@ -20,7 +20,7 @@ def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
       6 q + 4 kv + 4 nh  attention: queries after RoPE, its output and wo's input; keys, values; the log-sum-exp
       8 f   SwiGLU: w1 x, w3 x, silu(w1 x) and their product, in bf16
     (Korthikanti et al. 2022 §4.1 count 34 d for GPT's block: autocast's copies and RMSNorm's float32 are the rest.)
-    EVE: its neurons in place of the SwiGLU, 26.5 bytes per latent coordinate D (4 of them the float32 eps, drawn
+    EVE: its neurons in place of the SwiGLU, 14.5 bytes per latent coordinate D (4 of them the float32 eps, drawn
     for every block before the first), plus each block's float32 output kept for the head's layer mix (4 d);
     n_samples > 1 multiplies the tokens. Free Transformer: the encoder is one more block, and the injection of Z
     (the middle block's second norm and its copies, R, X + R) adds 20.5 d a token. Outside the blocks: the final
@@ -36,7 +36,7 @@ def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
     attention = 16 * d + (10 * d if autocast else 0) + x * (6 * q + 4 * kv) + 4 * nh
     kept = 0  # per block, kept whatever checkpointing does
     if kind == "model_eve" and cfg.variational:
-        block, kept = attention + x * 22.5 * cfg.n_latent, 4 * cfg.n_latent + (4 * d if cfg.layer_weights else 0)
+        block, kept = attention + x * 10.5 * cfg.n_latent, 4 * cfg.n_latent + (4 * d if cfg.layer_weights else 0)
     else:
         block = attention + x * 8 * cfg.ffn_hidden
     extra = x * 20.5 * d if kind == "model_free" else 0
@@ -154,5 +154,5 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
           f"({'block inputs, one block recomputed at a time' if checkpointing else 'eager, per model'}, "
           f"B={batch_size}, T={cfg.block_size}) + {terms['loss'] / GiB:.2f} GiB the logits' gradient")
     print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (on the "
-          "CPU 0.65 of it for det, B-Trans and the Free Transformer, 0.92 for EVE); not counted: the CUDA context and "
-          "allocator slack (1-3 GiB)")
+          "CPU 0.65 of it for det, B-Trans and the Free Transformer; as much for EVE); not counted: the CUDA context "
+          "and allocator slack (1-3 GiB)")

@@ -102,26 +102,18 @@ def piece_table():
     u = leaf(F.rms_norm(torch.randn(B, T, n_embd), (n_embd,)))
     eps = torch.randn(B, T, cfg.n_latent)
     m, r = leaf(eve.w_mu(u)), leaf(eve.w_logvar(u))
-    logvar_q = leaf(r.clamp(cfg.logvar_min, cfg.logvar_max))
-    sigma_q = leaf(torch.exp(0.5 * logvar_q))
-    e = leaf(torch.addcmul(m, sigma_q, eps))
-    mu_p, logvar_p = (leaf(t) for t in eve.prior(e, 0))
-    drive = leaf(torch.cat([eve.prior_m0.expand(B, 1, -1), eve.ar_b * e[:, :-1]], dim=1))
-    mu_q = leaf(torch.addcmul(m, mu_p, torch.tanh(eve.mem_gain)))
-    c, gain = lambda: torch.tanh(eve.mem_gain), lambda: eve.dec_gain.view(-1)  # noqa: E731, fresh in each forward
+    drive, y = torch.randn(B, T, cfg.n_latent), leaf(torch.randn(B, T, cfg.n_neurons))
+    prior = lambda: (torch.tanh(eve.ar_a), eve.ar_b, eve.prior_m0)  # noqa: E731, fresh in each forward
+    alpha = torch.tanh(eve.ar_a).detach()
     rows = {  # piece: (forward, its inputs)
-        "posterior: w_mu u, w_logvar u": (lambda: (eve.w_mu(u), eve.w_logvar(u)), [u]),
-        "posterior: clip, sigma_q": (lambda: torch.exp(0.5 * r.clamp(cfg.logvar_min, cfg.logvar_max)), [r]),
+        "posterior heads: w_mu u, w_logvar u": (lambda: (eve.w_mu(u), eve.w_logvar(u)), [u]),
         "eps draw (one layer's)": (lambda: torch.randn(B, T, cfg.n_latent), []),
-        "reparameterisation z = mu + sigma eps": (lambda: torch.addcmul(m, sigma_q, eps), [m, sigma_q]),
-        "AR prior (drive, scan, c h)": (lambda: torch.addcmul(m, eve.prior(e, 0)[0], c()), [e, m]),
-        "of which the scan": (lambda: model_eve.linear_scan(drive, torch.tanh(eve.ar_a)), [drive]),
-        "decoder: g(z), w2": (lambda: eve.w2(F.silu(torch.addcmul(eve.dec_bias, e, gain()).addcmul_(
-            mu_p, c() * gain()))), [e, mu_p]),
-        "KL, mu^2, L_AR statistics": (lambda: model_eve.gaussian_kl(
-            logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), F.mse_loss(mu_q, mu_p, reduction="none").mean((0, 1)),
-            logvar_p).sum() + mu_q.pow(2).mean((0, 1)).sum() + F.mse_loss(mu_p, mu_q.detach()),
-            [logvar_q, sigma_q, mu_q, mu_p]),
+        "NeuronBank: sigma_q, z, AR prior, decoder, means": (lambda: model_eve.NeuronBank.apply(
+            m, r, eps, None, *prior(), torch.tanh(eve.mem_gain), eve.dec_gain, eve.dec_bias, cfg.logvar_min,
+            cfg.logvar_max)[:2], [m, r]),
+        "of which the scan (forward only)": (lambda: model_eve.scan(drive, alpha), []),
+        "and its reverse, in the backward": (lambda: model_eve.scan(drive, alpha, reverse=True), []),
+        "w2 y": (lambda: eve.w2(y), [y]),
         "det's SwiGLU, for contrast": (lambda: det(u), [u]),
     }
     print(f"\none block's neuron bank, B={B} T={T} D={cfg.n_latent}, median ms of {repeats} in turns")

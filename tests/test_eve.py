@@ -32,17 +32,18 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def record_priors(model):
-    """Wrap each block's AR prior so every call appends its (mu_p, logvar_p), each (B, T, D)."""
-    records = [[] for _ in model.blocks]
-    for block, record in zip(model.blocks, records):
-        prior = block.mlp.prior
+def record_priors(model, monkeypatch):
+    """Record each block's AR prior mean mu_p (B, T, D) at every forward: the scans NeuronBank runs, by block."""
+    records, current, scan = [[] for _ in model.blocks], [], model_eve.scan
+    for i, block in enumerate(model.blocks):
+        block.mlp.register_forward_pre_hook(lambda module, args, i=i: current.append(i))
 
-        def recording(z, start_pos, prior=prior, record=record):
-            out = prior(z, start_pos)
-            record.append(out)
-            return out
-        block.mlp.prior = recording
+    def recording(x, a, reverse=False):
+        h = scan(x, a, reverse)
+        if not reverse:
+            records[current[-1]].append(h)
+        return h
+    monkeypatch.setattr(model_eve, "scan", recording)
     return records
 
 
@@ -69,7 +70,8 @@ def test_layer_kl_stat_equals_torch_distributions_kl_of_posterior_and_ar_prior()
     mlp = model.blocks[0].mlp
     mu_q = mlp.w_mu(u)
     sigma_q = (0.5 * mlp.w_logvar(u).clamp(-6, 2)).exp()
-    mu_p, logvar_p = mlp.prior(mu_q + sigma_q * eps, 0)
+    drive = torch.cat([mlp.prior_m0.expand(3, 1, -1), mlp.ar_b * (mu_q + sigma_q * eps)[:, :-1]], dim=1)
+    mu_p, logvar_p = sequential_scan(drive, torch.tanh(mlp.ar_a)), mlp.prior_logvar.clamp(-6, 2)
     ref = kl_divergence(Normal(mu_q, sigma_q), Normal(mu_p, (0.5 * logvar_p).exp()))  # (B, T, D)
     # per neuron: summed over its latent_dim = 2 coordinates, then averaged over tokens and neurons
     assert torch.allclose(stats["kl_0"], ref.view(3, 12, -1, 2).sum(-1).mean(), atol=1e-6)
@@ -115,7 +117,7 @@ def test_kl_gradient_reaches_prior_parameters():
         assert getattr(model.blocks[0].mlp, name).grad.abs().sum() > 0, name
 
 
-def test_changing_a_future_token_never_changes_past_logits_or_ar_prior():
+def test_changing_a_future_token_never_changes_past_logits_or_ar_prior(monkeypatch):
     model = make(ar_b_init=0.5)
     for block in model.blocks:
         torch.nn.init.normal_(block.mlp.prior_m0)  # a non-trivial prior at every position
@@ -123,43 +125,34 @@ def test_changing_a_future_token_never_changes_past_logits_or_ar_prior():
     idx, k = tokens(B=2, T=16), 9
     changed = idx.clone()
     changed[:, k] = (idx[:, k] + 1) % SMALL["vocab_size"]
-    records = record_priors(model)
+    records = record_priors(model, monkeypatch)
     logits_a = model(idx, targets=idx, latents=latents)[0]
     logits_b = model(changed, targets=changed, latents=latents)[0]
     assert torch.allclose(logits_a[:, :k], logits_b[:, :k], atol=1e-6)
     assert (logits_a[:, k] - logits_b[:, k]).abs().max() > 1e-4  # the change is seen from position k on
-    for (mu_a, _), (mu_b, _) in records:  # mu_p(t) depends on z(< t): positions <= k are untouched
+    for mu_a, mu_b in records:  # mu_p(t) depends on z(< t): positions <= k are untouched
         assert torch.allclose(mu_a[:, :k + 1], mu_b[:, :k + 1], atol=1e-6)
-    mu_a, mu_b = records[0][0][0], records[0][1][0]
+    mu_a, mu_b = records[0]
     assert (mu_a[:, k + 1] - mu_b[:, k + 1]).abs().max() > 1e-4  # ... and position k + 1 sees z(k)
 
 
-def test_linear_scan_equals_sequential_recurrence_and_its_backward_passes_gradcheck():
-    g = gen(0)
-    x, a = torch.randn(2, 37, 6, generator=g), torch.tanh(torch.randn(6, generator=g))
-    h, expected = torch.zeros(2, 6), []
-    for t in range(37):
-        h = a * h + x[:, t]
-        expected.append(h)
-    assert torch.allclose(model_eve.linear_scan(x, a), torch.stack(expected, dim=1), atol=1e-5)
-    xd = torch.randn(2, 11, 3, dtype=torch.double, generator=g, requires_grad=True)
-    ad = torch.tanh(torch.randn(3, dtype=torch.double, generator=g)).requires_grad_()
-    assert torch.autograd.gradcheck(model_eve.linear_scan, (xd, ad))
-
-
-def test_ar_prior_decode_steps_reproduce_the_parallel_scan():
-    mlp = make(ar_b_init=0.4).blocks[0].mlp
+def test_ar_prior_decode_steps_reproduce_the_parallel_scan(monkeypatch):
+    model = make(ar_b_init=0.4)
+    mlp = model.blocks[0].mlp
     with torch.no_grad():
         mlp.ar_a.normal_()
         mlp.prior_m0.normal_()
-    z = torch.randn(2, 20, mlp.config.n_latent, generator=gen(3))
-    full_mu, full_lv = mlp.prior(z, 0)
-    mlp.prior_cache = model_eve.PriorCache(2, mlp.config.n_latent, z.device, z.dtype)
-    steps = [mlp.prior(z[:, :5], 0)[0]]  # prefill of 5 positions, then one position per call
-    steps += [mlp.prior(z[:, t:t + 1], t)[0] for t in range(5, 20)]
-    assert torch.allclose(torch.cat(steps, dim=1), full_mu, atol=1e-6)
-    assert torch.allclose(mlp.prior_cache.mean, torch.tanh(mlp.ar_a) * full_mu[:, -1] + mlp.ar_b * z[:, -1])
-    assert torch.equal(full_lv, mlp.prior_logvar)  # the static prior scale, (D,)
+    records = record_priors(model, monkeypatch)
+    u = torch.randn(2, 20, SMALL["n_embd"], generator=gen(3))
+    eps = torch.randn(2, 20, mlp.config.n_latent, generator=gen(4))
+    full = mlp(u, eps)[0]
+    mlp.prior_cache = model_eve.PriorCache(2, mlp.config.n_latent, u.device, u.dtype)
+    steps = [mlp(u[:, :5], eps[:, :5], 0)[0]]  # prefill of 5 positions, then one position per call
+    steps += [mlp(u[:, t:t + 1], eps[:, t:t + 1], t)[0] for t in range(5, 20)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-6)  # the memory reaches the update (mu_q = m + c h)
+    e = mlp.w_mu(u) + (0.5 * mlp.w_logvar(u).clamp(-6, 2)).exp() * eps  # the innovations that drive the prior
+    mu_p = records[0][0]  # the full forward's scan
+    assert torch.allclose(mlp.prior_cache.mean, torch.tanh(mlp.ar_a) * mu_p[:, -1] + mlp.ar_b * e[:, -1], atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -389,8 +382,9 @@ def make_with_memory(seed=0, **overrides):
     with torch.no_grad():
         for block in model.blocks:
             mlp = block.mlp
-            for p in (mlp.ar_a, mlp.ar_b, mlp.prior_m0, mlp.mem_gain):
-                p.copy_(torch.randn(p.shape, generator=g))
+            for p in (getattr(mlp, name, None) for name in ("ar_a", "ar_b", "prior_m0", "mem_gain")):
+                if p is not None:  # present unless the config turns the AR prior or the memory off
+                    p.copy_(torch.randn(p.shape, generator=g))
     return model
 
 
@@ -446,18 +440,18 @@ def test_posterior_memory_lets_the_ar_prior_change_the_logits_and_off_it_cannot(
     assert not hasattr(model.blocks[0].mlp, "mem_gain") or model.blocks[0].mlp.mem_gain is None
 
 
-def test_posterior_memory_is_causal_in_the_tokens():
+def test_posterior_memory_is_causal_in_the_tokens(monkeypatch):
     model = make_with_memory()
     latents = model.sample_latents(2, gen(0))
     idx, k = tokens(B=2, T=16), 9
     changed = idx.clone()
     changed[:, k] = (idx[:, k] + 1) % SMALL["vocab_size"]
-    records = record_priors(model)
+    records = record_priors(model, monkeypatch)
     logits_a = model(idx, targets=idx, latents=latents)[0]
     logits_b = model(changed, targets=changed, latents=latents)[0]
     assert torch.allclose(logits_a[:, :k], logits_b[:, :k], atol=1e-6)
     assert (logits_a[:, k] - logits_b[:, k]).abs().max() > 1e-4
-    mu_a, mu_b = records[1][0][0], records[1][1][0]  # block 1's memory: untouched up to k, changed from k + 1
+    mu_a, mu_b = records[1]  # block 1's memory: untouched up to k, changed from k + 1
     assert torch.allclose(mu_a[:, :k + 1], mu_b[:, :k + 1], atol=1e-6)
     assert (mu_a[:, k + 1] - mu_b[:, k + 1]).abs().max() > 1e-4
 
@@ -589,8 +583,8 @@ def sequential_scan(x, a, reverse=False):
 
 
 def former_bank(mlp, u, eps):
-    """VariationalMLP.forward's update and aux as computed before the rewrites for speed (default path: AR prior,
-    posterior memory), from the same parameters."""
+    """VariationalMLP.forward's update and aux as computed before the rewrites for speed (doubling scan, autograd
+    through every element-wise step), from the same parameters, with or without the AR prior and the memory."""
     cfg = mlp.config
     B, T, _ = u.shape
     N, dz = cfg.n_neurons, cfg.latent_dim
@@ -598,15 +592,19 @@ def former_bank(mlp, u, eps):
     logvar_q = mlp.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)
     sigma_q = torch.exp(0.5 * logvar_q)
     z = torch.addcmul(mu_q, sigma_q, eps)
-    drive = torch.cat([mlp.prior_m0.expand(B, 1, -1), mlp.ar_b * z[:, :-1]], dim=1)
-    mu_p = doubling_scan(drive, torch.tanh(mlp.ar_a))
-    logvar_p = mlp.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max)
-    read = torch.tanh(mlp.mem_gain) * mu_p
-    mu_q, z = mu_q + read, z + read
+    mu_p, logvar_p, ar = torch.zeros_like(z), torch.zeros(()).double(), torch.zeros(()).double()
+    if cfg.ar_prior:
+        drive = torch.cat([mlp.prior_m0.expand(B, 1, -1), mlp.ar_b * z[:, :-1]], dim=1)
+        mu_p = doubling_scan(drive, torch.tanh(mlp.ar_a))
+        logvar_p = mlp.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max)
+    if mlp.mem_gain is not None:
+        read = torch.tanh(mlp.mem_gain) * mu_p
+        mu_q, z = mu_q + read, z + read
     y = F.silu((z.view(B, T, N, dz) * mlp.dec_gain).sum(-1) + mlp.dec_bias)
     mu2 = mu_q.pow(2).mean((0, 1))
     sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))
-    ar = (mu_p - mu_q.detach()).pow(2).mean()
+    if cfg.ar_prior:
+        ar = (mu_p - mu_q.detach()).pow(2).mean()
     kl = model_eve.gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)
     return mlp.w2(y), {"kl_u": kl.view(N, dz).sum(-1), "mu2_u": mu2.view(N, dz).mean(-1), "ar": ar,
                        "sigma": sigma_q.detach().mean()}
@@ -615,32 +613,65 @@ def former_bank(mlp, u, eps):
 def test_chunked_scan_equals_the_per_position_loop_both_ways_and_the_doubling_scan_in_float64():
     g = gen(0)
     for T in (1, 2, 5, 16, 17, 37, 100):  # one chunk, whole chunks, a partial last chunk
-        x = torch.randn(3, T, 6, dtype=torch.double, generator=g, requires_grad=True)
-        a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g)).requires_grad_()  # poles near +-1 too
+        x = torch.randn(3, T, 6, dtype=torch.double, generator=g)
+        a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g))  # poles near +-1 too
         for reverse in (False, True):
             assert torch.allclose(model_eve.scan(x, a, reverse), sequential_scan(x, a, reverse), rtol=0, atol=1e-12)
-        h, grad = model_eve.linear_scan(x, a), torch.randn(3, T, 6, dtype=torch.double, generator=g)
-        h_ref = doubling_scan(x, a)
-        assert torch.allclose(h, h_ref, rtol=0, atol=1e-12)
-        ours, ref = (torch.autograd.grad(out, (x, a), grad, materialize_grads=True) for out in (h, h_ref))
-        for o, r in zip(ours, ref):
-            assert torch.allclose(o, r, rtol=0, atol=1e-11)
+        assert torch.allclose(model_eve.scan(x, a), doubling_scan(x, a), rtol=0, atol=1e-12)
 
 
-def test_neuron_bank_equals_its_former_computation_in_float64_values_and_gradients():
-    for latent_dim in (1, 2):
-        model = make_with_memory(latent_dim=latent_dim).double().train()
-        mlp = model.blocks[0].mlp
-        u = torch.randn(3, 20, SMALL["n_embd"], dtype=torch.double, generator=gen(1), requires_grad=True)
-        eps = torch.randn(3, 20, mlp.config.n_latent, dtype=torch.double, generator=gen(2))
-        params = [u, *mlp.parameters()]
-        results = []
-        for bank in (lambda: mlp(u, eps, 0, True), lambda: former_bank(mlp, u, eps)):
-            out, aux = bank()
-            # every output reaches the gradients, each with its own random weight
-            w = torch.randn(out.shape, dtype=torch.double, generator=gen(3))
-            scalar = (out * w).sum() + aux["kl_u"].pow(2).sum() + (aux["mu2_u"] * 3).sin().sum() + 5 * aux["ar"]
-            results.append([out, aux["kl_u"], aux["mu2_u"], aux["ar"], aux["sigma"],
-                            *torch.autograd.grad(scalar, params)])
-        for ours, ref in zip(*results):
-            assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-12)
+BANKS = [dict(latent_dim=1), dict(latent_dim=2), dict(posterior_memory=False), dict(ar_prior=False, latent_dim=2)]
+
+
+def with_clipped_logvar(mlp):
+    """w_logvar large enough that the clip of log sigma_q^2 to [logvar_min, logvar_max] binds at many coordinates."""
+    with torch.no_grad():
+        mlp.w_logvar.weight.normal_(0.0, 0.5, generator=gen(7))
+    return mlp
+
+
+@pytest.mark.parametrize("overrides", BANKS, ids=str)
+def test_neuron_bank_equals_its_former_computation_in_float64_values_and_gradients(overrides):
+    model = make_with_memory(**overrides).double().train()
+    mlp = with_clipped_logvar(model.blocks[0].mlp)
+    u = torch.randn(3, 20, SMALL["n_embd"], dtype=torch.double, generator=gen(1), requires_grad=True)
+    eps = torch.randn(3, 20, mlp.config.n_latent, dtype=torch.double, generator=gen(2))
+    r = mlp.w_logvar(u)
+    assert ((r < -6) | (r > 2)).any() and ((r > -6) & (r < 2)).any()  # both sides of the clip are exercised
+    params = [u, *mlp.parameters()]
+    results = []
+    for bank in (lambda: mlp(u, eps, 0, True), lambda: former_bank(mlp, u, eps)):
+        out, aux = bank()
+        # every output reaches the gradients, each with its own random weight
+        w = torch.randn(out.shape, dtype=torch.double, generator=gen(3))
+        scalar = (out * w).sum() + aux["kl_u"].pow(2).sum() + (aux["mu2_u"] * 3).sin().sum() + 5 * aux["ar"]
+        results.append([out, aux["kl_u"], aux["mu2_u"], aux["ar"], aux["sigma"],
+                        *torch.autograd.grad(scalar, params, allow_unused=True, materialize_grads=True)])
+    for ours, ref in zip(*results):
+        assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("overrides", BANKS, ids=str)
+def test_neuron_bank_backward_passes_gradcheck_with_the_scan_and_at_a_cached_decode_step(overrides):
+    """NeuronBank's written-out backward against finite differences (float64), on every input with a gradient:
+    through the AR prior's scan (11 positions: a chunk and part of one), and at a decode step given its memory mu_p.
+    L_AR's row of the means is left out: its stop-gradient is no derivative (the test above holds it to autograd's)."""
+    cfg = make(**overrides).config
+    N, dz, g = 3, cfg.latent_dim, gen(5)
+
+    def leaf(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, dtype=torch.double, generator=g)).requires_grad_()
+    m, r, eps = leaf(2, 11, N * dz), leaf(2, 11, N * dz, scale=4.0), torch.randn(2, 11, N * dz, dtype=torch.double,
+                                                                                 generator=g)
+    prior = (torch.tanh(leaf(N * dz)), leaf(N * dz), leaf(N * dz)) if cfg.ar_prior else (None, None, None)
+    c = torch.tanh(leaf(N * dz)) if cfg.ar_prior and cfg.posterior_memory else None
+    rest = (c, leaf(N, dz), leaf(N), cfg.logvar_min, cfg.logvar_max)
+
+    def bank(m, r, eps, mu_p, *args):
+        y, means, _ = model_eve.NeuronBank.apply(m, r, eps, mu_p, *args)
+        return y, means[[0, 1, 2, 3, 5]]
+    assert torch.autograd.gradcheck(lambda m, r, *x: bank(m, r, eps, None, *x), (m, r, *prior, *rest))
+    if cfg.ar_prior:  # a decode step: one position, its memory from the cache
+        one = [t[:, :1].detach().requires_grad_() for t in (m, r)]
+        assert torch.autograd.gradcheck(lambda m, r, mu_p, *x: bank(m, r, eps[:, :1], mu_p, *x),
+                                        (*one, leaf(2, 1, N * dz), *prior, *rest))

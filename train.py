@@ -18,6 +18,7 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
 """
 
 import datetime
+import gc
 import math
 import os
 import re
@@ -503,6 +504,9 @@ def save_and_stop():
     stop.exit(128 + signum)
 
 
+# What start-up made (torch's and dynamo's modules, the model, the data's memmaps) lives to the end of the run: frozen,
+# no collection walks it again, nor the interpreter's teardown at exit (0.6 s of every run on a CPU).
+gc.freeze()
 nonfinite_total, nonfinite_streak = 0, 0
 start_iter, t_start = iter_num, time.time()
 saved_iter = iter_num if resume else None  # the step of the checkpoint in out_dir written by this run or resumed

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -56,13 +57,17 @@ def assert_same_weights(a, b):
 def det_runs(data_root, tmp_path_factory):
     """A tiny det model for 6 steps: on one process; under FSDP on 2; under FSDP stopped at step 3 and resumed on 2
     processes, and on 1."""
-    root = tmp_path_factory.mktemp("det_runs")
-    train(data_root, root / "single", "--model_type=det", "--max_iters=6")
-    train(data_root, root / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True", nproc=2)
-    train(data_root, root / "part", "--model_type=det", "--max_iters=3", "--fsdp=True", nproc=2)
-    shutil.copytree(root / "part", root / "part_on_1")
-    train(data_root, root / "part", "--model_type=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=2)
-    train(data_root, root / "part_on_1", "--model_type=det", "--max_iters=6", "--fsdp=True", "--init_from=resume", nproc=1)
+    root, det = tmp_path_factory.mktemp("det_runs"), ["--model_type=det", "--max_iters=6"]
+    with ThreadPoolExecutor(2) as pool:  # independent runs side by side: a core idles while torchrun imports torch
+        runs = [pool.submit(train, data_root, root / "single", *det),
+                pool.submit(train, data_root, root / "fsdp", *det, "--fsdp=True", nproc=2)]
+        train(data_root, root / "part", "--model_type=det", "--max_iters=3", "--fsdp=True", nproc=2)
+        shutil.copytree(root / "part", root / "part_on_1")
+        runs.append(pool.submit(train, data_root, root / "part_on_1", *det, "--fsdp=True", "--init_from=resume",
+                                nproc=1))
+        train(data_root, root / "part", *det, "--fsdp=True", "--init_from=resume", nproc=2)
+        for run in runs:
+            run.result()
     return root
 
 

@@ -156,9 +156,11 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
 @pytest.mark.slow
 def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, tmp_path):
     args = ["--init_from=auto", "--eval_interval=2"]
-    train_det(data_root, tmp_path / "full", *args, "--max_iters=4")
-    first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
-    second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the two parts: each process takes one core
+        full = pool.submit(train_det, data_root, tmp_path / "full", *args, "--max_iters=4")
+        first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
+        second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+        full.result()
     assert "resuming" not in first
     assert f"resuming from {tmp_path / 'part' / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in second
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
@@ -170,9 +172,12 @@ def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type,
     """Its evaluation noise (the posterior Z, EVE's eps, B-Trans minds) is seeded from (seed, step, rank, batch):
     the evaluation at the resumed step, which follows no training step, gives the uninterrupted run's numbers."""
     args = [f"--model_type={model_type}", "--init_from=auto", "--eval_interval=2"]
-    run_script("train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
-    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
-    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the two parts: each process takes one core
+        full = pool.submit(run_script, "train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4",
+                           data_dir=data_root)
+        run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
+        run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+        full.result()
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
 
 

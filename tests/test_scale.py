@@ -129,8 +129,10 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
 def test_fsdp_gives_the_same_weights_as_ddp_for_stochastic_models(model_type, extra, data_root, tmp_path):
     """Noise is drawn per process, so a stochastic model is compared with DDP on as many processes."""
     args = [f"--model_type={model_type}", "--max_iters=3", *extra]
-    train(data_root, tmp_path / "ddp", *args, nproc=2)
-    train(data_root, tmp_path / "fsdp", *args, "--fsdp=True", nproc=2)
+    with ThreadPoolExecutor(1) as pool:  # side by side: a core idles while torchrun imports torch
+        ddp = pool.submit(train, data_root, tmp_path / "ddp", *args, nproc=2)
+        train(data_root, tmp_path / "fsdp", *args, "--fsdp=True", nproc=2)
+        ddp.result()
     sharded = sharded_weights(tmp_path / "fsdp", tmp_path)["model"]
     assert_same_weights(sharded, plain_weights(tmp_path / "ddp"))
     if model_type == "eve":  # three controller updates; the homeostat rescaled sharded weights at steps 1 and 2

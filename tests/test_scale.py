@@ -82,12 +82,14 @@ def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(
 def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_runs, data_root, tmp_path):
     """Each block recomputed in the backward: FSDP x 2 still gives the 1-process weights; EVE under DDP x 2 (noise
     drawn, homeostat statistics all-reduced) the weights of the same run without it."""
-    train(data_root, tmp_path / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True",
-          "--activation_checkpointing=True", nproc=2)
+    with ThreadPoolExecutor(1) as pool:  # beside EVE's two runs: a core idles while torchrun imports torch
+        fsdp = pool.submit(train, data_root, tmp_path / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True",
+                           "--activation_checkpointing=True", nproc=2)
+        for name, flag in (("plain", "False"), ("checkpointed", "True")):
+            train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
+                  "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
+        fsdp.result()
     assert_same_weights(sharded_weights(tmp_path / "fsdp", tmp_path)["model"], plain_weights(det_runs / "single"))
-    for name, flag in (("plain", "False"), ("checkpointed", "True")):
-        train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
-              "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
     assert_same_weights(plain_weights(tmp_path / "checkpointed"), plain_weights(tmp_path / "plain"))
 
 

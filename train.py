@@ -18,6 +18,7 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
 """
 
 import datetime
+import gc
 import math
 import os
 import re
@@ -125,6 +126,7 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu, activation_checkpointing)
+    gc.freeze()  # as before the training loop below: the exit walks none of start-up's objects
     raise SystemExit(0)
 
 
@@ -503,6 +505,10 @@ def save_and_stop():
     stop.exit(128 + signum)
 
 
+# What start-up made (torch's and dynamo's modules, the model, the data's memmaps) lives to the end of the run: frozen,
+# no collection walks it again, nor the interpreter's teardown at exit (a tiny run's exit: 0.15 s instead of 0.8 s
+# on a 2-core CPU, in each process).
+gc.freeze()
 nonfinite_total, nonfinite_streak = 0, 0
 start_iter, t_start = iter_num, time.time()
 saved_iter = iter_num if resume else None  # the step of the checkpoint in out_dir written by this run or resumed

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -81,34 +82,41 @@ def assert_same_run(out_dir, full, tmp_path):
 SAVES = ["--max_iters=1", "--eval_interval=1", "--keep_checkpoints=1"]
 
 
+def kill_and_resume(mode, out_dir, ops, n, data_root):
+    """The job killed before its nth change to its checkpoints, then the same command run to its end in out_dir."""
+    code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
+                    NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
+    assert code == -signal.SIGKILL, out[-3000:]
+    done = ops.read_text().splitlines() if ops.exists() else []
+    assert len(done) == n - 1
+    committed = [int(m.group(1)) for op in done if (m := re.fullmatch(r"replace \S+\.tmp \S+/iter_(\d+)", op))]
+    resumed = finish(command(mode, out_dir, *SAVES), data_root)
+    if committed:
+        assert f"resuming from {out_dir}/{ckpt.CHECKPOINTS}/iter_{committed[-1]:07d} at iter {committed[-1]}" \
+               in resumed
+    else:
+        assert "resuming" not in resumed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkpoint(mode, data_root, tmp_path):
-    """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, until the run ends
-    without one; each time the same command resumes from the newest folder committed before the kill (or starts,
-    when none was) and ends as the uninterrupted run did."""
-    full = tmp_path / "full"
-    finish(command(mode, full, *SAVES), data_root)
-    n = 0
-    while True:
-        n += 1
-        out_dir, ops = tmp_path / f"kill{n}", tmp_path / f"ops{n}.txt"
+    """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, up to the last one that
+    the run makes unkilled; each time the same command resumes from the newest folder committed before the kill (or
+    starts, when none was) and ends as the uninterrupted run did. The kill points are independent jobs, two at a
+    time: a job spends most of its time importing torch, on one core (1 process) or on about 1.5 (torchrun's)."""
+    full, out_dir, ops = tmp_path / "full", tmp_path / "unkilled", tmp_path / "ops.txt"
+    with ThreadPoolExecutor(2) as pool:
+        uninterrupted = pool.submit(finish, command(mode, full, *SAVES), data_root)
         code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
-                        NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
-        if code == 0:  # n is past the last change of the run: every one was killed once
-            break
-        assert code == -signal.SIGKILL, out[-3000:]
-        done = ops.read_text().splitlines() if ops.exists() else []
-        assert len(done) == n - 1
-        committed = [int(m.group(1)) for op in done if (m := re.fullmatch(r"replace \S+\.tmp \S+/iter_(\d+)", op))]
-        resumed = finish(command(mode, out_dir, *SAVES), data_root)
-        if committed:
-            assert f"resuming from {out_dir}/{ckpt.CHECKPOINTS}/iter_{committed[-1]:07d} at iter {committed[-1]}" \
-                   in resumed
-        else:
-            assert "resuming" not in resumed
-        assert_same_run(out_dir, full, tmp_path)
-    done = ops.read_text().splitlines()  # the run that no kill stopped: both saves, both links and the prune
+                        NANOLATENT_KILL_AT="0", NANOLATENT_KILL_LOG=str(ops))
+        assert code == 0, out[-3000:]
+        done = ops.read_text().splitlines()  # every change of the run: both saves, both links and the prune
+        kills = [(tmp_path / f"kill{n}", tmp_path / f"ops{n}.txt", n) for n in range(1, len(done) + 1)]
+        list(pool.map(lambda kill: kill_and_resume(mode, *kill, data_root), kills))
+        uninterrupted.result()
+    for killed in [out_dir, *(kill_dir for kill_dir, _, _ in kills)]:
+        assert_same_run(killed, full, tmp_path)
     commits = [op for op in done if re.fullmatch(r"replace \S+\.tmp \S+/iter_000000[01]", op)]
     link = re.escape(f"{out_dir}/") + r"ckpt(_meta)?\.pt"
     links = [op for op in done if re.fullmatch(rf"replace {link}\.tmp\d+ {link}", op)]
@@ -148,9 +156,11 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
 @pytest.mark.slow
 def test_init_from_auto_starts_in_an_empty_out_dir_and_resumes_a_run(data_root, tmp_path):
     args = ["--init_from=auto", "--eval_interval=2"]
-    train_det(data_root, tmp_path / "full", *args, "--max_iters=4")
-    first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
-    second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the two parts: each process takes one core
+        full = pool.submit(train_det, data_root, tmp_path / "full", *args, "--max_iters=4")
+        first = train_det(data_root, tmp_path / "part", *args, "--max_iters=2").stdout
+        second = train_det(data_root, tmp_path / "part", *args, "--max_iters=4").stdout
+        full.result()
     assert "resuming" not in first
     assert f"resuming from {tmp_path / 'part' / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in second
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
@@ -162,9 +172,12 @@ def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type,
     """Its evaluation noise (the posterior Z, EVE's eps, B-Trans minds) is seeded from (seed, step, rank, batch):
     the evaluation at the resumed step, which follows no training step, gives the uninterrupted run's numbers."""
     args = [f"--model_type={model_type}", "--init_from=auto", "--eval_interval=2"]
-    run_script("train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
-    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
-    run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the two parts: each process takes one core
+        full = pool.submit(run_script, "train.py", f"--out_dir={tmp_path / 'full'}", *TINY, *args, "--max_iters=4",
+                           data_dir=data_root)
+        run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=2", data_dir=data_root)
+        run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
+        full.result()
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
 
 

@@ -147,23 +147,21 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
 def scan(x, a, reverse=False, k=8):
     """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of k positions
     (as linear-attention codebases do): k - 1 steps in all chunks at once, the T/k chunk ends by doubling with a^k, then
-    a^d times the chunk before's end at distance d. k + log2(T/k) ops: a short graph for torch.compile at any T."""
+    a^d times the chunk before's end at distance d. k + log2(T/k) ops, out of place: torch.compile fuses each stage."""
     B, T, D = x.shape
-    h = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), a copy, 0 after T
+    x = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), 0 after T
     powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
-    steps = range(k)[::-1] if reverse else range(k)
+    h, steps = list(x.unbind(2)), range(k)[::-1] if reverse else range(k)  # k of (B, n, D)
     for prev, i in zip(steps, steps[1:]):  # within every chunk at once
-        h[:, :, i].addcmul_(h[:, :, prev], a)
-    ends = h[:, :, steps[-1]].flip(1) if reverse else h[:, :, steps[-1]]  # (B, n, D): chunks' last, in order
+        h[i] = torch.addcmul(h[i], h[prev], a)
+    ends = h[steps[-1]].flip(1) if reverse else h[steps[-1]]  # (B, n, D): chunks' last, in order
     s, a_s = 1, powers[-1]
     while s < ends.size(1):  # the ends' own recurrence with a^k, by doubling (Hillis & Steele 1986): log2(n) steps
         ends = torch.cat([ends[:, :s], torch.addcmul(ends[:, s:], ends[:, :-s], a_s)], dim=1)
         s, a_s = 2 * s, a_s * a_s
-    ends = ends.flip(1) if reverse else ends
-    if reverse:  # position i of a chunk is k - i before the next chunk's first
-        h[:, :-1].addcmul_(ends[:, 1:].unsqueeze(2), powers.flip(0))
-    else:  # position i is i + 1 after the previous chunk's last
-        h[:, 1:].addcmul_(ends[:, :-1].unsqueeze(2), powers)
+    carried = torch.cat([ends.new_zeros(B, 1, D), ends[:, :-1]], dim=1)  # (B, n, D): the end of the chunk before
+    carried = carried.flip(1) if reverse else carried  # i + 1 after it, or (reverse) k - i before the next's first
+    h = torch.addcmul(torch.stack(h, dim=2), carried.unsqueeze(2), powers.flip(0) if reverse else powers)
     return h.view(B, -1, D)[:, :T]
 
 
@@ -501,7 +499,7 @@ class Model(nn.Module):
         if self.layer_logits is None:
             return outs[-1]
         w = F.softmax(self.layer_logits, dim=0).to(outs[-1].dtype)  # (L,)
-        return (torch.stack(outs, dim=-1) * w).sum(-1)  # (B, T, C)
+        return sum(w_l * x for w_l, x in zip(w, outs))  # (B, T, C)
 
     def objective(self, ce, logits, auxs):
         """-> §3.6's L = L_LM + beta L_KL + L_control + alpha_AR L_AR (KL in nats a neuron, token), §4.2's stats"""

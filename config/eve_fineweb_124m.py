@@ -5,8 +5,8 @@
 #
 # python train.py config/eve_fineweb_124m.py --dry_run=True (8 GPUs, 40% MFU of an H100's 989 TFLOP/s):
 #   114,346,764 parameters, 0.80 GFLOPs per token; 493,460 tokens/s per GPU, 0.133 s per step, 0.704 h for 19,073 steps
-#   memory per GPU 22.37 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 0.43 GiB DDP buckets + 0.21 GiB
-#   autocast's copies + 15.42 GiB activations + 4.61 GiB the logits' gradient
+#   memory per GPU 21.85 GiB: 1.70 GiB weights, gradients, AdamW (replicated by DDP) + 0.43 GiB DDP buckets + 0.21 GiB
+#   autocast's copies + 14.90 GiB activations + 4.61 GiB the logits' gradient
 exec(open("config/det_fineweb_124m.py").read())
 model_type = "eve"
 out_dir = "out-eve-124m"

@@ -12,8 +12,8 @@
 #
 # python train.py config/eve_writingprompts.py --dry_run=True (one GPU, 40% MFU of an H100's 989 TFLOP/s):
 #   24,062,595 parameters, 0.15 GFLOPs per token; 2,606,947 tokens/s per GPU, 0.00943 s per step, 25 s for 2,700 steps
-#   memory per GPU 16.40 GiB: 0.36 GiB weights, gradients, AdamW + 0.09 GiB DDP buckets (none on one process) +
-#   0.04 GiB autocast's copies + 9.00 GiB activations + 6.91 GiB the logits' gradient
+#   memory per GPU 16.33 GiB: 0.36 GiB weights, gradients, AdamW + 0.09 GiB DDP buckets (none on one process) +
+#   0.04 GiB autocast's copies + 8.93 GiB activations + 6.91 GiB the logits' gradient
 model_type = "eve"
 dataset = "writingprompts"
 out_dir = "out-eve-writingprompts"

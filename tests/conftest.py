@@ -27,14 +27,14 @@ def pytest_configure(config):
                                        "seconds; the full suite runs it")
 
 
-def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
-    """Run `python <script>.py args...` or `python -m <module> args...` with prepared data under data_dir; returns the
-    CompletedProcess. Scripts run as forks of tests/launcher.py (torch imported once) unless a variable torch reads at
-    import differs from the launcher's; any other command as a process of its own."""
-    env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    script = str(args[0]).endswith(".py") or args[0] == "-m"
-    cmd = [sys.executable, *map(str, args)] if script else list(map(str, args))
-    if script and Launcher.agrees(env):
+def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
+    """Run `python <script>.py args...` or `python -m <module> args...` (torchrun's too) with prepared data under
+    data_dir and env's variables, or a command; returns the CompletedProcess. Python scripts run as forks of
+    tests/launcher.py (torch imported once) unless a variable torch reads at import differs from the launcher's."""
+    env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(env)}
+    cmd = [str(arg) for arg in args]
+    cmd = [sys.executable, *cmd] if cmd[0].endswith(".py") or cmd[0] == "-m" else cmd
+    if cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1] == "-m") and Launcher.agrees(env):
         proc = Launcher.started(env).run(cmd, cwd, env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -46,7 +46,9 @@ def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600):
 class Launcher:
     """tests/launcher.py, started once: each script a fork of a process that has imported torch (most of a tiny run's
     time on two cores), its exit code, stdout and stderr as its own process would give them."""
-    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "LD_", "PYTHON")
+    # what torch, its libraries and Python read at start: not TORCHINDUCTOR_*, read at the first compile (and set in
+    # the suite's own process by it)
+    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH_", "PYTORCH_", "LD_", "PYTHON")
     one, starting = None, threading.Lock()
 
     def __init__(self, env):

@@ -31,13 +31,14 @@ def job(pid):
 
 
 def kill_job(pids):
-    """SIGKILL to every process of a job still running (its command names train.py: a pid that ended may have been
-    given to another process), the launcher first (it would restart or tear down the rest)."""
+    """SIGKILL to every process of a job still running (its command names train.py, or it is a fork of the suite's
+    tests/launcher.py: a pid that ended may have been given to another process), torchrun first (it would restart or
+    tear down the rest)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                ours = b"train.py" in f.read()
-            if ours:
+                command = f.read()
+            if b"train.py" in command or b"tests/launcher.py" in command:
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -42,9 +42,8 @@ def launch(cmd, data_root, stdout, **env):
 
 def run(cmd, data_root, **env):
     """Run the job to its end; (exit code, output)."""
-    proc = launch(cmd, data_root, subprocess.PIPE, **env)
-    out, _ = proc.communicate(timeout=600)
-    return proc.returncode, out
+    proc = run_script(*cmd, data_dir=data_root, check=False, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def finish(cmd, data_root):
@@ -104,7 +103,8 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
     """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, up to the last one that
     the run makes unkilled; each time the same command resumes from the newest folder committed before the kill (or
     starts, when none was) and ends as the uninterrupted run did. The kill points are independent jobs, two at a
-    time: a job spends most of its time importing torch, on one core (1 process) or on about 1.5 (torchrun's)."""
+    time: a job spends most of its time starting (forked from tests/launcher.py, or torchrun's workers importing
+    torch)."""
     full, out_dir, ops = tmp_path / "full", tmp_path / "unkilled", tmp_path / "ops.txt"
     with ThreadPoolExecutor(2) as pool:
         uninterrupted = pool.submit(finish, command(mode, full, *SAVES), data_root)

@@ -30,11 +30,11 @@ def pytest_configure(config):
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
     """Run `python <script>.py args...` or `python -m <module> args...` (torchrun's too) with prepared data under
     data_dir and env's variables, or a command; returns the CompletedProcess. Python scripts run as forks of
-    tests/launcher.py (torch imported once) unless a variable torch reads at import differs from the launcher's."""
+    tests/launcher.py (torch imported once)."""
     env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(env)}
     cmd = [str(arg) for arg in args]
     cmd = [sys.executable, *cmd] if cmd[0].endswith(".py") or cmd[0] == "-m" else cmd
-    if cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1] == "-m") and Launcher.agrees(env):
+    if cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1] == "-m"):
         proc = Launcher.started(env).run(cmd, cwd, env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -44,30 +44,28 @@ def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
 
 
 class Launcher:
-    """tests/launcher.py, started once: each script a fork of a process that has imported torch (most of a tiny run's
-    time on two cores), its exit code, stdout and stderr as its own process would give them."""
+    """tests/launcher.py, started once for each value of the variables read at start: each script a fork of a process
+    that has imported torch (most of a tiny run's time on two cores), its exit code, stdout and stderr as its own
+    process would give them."""
     # what torch, its libraries and Python read at start: not TORCHINDUCTOR_*, read at the first compile (and set in
     # the suite's own process by it)
     IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH_", "PYTORCH_", "LD_", "PYTHON")
-    one, starting = None, threading.Lock()
+    running, starting = {}, threading.Lock()  # (name, value) of those variables -> its Launcher
 
     def __init__(self, env):
-        self.env, self.lock, self.jobs = env, threading.Lock(), {}  # request id -> [pid, exit code, ended Event]
+        self.lock, self.jobs = threading.Lock(), {}  # request id -> [pid, exit code, ended Event]
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launcher.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self.read, daemon=True).start()
 
     @classmethod
-    def agrees(cls, env):
-        """Whether a fork would start as `python` with env would: no variable torch reads at import differs."""
-        started = cls.one.env if cls.one else env
-        return all(env.get(k) == started.get(k) for k in {*env, *started} if k.startswith(cls.IMPORT_TIME))
-
-    @classmethod
     def started(cls, env):
+        """The launcher whose start read env's values."""
+        read_at_start = tuple(sorted((k, v) for k, v in env.items() if k.startswith(cls.IMPORT_TIME)))
         with cls.starting:
-            cls.one = cls.one or cls(env)
-        return cls.one
+            if read_at_start not in cls.running:
+                cls.running[read_at_start] = cls(env)
+            return cls.running[read_at_start]
 
     def read(self):
         for line in self.proc.stdout:  # "<id> pid <pid>", then "<id> exit <code>"

@@ -1,5 +1,7 @@
 """The suite's launcher: imports torch once, then runs each script it is sent in a fork of itself as `python <script>
-args...` would (tests/conftest.py's run_script): importing torch is most of a tiny run's time on two cores.
+args...` would (tests/conftest.py's run_script): importing torch is most of a tiny run's time on two cores. What
+differs from a process of its own: torch and numpy are imported before the script runs (what they print at import,
+the launcher printed once) and str hashes use the launcher's seed.
 
 Protocol, a line each way: in, a JSON request {"id", "argv", "cwd", "env", "out", "err"}; out, "<id> pid <pid>" when
 forked and "<id> exit <code>" when reaped (code as subprocess's returncode: -N for signal N)."""

@@ -14,10 +14,11 @@ from conftest import ROOT, TINY, Launcher, run_script
                                   ["sample.py", "--out_dir=/nonexistent/run"],
                                   ["-m", "scripts.convert", "to_hf", "--out_dir=/nonexistent/run", "--dst=/tmp/x"]])
 def test_a_forked_script_exits_and_prints_as_its_own_process(args, tmp_path):
-    launched = len(Launcher.one.jobs) if Launcher.one else 0
-    forked = run_script(*args, data_dir=tmp_path, check=False)
-    assert len(Launcher.one.jobs) == launched + 1  # a fork of the launcher ran it
     env = {**os.environ, "NANOLATENT_DATA": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = Launcher.started(env)
+    launched = len(launcher.jobs)
+    forked = run_script(*args, data_dir=tmp_path, check=False)
+    assert len(launcher.jobs) == launched + 1  # a fork of the launcher ran it
     own = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert forked.returncode == own.returncode == 2
     assert (forked.stdout, forked.stderr) == (own.stdout, own.stderr) and own.stderr.count("\n") == 1

@@ -27,11 +27,16 @@ def pytest_configure(config):
                                        "seconds; the full suite runs it")
 
 
+def script_env(data_dir, **extra):
+    """The environment the scripts run in: os.environ with prepared data under data_dir, one thread, unbuffered."""
+    return {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
     """Run `python <script>.py args...` or `python -m <module> args...` (torchrun's too) with prepared data under
     data_dir and env's variables, or a command; returns the CompletedProcess. Python scripts run as forks of
     tests/launcher.py (torch imported once)."""
-    env = {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(env)}
+    env = script_env(data_dir, **dict(env))
     cmd = [str(arg) for arg in args]
     cmd = [sys.executable, *cmd] if cmd[0].endswith(".py") or cmd[0] == "-m" else cmd
     if cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1] == "-m"):
@@ -80,9 +85,7 @@ class Launcher:
     def run(self, cmd, cwd, env, timeout):
         """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked."""
         with tempfile.TemporaryDirectory() as tmp:
-            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            for path in (out, err):
-                open(path, "w").close()
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")  # the fork creates them
             with self.lock:
                 key = str(len(self.jobs))
                 job = self.jobs[key] = [None, None, threading.Event()]

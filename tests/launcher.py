@@ -26,7 +26,8 @@ def run(argv, cwd, env, out, err):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+    written = os.O_WRONLY | os.O_CREAT
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, written), (2, err, written)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
@@ -42,7 +43,11 @@ def run(argv, cwd, env, out, err):
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:  # as the interpreter takes it: an int is the status, None 0, anything else printed and 1
-        code = e.code or 0 if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException as e:
         tb = e.__traceback__  # from the script's frames on, as python prints it
         while tb and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):

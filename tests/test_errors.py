@@ -20,7 +20,7 @@ import torch
 
 from nanolatent import ckpt, models
 
-from conftest import ROOT, TINY, records, run_script, train_det
+from conftest import ROOT, TINY, records, run_script, script_env, train_det
 
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
@@ -416,7 +416,7 @@ def assert_checkpoint_at(folder, iter_num):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
-    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = script_env(data_root)
     proc = subprocess.Popen([sys.executable, "train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}",
                              "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

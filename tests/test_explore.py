@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, TINY, run_script
+from conftest import ROOT, TINY, run_script, script_env
 from nanolatent import tasks
 
 pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
@@ -37,7 +37,7 @@ def runs(data_root, tmp_path_factory):
 def server(runs, data_root):
     """The explorer on the Free run, on a port the OS picks; yields (url, the path of its log)."""
     log = runs / "server.log"
-    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = script_env(data_root)
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0",
                                  "--stream_every=0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,

@@ -1,12 +1,11 @@
 """The suite's launcher (tests/launcher.py): a script run as its fork gives what its own process gives."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY, Launcher, run_script
+from conftest import ROOT, TINY, Launcher, run_script, script_env
 
 
 @pytest.mark.slow
@@ -14,7 +13,7 @@ from conftest import ROOT, TINY, Launcher, run_script
                                   ["sample.py", "--out_dir=/nonexistent/run"],
                                   ["-m", "scripts.convert", "to_hf", "--out_dir=/nonexistent/run", "--dst=/tmp/x"]])
 def test_a_forked_script_exits_and_prints_as_its_own_process(args, tmp_path):
-    env = {**os.environ, "NANOLATENT_DATA": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = script_env(tmp_path)
     launcher = Launcher.started(env)
     launched = len(launcher.jobs)
     forked = run_script(*args, data_dir=tmp_path, check=False)

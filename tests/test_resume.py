@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, TINY, records, run_script, train_det
+from conftest import ROOT, TINY, records, run_script, script_env, train_det
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt
@@ -35,9 +35,8 @@ def command(mode, out_dir, *args, kill_in_save=False):
 
 def launch(cmd, data_root, stdout, **env):
     """The job, in a session of its own (Ctrl-C to pytest does not reach it)."""
-    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=script_env(data_root, **env), stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def run(cmd, data_root, **env):

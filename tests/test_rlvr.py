@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, records, run_script, train_det
+from conftest import ROOT, records, run_script, script_env, train_det
 
 import configurator
 from nanolatent import ckpt, grpo, models
@@ -399,7 +399,7 @@ def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith
     handler is back by then, or the save is dropped as a second signal asks, with no traceback either way and no
     temporary file; a checkpoint written is whole."""
     root, det_out = arith_ckpt
-    env = {**os.environ, "NANOLATENT_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = script_env(root)
     proc = subprocess.Popen([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}",
                              "--max_steps=50", "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2",
                              "--prompts_per_step=2", "--group_size=2", "--device=cpu"], cwd=ROOT, env=env,

@@ -3,11 +3,12 @@ test harness of test_resume.py, which kills a save at each of its steps.
 
     NANOLATENT_KILL_AT=N NANOLATENT_KILL_LOG=ops.txt python tests/kill_in_save.py train.py ARGS...
     ... python -m torch.distributed.run --nproc_per_node=2 tests/kill_in_save.py train.py ARGS...
+    ... python tests/forkrun.py --nproc_per_node=2 tests/kill_in_save.py train.py ARGS...
 
 A change is a call of os.makedirs, os.replace, os.remove, os.symlink, shutil.rmtree, torch.save or
 torch.distributed.checkpoint.save naming a path under out_dir/checkpoints or out_dir/ckpt*. Rank 0 counts them and
-appends each one done to the log; at the Nth it kills every process of the job before the call (torchrun and its
-workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists every change of the run.
+appends each one done to the log; at the Nth it kills every process of the job before the call (torchrun or
+tests/forkrun.py and its workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists every change of the run.
 """
 
 import contextlib
@@ -52,8 +53,8 @@ def watched(module, name, path_arg):
         if not (counted and named and ("/checkpoints" in str(path) or os.path.basename(path).startswith("ckpt"))):
             return call(*args, **kwargs)
         done += 1
-        if done == kill_at:  # torchrun's workers have it as their parent; a plain run is killed alone
-            kill_job(job(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else [os.getpid()])
+        if done == kill_at:  # a worker's parent (torchrun, tests/forkrun.py) started the job; a plain run dies alone
+            kill_job(job(os.getppid()) if "RANK" in os.environ else [os.getpid()])
         with open(log, "a") as f:  # before the call: a call that raises (a missing file to remove) counts too
             f.write(f"{name} {' '.join(str(a) for a in args if isinstance(a, (str, os.PathLike)))}\n")
         return call(*args, **kwargs)

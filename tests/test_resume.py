@@ -23,11 +23,12 @@ MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # tra
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
 
 
-def command(mode, out_dir, *args, kill_in_save=False):
-    """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun;
-    through tests/kill_in_save.py to inject a kill."""
+def command(mode, out_dir, *args, kill_in_save=False, torchrun=True):
+    """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun
+    (or tests/forkrun.py: its workers forked, not started); through tests/kill_in_save.py to inject a kill."""
     flags, nproc = MODES[mode]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    torchrun = ["-m", "torch.distributed.run", "--standalone"] if torchrun else ["tests/forkrun.py"]
+    launcher = [*torchrun, f"--nproc_per_node={nproc}"] if nproc else []
     script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
     return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model_type=det", *TINY, *flags,
             "--gradient_accumulation_steps=2", "--init_from=auto", *args]
@@ -82,13 +83,13 @@ SAVES = ["--max_iters=1", "--eval_interval=1", "--keep_checkpoints=1"]
 
 def kill_and_resume(mode, out_dir, ops, n, data_root):
     """The job killed before its nth change to its checkpoints, then the same command run to its end in out_dir."""
-    code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
+    code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
                     NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
     assert code == -signal.SIGKILL, out[-3000:]
     done = ops.read_text().splitlines() if ops.exists() else []
     assert len(done) == n - 1
     committed = [int(m.group(1)) for op in done if (m := re.fullmatch(r"replace \S+\.tmp \S+/iter_(\d+)", op))]
-    resumed = finish(command(mode, out_dir, *SAVES), data_root)
+    resumed = finish(command(mode, out_dir, *SAVES, torchrun=False), data_root)
     if committed:
         assert f"resuming from {out_dir}/{ckpt.CHECKPOINTS}/iter_{committed[-1]:07d} at iter {committed[-1]}" \
                in resumed
@@ -102,12 +103,11 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
     """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, up to the last one that
     the run makes unkilled; each time the same command resumes from the newest folder committed before the kill (or
     starts, when none was) and ends as the uninterrupted run did. The kill points are independent jobs, two at a
-    time: a job spends most of its time starting (forked from tests/launcher.py, or torchrun's workers importing
-    torch)."""
+    time, their 2 processes forked by tests/forkrun.py: 36 jobs a mode spend most of their time starting."""
     full, out_dir, ops = tmp_path / "full", tmp_path / "unkilled", tmp_path / "ops.txt"
     with ThreadPoolExecutor(2) as pool:
-        uninterrupted = pool.submit(finish, command(mode, full, *SAVES), data_root)
-        code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True), data_root,
+        uninterrupted = pool.submit(finish, command(mode, full, *SAVES, torchrun=False), data_root)
+        code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
                         NANOLATENT_KILL_AT="0", NANOLATENT_KILL_LOG=str(ops))
         assert code == 0, out[-3000:]
         done = ops.read_text().splitlines()  # every change of the run: both saves, both links and the prune

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -25,8 +24,8 @@ STEPS = ["--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accum
 
 
 def train(data_root, out_dir, *args, nproc=0):
-    """train.py on a tiny model: one plain process, or nproc processes under torchrun."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    """train.py on a tiny model: one plain process, or nproc processes as torchrun starts them (tests/forkrun.py)."""
+    torchrun = ["tests/forkrun.py", f"--nproc_per_node={nproc}"]
     return run_script(*(torchrun if nproc else []), "train.py", f"--out_dir={out_dir}", *TINY, *STEPS, *args,
                       data_dir=data_root)
 
@@ -58,16 +57,12 @@ def det_runs(data_root, tmp_path_factory):
     """A tiny det model for 6 steps: on one process; under FSDP on 2; under FSDP stopped at step 3 and resumed on 2
     processes, and on 1."""
     root, det = tmp_path_factory.mktemp("det_runs"), ["--model_type=det", "--max_iters=6"]
-    with ThreadPoolExecutor(2) as pool:  # independent runs side by side: a core idles while torchrun imports torch
-        runs = [pool.submit(train, data_root, root / "single", *det),
-                pool.submit(train, data_root, root / "fsdp", *det, "--fsdp=True", nproc=2)]
-        train(data_root, root / "part", "--model_type=det", "--max_iters=3", "--fsdp=True", nproc=2)
-        shutil.copytree(root / "part", root / "part_on_1")
-        runs.append(pool.submit(train, data_root, root / "part_on_1", *det, "--fsdp=True", "--init_from=resume",
-                                nproc=1))
-        train(data_root, root / "part", *det, "--fsdp=True", "--init_from=resume", nproc=2)
-        for run in runs:
-            run.result()
+    train(data_root, root / "single", *det)
+    train(data_root, root / "fsdp", *det, "--fsdp=True", nproc=2)
+    train(data_root, root / "part", "--model_type=det", "--max_iters=3", "--fsdp=True", nproc=2)
+    shutil.copytree(root / "part", root / "part_on_1")
+    train(data_root, root / "part_on_1", *det, "--fsdp=True", "--init_from=resume", nproc=1)
+    train(data_root, root / "part", *det, "--fsdp=True", "--init_from=resume", nproc=2)
     return root
 
 
@@ -82,13 +77,11 @@ def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(
 def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_runs, data_root, tmp_path):
     """Each block recomputed in the backward: FSDP x 2 still gives the 1-process weights; EVE under DDP x 2 (noise
     drawn, homeostat statistics all-reduced) the weights of the same run without it."""
-    with ThreadPoolExecutor(1) as pool:  # beside EVE's two runs: a core idles while torchrun imports torch
-        fsdp = pool.submit(train, data_root, tmp_path / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True",
-                           "--activation_checkpointing=True", nproc=2)
-        for name, flag in (("plain", "False"), ("checkpointed", "True")):
-            train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
-                  "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
-        fsdp.result()
+    train(data_root, tmp_path / "fsdp", "--model_type=det", "--max_iters=6", "--fsdp=True",
+          "--activation_checkpointing=True", nproc=2)
+    for name, flag in (("plain", "False"), ("checkpointed", "True")):
+        train(data_root, tmp_path / name, "--model_type=eve", "--max_iters=4", "--homeostat=True",
+              "--homeostat_warmup=1", "--homeostat_every=1", f"--activation_checkpointing={flag}", nproc=2)
     assert_same_weights(sharded_weights(tmp_path / "fsdp", tmp_path)["model"], plain_weights(det_runs / "single"))
     assert_same_weights(plain_weights(tmp_path / "checkpointed"), plain_weights(tmp_path / "plain"))
 
@@ -131,10 +124,8 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
 def test_fsdp_gives_the_same_weights_as_ddp_for_stochastic_models(model_type, extra, data_root, tmp_path):
     """Noise is drawn per process, so a stochastic model is compared with DDP on as many processes."""
     args = [f"--model_type={model_type}", "--max_iters=3", *extra]
-    with ThreadPoolExecutor(1) as pool:  # side by side: a core idles while torchrun imports torch
-        ddp = pool.submit(train, data_root, tmp_path / "ddp", *args, nproc=2)
-        train(data_root, tmp_path / "fsdp", *args, "--fsdp=True", nproc=2)
-        ddp.result()
+    train(data_root, tmp_path / "ddp", *args, nproc=2)
+    train(data_root, tmp_path / "fsdp", *args, "--fsdp=True", nproc=2)
     sharded = sharded_weights(tmp_path / "fsdp", tmp_path)["model"]
     assert_same_weights(sharded, plain_weights(tmp_path / "ddp"))
     if model_type == "eve":  # three controller updates; the homeostat rescaled sharded weights at steps 1 and 2

@@ -52,9 +52,10 @@ class Launcher:
     """tests/launcher.py, started once for each value of the variables read at start: each script a fork of a process
     that has imported torch (most of a tiny run's time on two cores), its exit code, stdout and stderr as its own
     process would give them."""
-    # what torch, its libraries and Python read at start: not TORCHINDUCTOR_*, read at the first compile (and set in
-    # the suite's own process by it)
-    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH_", "PYTORCH_", "LD_", "PYTHON")
+    # what torch (dynamo's and inductor's configs included), its libraries and Python read at start; not the cache
+    # folder, read at each compile (and set in the suite's own process by the first)
+    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "LD_", "PYTHON")
+    READ_LATER = ("TORCHINDUCTOR_CACHE_DIR",)
     running, starting = {}, threading.Lock()  # (name, value) of those variables -> its Launcher
 
     def __init__(self, env):
@@ -66,7 +67,8 @@ class Launcher:
     @classmethod
     def started(cls, env):
         """The launcher whose start read env's values."""
-        read_at_start = tuple(sorted((k, v) for k, v in env.items() if k.startswith(cls.IMPORT_TIME)))
+        read_at_start = tuple(sorted((k, v) for k, v in env.items()
+                                     if k.startswith(cls.IMPORT_TIME) and k not in cls.READ_LATER))
         with cls.starting:
             if read_at_start not in cls.running:
                 cls.running[read_at_start] = cls(env)

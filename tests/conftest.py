@@ -59,7 +59,7 @@ class Launcher:
     running, starting = {}, threading.Lock()  # (name, value) of those variables -> its Launcher
 
     def __init__(self, env):
-        self.lock, self.jobs = threading.Lock(), {}  # request id -> [pid, exit code, ended Event]
+        self.lock, self.jobs = threading.Lock(), {}  # request id -> Forked
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launcher.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self.read, daemon=True).start()
@@ -78,29 +78,58 @@ class Launcher:
         for line in self.proc.stdout:  # "<id> pid <pid>", then "<id> exit <code>"
             key, what, value = line.split()
             job = self.jobs[key]
-            job[0 if what == "pid" else 1] = int(value)
-            if what == "exit":
-                job[2].set()
+            if what == "pid":
+                job.pid = int(value)
+                job.forked.set()
+            else:
+                job.returncode = int(value)
+                job.ended.set()
         for job in self.jobs.values():  # the launcher ended: no job it ran will say more
-            job[2].set()
+            job.forked.set()
+            job.ended.set()
+
+    def start(self, cmd, cwd, env, out, err):
+        """subprocess.Popen(cmd, cwd=cwd, env=env) with its stdout and stderr appended to the files out and err (one
+        file for both is `2>&1`), forked: a Forked once its pid is known."""
+        with self.lock:
+            key = str(len(self.jobs))
+            job = self.jobs[key] = Forked(cmd)
+            self.proc.stdin.write(json.dumps({"id": key, "argv": cmd[1:], "cwd": str(cwd), "env": env,
+                                              "out": str(out), "err": str(err)}) + "\n")
+            self.proc.stdin.flush()
+        job.forked.wait()
+        return job
 
     def run(self, cmd, cwd, env, timeout):
         """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked."""
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")  # the fork creates them
-            with self.lock:
-                key = str(len(self.jobs))
-                job = self.jobs[key] = [None, None, threading.Event()]
-                self.proc.stdin.write(json.dumps({"id": key, "argv": cmd[1:], "cwd": str(cwd), "env": env,
-                                                  "out": out, "err": err}) + "\n")
-                self.proc.stdin.flush()
-            if not job[2].wait(timeout):
-                os.kill(job[0], signal.SIGKILL)
-                job[2].wait()
-                raise subprocess.TimeoutExpired(cmd, timeout)
-            assert job[1] is not None, f"tests/launcher.py ended during {' '.join(cmd)}"
+            job = self.start(cmd, cwd, env, out, err)
+            try:
+                job.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(job.pid, signal.SIGKILL)
+                job.wait()
+                raise
             with open(out) as stdout, open(err) as stderr:
-                return subprocess.CompletedProcess(cmd, job[1], stdout.read(), stderr.read())
+                return subprocess.CompletedProcess(cmd, job.returncode, stdout.read(), stderr.read())
+
+
+class Forked:
+    """A script a launcher forked, as subprocess.Popen gives one: pid, returncode, poll() and wait()."""
+
+    def __init__(self, cmd):
+        self.cmd, self.pid, self.returncode = cmd, None, None
+        self.forked, self.ended = threading.Event(), threading.Event()
+
+    def poll(self):
+        return self.returncode if self.ended.is_set() else None
+
+    def wait(self, timeout=None):
+        if not self.ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.cmd, timeout)
+        assert self.returncode is not None, f"tests/launcher.py ended during {' '.join(self.cmd)}"
+        return self.returncode
 
 
 @pytest.fixture(scope="session")

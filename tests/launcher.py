@@ -29,7 +29,7 @@ def run(argv, cwd, env, out, err):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    written = os.O_WRONLY | os.O_CREAT
+    written = os.O_WRONLY | os.O_CREAT | os.O_APPEND  # out and err may be one file (2>&1)
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, written), (2, err, written)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)

@@ -5,7 +5,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, TINY, records, run_script, script_env, train_det
+from conftest import ROOT, TINY, Launcher, records, run_script, script_env, train_det
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt
@@ -34,10 +33,11 @@ def command(mode, out_dir, *args, kill_in_save=False, torchrun=True):
             "--gradient_accumulation_steps=2", "--init_from=auto", *args]
 
 
-def launch(cmd, data_root, stdout, **env):
-    """The job, in a session of its own (Ctrl-C to pytest does not reach it)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=script_env(data_root, **env), stdout=stdout, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def launch(cmd, data_root, log_file):
+    """The job forked from the suite's launcher (tests/conftest.py), as `cmd > log_file 2>&1 &` starts it."""
+    log_file.write_text("")
+    env = script_env(data_root)
+    return Launcher.started(env).start(cmd, ROOT, env, log_file, log_file)
 
 
 def run(cmd, data_root, **env):
@@ -139,13 +139,12 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
     kills = sorted(random.Random(45).sample(range(1, 24), 3))
     for i, step in enumerate(kills):
         log_file = tmp_path / f"launch{i}.log"
-        with open(log_file, "w") as log:
-            proc = launch(command(mode, out_dir, *args), data_root, log)
-            while progress(log_file) < step:
-                assert proc.poll() is None, log_file.read_text()[-3000:]
-                time.sleep(0.02)
-            kill_job(job(proc.pid))
-            proc.wait()
+        proc = launch(command(mode, out_dir, *args), data_root, log_file)
+        while progress(log_file) < step:
+            assert proc.poll() is None, log_file.read_text()[-3000:]
+            time.sleep(0.02)
+        kill_job(job(proc.pid))
+        proc.wait()
     finish(command(mode, out_dir, *args), data_root)
     final = [r["val_loss"] for r in records(out_dir) if "val_loss" in r][-1]
     assert abs(final - [r["val_loss"] for r in records(full) if "val_loss" in r][-1]) < 1e-5
@@ -215,8 +214,7 @@ def ranks(pids):
 
 def start_job(data_root, log_file, out_dir, *args):
     """A 2-process DDP job that trains until stopped; returns once it has logged step 3."""
-    with open(log_file, "w") as log:  # the job writes to its own copy of the file
-        proc = launch(command("ddp", out_dir, "--max_iters=100000", "--eval_interval=100000", *args), data_root, log)
+    proc = launch(command("ddp", out_dir, "--max_iters=100000", "--eval_interval=100000", *args), data_root, log_file)
     while progress(log_file) < 3:
         assert proc.poll() is None, log_file.read_text()[-3000:]
         time.sleep(0.05)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -46,6 +47,23 @@ def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def start_script(*args, data_dir, out, err, env=()):
+    """`python <script>.py args... > out 2> err &` (or python -m; out and err may be one file) as run_script runs it,
+    forked from the launcher: a Forked, as subprocess.Popen gives one."""
+    env = script_env(data_dir, **dict(env))
+    for path in (out, err):
+        open(path, "w").close()  # there, empty, before the job writes
+    return Launcher.started(env).start([sys.executable, *(str(arg) for arg in args)], ROOT, env, out, err)
+
+
+def wait_for_line(path, prefix, job, timeout=300):
+    """Wait until the running job has written a line that starts with prefix to the file at path."""
+    t0 = time.time()
+    while not any(line.startswith(prefix) for line in open(path).read().splitlines()):
+        assert job.poll() is None and time.time() - t0 < timeout, open(path).read()[-3000:]
+        time.sleep(0.02)
 
 
 class Launcher:
@@ -124,6 +142,12 @@ class Forked:
 
     def poll(self):
         return self.returncode if self.ended.is_set() else None
+
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
 
     def wait(self, timeout=None):
         if not self.ended.wait(timeout):

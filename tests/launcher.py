@@ -1,5 +1,5 @@
 """The suite's launcher: imports torch once, then runs each script it is sent in a fork of itself as `python <script>
-args...` would (tests/conftest.py's run_script): importing torch is most of a tiny run's time on two cores. What
+args...` would (tests/conftest.py's run_script, start_script): importing torch is most of a tiny run's time on two cores. What
 differs from a process of its own: torch, numpy and the parts of torch train.py loads (distributed checkpoints; dynamo,
 through the meta device's initialisation) are imported before the script runs (what they print at import, the
 launcher printed once), and str hashes use the launcher's seed.
@@ -82,7 +82,11 @@ def main():
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
-                    os._exit(run(*(request[k] for k in ARGS)))
+                    code = 1
+                    try:
+                        code = run(*(request[k] for k in ARGS))
+                    finally:  # whatever escapes (a signal handler raising at exit), the fork ends here
+                        os._exit(code)
                 jobs[pid] = request["id"]
                 print(request["id"], "pid", pid, flush=True)
         while jobs:

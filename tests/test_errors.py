@@ -20,7 +20,7 @@ import torch
 
 from nanolatent import ckpt, models
 
-from conftest import ROOT, TINY, records, run_script, script_env, train_det
+from conftest import ROOT, TINY, records, run_script, start_script, train_det, wait_for_line
 
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
@@ -416,15 +416,13 @@ def assert_checkpoint_at(folder, iter_num):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
-    env = script_env(data_root)
-    proc = subprocess.Popen([sys.executable, "train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}",
-                             "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("iter 5/"):
-            proc.send_signal(signum)
-            break
-    stdout, stderr = proc.communicate(timeout=300)
+    out, err = tmp_path.with_name(f"{tmp_path.name}.out"), tmp_path.with_name(f"{tmp_path.name}.err")
+    proc = start_script("train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}", "--max_iters=100000",
+                        "--eval_interval=100000", data_dir=data_root, out=out, err=err)
+    wait_for_line(out, "iter 5/", proc)
+    proc.send_signal(signum)
+    proc.wait(timeout=300)
+    stdout, stderr = out.read_text(), err.read_text()
     assert proc.returncode == 128 + signum, (stdout[-500:], stderr)
     logged = max(r["iter"] for r in records(tmp_path) if "loss" in r)  # a record per step (log_interval=1)
     assert stderr.strip().splitlines() == [f"stopped by {signum.name}: {tmp_path / ckpt.CHECKPOINTS} holds iter "

@@ -5,14 +5,13 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED_DATA, TINY, records, run_script
+from conftest import SHARED_DATA, TINY, records, run_script, start_script, wait_for_line
 
 from experiments import smollm2_embedding
 from experiments import study
@@ -173,15 +172,11 @@ def test_a_study_resumes_a_stopped_run_and_leaves_a_finished_one_alone(data_root
     monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = ["--model_type=det", *TINY, "--max_iters=8", "--eval_interval=2", "--seed=3"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, study.TRAIN, *args, f"--out_dir={tmp_path / 'stopped'}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("iter 3/"):
-            proc.send_signal(signal.SIGINT)
-            break
-    proc.communicate(timeout=300)
-    assert proc.returncode == 130 and not ckpt.finished(tmp_path / "stopped")
+    log = tmp_path / "stopped.log"
+    proc = start_script(study.TRAIN, *args, f"--out_dir={tmp_path / 'stopped'}", data_dir=data_root, out=log, err=log)
+    wait_for_line(log, "iter 3/", proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130 and not ckpt.finished(tmp_path / "stopped")
     study.train_all_missing({str(tmp_path / "stopped"): args, str(tmp_path / "whole"): args})
     assert ckpt.finished(tmp_path / "stopped") and ckpt.finished(tmp_path / "whole")
     losses = lambda run: {r["iter"]: r["val_loss"] for r in records(run) if "val_loss" in r}

@@ -8,15 +8,13 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from conftest import ROOT, TINY, run_script, script_env
+from conftest import TINY, run_script, start_script, wait_for_line
 from nanolatent import tasks
 
 pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
@@ -36,14 +34,12 @@ def runs(data_root, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(runs, data_root):
     """The explorer on the Free run, on a port the OS picks; yields (url, the path of its log)."""
-    log = runs / "server.log"
-    env = script_env(data_root)
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0",
-                                 "--stream_every=0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+    out, log = runs / "server.out", runs / "server.log"
+    proc = start_script("-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0", "--stream_every=0",
+                        data_dir=data_root, out=out, err=log)
     try:
-        line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT ..."
+        wait_for_line(out, "serving", proc, TIMEOUT)  # "serving ... on http://127.0.0.1:PORT ..."
+        line = next(line for line in out.read_text().splitlines() if line.startswith("serving"))
         assert "http://127.0.0.1:" in line, open(log).read()
         yield line.split("http://")[1].split()[0], log
     finally:

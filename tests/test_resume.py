@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, TINY, Launcher, records, run_script, script_env, train_det
+from conftest import TINY, records, run_script, start_script, train_det
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt
@@ -34,10 +34,8 @@ def command(mode, out_dir, *args, kill_in_save=False, torchrun=True):
 
 
 def launch(cmd, data_root, log_file):
-    """The job forked from the suite's launcher (tests/conftest.py), as `cmd > log_file 2>&1 &` starts it."""
-    log_file.write_text("")
-    env = script_env(data_root)
-    return Launcher.started(env).start(cmd, ROOT, env, log_file, log_file)
+    """The job, as `cmd > log_file 2>&1 &` starts it."""
+    return start_script(*cmd[1:], data_dir=data_root, out=log_file, err=log_file)
 
 
 def run(cmd, data_root, **env):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, records, run_script, script_env, train_det
+from conftest import ROOT, records, run_script, start_script, train_det, wait_for_line
 
 import configurator
 from nanolatent import ckpt, grpo, models
@@ -399,18 +399,16 @@ def test_two_sigterms_50_ms_apart_stop_in_one_line_with_a_whole_checkpoint(arith
     handler is back by then, or the save is dropped as a second signal asks, with no traceback either way and no
     temporary file; a checkpoint written is whole."""
     root, det_out = arith_ckpt
-    env = script_env(root)
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}",
-                             "--max_steps=50", "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2",
-                             "--prompts_per_step=2", "--group_size=2", "--device=cpu"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-            break
-    _, stderr = proc.communicate(timeout=300)
+    out, err = tmp_path.with_name(f"{tmp_path.name}.out"), tmp_path.with_name(f"{tmp_path.name}.err")
+    proc = start_script("-m", "scripts.rlvr", f"--init_from={det_out}", f"--out_dir={tmp_path}", "--max_steps=50",
+                        "--eval_interval=5", "--eval_prompts=4", "--eval_samples=2", "--prompts_per_step=2",
+                        "--group_size=2", "--device=cpu", data_dir=root, out=out, err=err)
+    wait_for_line(out, "step 3/", proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    stderr = err.read_text()
     assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM) and "Traceback" not in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1 and "stopped by" in stderr
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]

@@ -8,7 +8,8 @@ test harness of test_resume.py, which kills a save at each of its steps.
 A change is a call of os.makedirs, os.replace, os.remove, os.symlink, shutil.rmtree, torch.save or
 torch.distributed.checkpoint.save naming a path under out_dir/checkpoints or out_dir/ckpt*. Rank 0 counts them and
 appends each one done to the log; at the Nth it kills every process of the job before the call (torchrun or
-tests/forkrun.py and its workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists every change of the run.
+tests/forkrun.py and its workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists
+every change of the run.
 """
 
 import contextlib

@@ -1,8 +1,8 @@
 """The suite's launcher: imports torch once, then runs each script it is sent in a fork of itself as `python <script>
-args...` would (tests/conftest.py's run_script, start_script): importing torch is most of a tiny run's time on two cores. What
-differs from a process of its own: torch, numpy and the parts of torch train.py loads (distributed checkpoints; dynamo,
-through the meta device's initialisation) are imported before the script runs (what they print at import, the
-launcher printed once), and str hashes use the launcher's seed.
+args...` would (tests/conftest.py's run_script, start_script): importing torch is most of a tiny run's time on two
+cores. What differs from a process of its own: torch, numpy and the parts of torch train.py loads (distributed
+checkpoints; dynamo, through the meta device's initialisation) are imported before the script runs (what they print
+at import, the launcher printed once), and str hashes use the launcher's seed.
 
 Protocol, a line each way: in, a JSON request {"id", "argv", "cwd", "env", "out", "err"}; out, "<id> pid <pid>" when
 forked and "<id> exit <code>" when reaped (code as subprocess's returncode: -N for signal N)."""

@@ -59,11 +59,12 @@ def start_script(*args, data_dir, out, err, env=()):
 
 
 def wait_for_line(path, prefix, job, timeout=300):
-    """Wait until the running job has written a line that starts with prefix to the file at path."""
+    """The first line starting with prefix that the running job writes to the file at path, once written."""
     t0 = time.time()
-    while not any(line.startswith(prefix) for line in open(path).read().splitlines()):
+    while not (lines := [line for line in open(path).read().splitlines() if line.startswith(prefix)]):
         assert job.poll() is None and time.time() - t0 < timeout, open(path).read()[-3000:]
         time.sleep(0.02)
+    return lines[0]
 
 
 class Launcher:

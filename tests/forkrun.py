@@ -35,8 +35,8 @@ def main(nproc, argv):
         workers.remove(pid)
         if os.waitstatus_to_exitcode(status) and not code:
             code = 1
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
+            for other in workers:
+                os.kill(other, signal.SIGKILL)
     return code
 
 

@@ -38,8 +38,7 @@ def server(runs, data_root):
     proc = start_script("-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0", "--stream_every=0",
                         data_dir=data_root, out=out, err=log)
     try:
-        wait_for_line(out, "serving", proc, TIMEOUT)  # "serving ... on http://127.0.0.1:PORT ..."
-        line = next(line for line in out.read_text().splitlines() if line.startswith("serving"))
+        line = wait_for_line(out, "serving", proc, TIMEOUT)  # "serving ... on http://127.0.0.1:PORT ..."
         assert "http://127.0.0.1:" in line, open(log).read()
         yield line.split("http://")[1].split()[0], log
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import TINY, records, run_script, start_script, train_det
+from conftest import TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt
@@ -26,8 +26,8 @@ def command(mode, out_dir, *args, kill_in_save=False, torchrun=True):
     """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun
     (or tests/forkrun.py: its workers forked, not started); through tests/kill_in_save.py to inject a kill."""
     flags, nproc = MODES[mode]
-    torchrun = ["-m", "torch.distributed.run", "--standalone"] if torchrun else ["tests/forkrun.py"]
-    launcher = [*torchrun, f"--nproc_per_node={nproc}"] if nproc else []
+    starter = ["-m", "torch.distributed.run", "--standalone"] if torchrun else ["tests/forkrun.py"]
+    launcher = [*starter, f"--nproc_per_node={nproc}"] if nproc else []
     script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
     return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model_type=det", *TINY, *flags,
             "--gradient_accumulation_steps=2", "--init_from=auto", *args]
@@ -120,12 +120,6 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
     assert len(commits) == len(links) == 2 and done[-1] == f"rmtree {out_dir}/{ckpt.CHECKPOINTS}/iter_0000000.old"
 
 
-def progress(log_file):
-    """The last step this launch logged (its own stdout: a resumed run's metrics.jsonl starts with the old records)."""
-    steps = re.findall(r"^iter (\d+)/", log_file.read_text(), re.M)
-    return int(steps[-1]) if steps else -1
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_run(mode, data_root, tmp_path):
@@ -138,9 +132,9 @@ def test_a_job_sigkilled_three_times_at_random_steps_ends_as_the_uninterrupted_r
     for i, step in enumerate(kills):
         log_file = tmp_path / f"launch{i}.log"
         proc = launch(command(mode, out_dir, *args), data_root, log_file)
-        while progress(log_file) < step:
-            assert proc.poll() is None, log_file.read_text()[-3000:]
-            time.sleep(0.02)
+        # its own stdout, every step logged (a resumed run's metrics.jsonl starts with the old records); a launch
+        # resumes from a step before the last kill's, so before this one
+        wait_for_line(log_file, f"iter {step}/", proc)
         kill_job(job(proc.pid))
         proc.wait()
     finish(command(mode, out_dir, *args), data_root)
@@ -213,9 +207,7 @@ def ranks(pids):
 def start_job(data_root, log_file, out_dir, *args):
     """A 2-process DDP job that trains until stopped; returns once it has logged step 3."""
     proc = launch(command("ddp", out_dir, "--max_iters=100000", "--eval_interval=100000", *args), data_root, log_file)
-    while progress(log_file) < 3:
-        assert proc.poll() is None, log_file.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_for_line(log_file, "iter 3/", proc)
     return proc
 
 

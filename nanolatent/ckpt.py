@@ -251,7 +251,7 @@ def prune(out_dir, keep, pointer=None):
     one (lock_out_dir removes it later)."""
     kept = os.path.dirname(os.path.realpath(os.path.join(out_dir, pointer))) if pointer else None
     steps = saved_steps(out_dir)
-    for it in sorted(steps)[:len(steps) - keep]:
+    for it in sorted(steps)[:max(len(steps) - keep, 0)]:  # fewer folders than keep: none deleted
         if os.path.realpath(steps[it]) != kept:
             os.replace(steps[it], f"{steps[it]}.old")
             shutil.rmtree(f"{steps[it]}.old")

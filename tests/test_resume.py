@@ -264,3 +264,20 @@ def test_a_run_is_finished_when_its_newest_checkpoint_is_at_max_iters(tmp_path):
     assert not ckpt.finished(tmp_path)
     save(6, "ckpt_meta.pt")  # under FSDP
     assert ckpt.finished(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4, 7, 31])
+def test_retention_keeps_exactly_the_newest_n_and_the_best_over_thirty_saves(keep, tmp_path):
+    """keep_checkpoints=N for every N, fewer folders than N included: after each of 30 saves (a new best at some of
+    them, as train.py links it) the folders left are the N newest and the linked one, no more, no fewer."""
+    rng, best = random.Random(keep), None
+    for it in range(30):
+        folder = tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}"
+        os.makedirs(folder)
+        (folder / "ckpt.pt").write_text(str(it))
+        if best is None or rng.random() < 0.2:
+            best = it
+            ckpt.point(tmp_path, "ckpt.pt", folder / "ckpt.pt")
+        ckpt.prune(tmp_path, keep, "ckpt.pt")
+        assert sorted(ckpt.saved_steps(tmp_path)) == sorted(set(range(max(it + 1 - keep, 0), it + 1)) | {best})
+        assert (tmp_path / "ckpt.pt").read_text() == str(best)

@@ -191,6 +191,9 @@ if wandb_log and master:
 pointer = "ckpt_meta.pt" if fsdp else "ckpt.pt"
 ckpt_file = os.path.join(out_dir, pointer)
 start_dir = None  # the checkpoint folder this run starts from, if any
+if init_from == "auto" and overwrite and not eval_only:  # each restart (torchrun, a requeue) would replace the run
+    common.die("init_from=auto resumes the run in out_dir and overwrite=True replaces it: to start afresh, give "
+               "--init_from=scratch --overwrite=True (once, not in the command that restarts)")
 if master:
     if eval_only:  # --eval_only evaluates the checkpoint, never a fresh model
         ckpt.refuse_file_out_dir(out_dir)  # a writer gets the same line from lock_out_dir
@@ -199,7 +202,9 @@ if master:
         start_dir = os.path.dirname(os.path.realpath(ckpt_file))
     else:
         ckpt.lock_out_dir(out_dir, "train.py")
-        saved = ckpt.saved_steps(out_dir)
+        if init_from != "scratch":
+            ckpt.adopt_single_file(out_dir)
+        saved = ckpt.resumable_steps(out_dir) if init_from != "scratch" else ckpt.saved_steps(out_dir)
         if init_from == "resume" and not saved:
             common.die(f"init_from=resume continues the run in {out_dir}, which holds no checkpoint "
                        f"({ckpt.CHECKPOINTS}/iter_N): train first, or give --init_from=auto to start when it has none")
@@ -386,8 +391,11 @@ if checkpoint is not None:
     del checkpoint
     if master and not eval_only:  # what a save killed after its commit left undone: the link, the deletions
         saved = ckpt.saved_steps(out_dir)
-        target = os.path.join(saved[selected_iter], pointer) if selected_iter in saved else None
-        if target and os.path.realpath(ckpt_file) != os.path.realpath(target):
+        if selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
+            print(f"the best save (iter {selected_iter}) is gone: {ckpt_file} links to iter {iter_num}'s, resumed")
+            selected_iter = iter_num
+        target = os.path.join(saved[selected_iter], pointer)
+        if os.path.realpath(ckpt_file) != os.path.realpath(target):
             ckpt.point(out_dir, pointer, target)
         ckpt.prune(out_dir, keep_checkpoints, pointer)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]

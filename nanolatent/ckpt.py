@@ -222,6 +222,67 @@ def saved_steps(out_dir):
     return {int(m.group(1)): os.path.join(root, name) for name in names if (m := re.fullmatch(r"iter_(\d+)", name))}
 
 
+def unreadable(folder):
+    """Why train.py's save in folder cannot be resumed (its ckpt.pt, or ckpt_meta.pt and the shards' .metadata under
+    FSDP, missing, empty or not a checkpoint: a disk that lost data, a copy cut short), or None when it can."""
+    name = next((name for name in RUN_FILES if os.path.exists(os.path.join(folder, name))), None)
+    if name is None:
+        return f"it holds neither {' nor '.join(RUN_FILES)}"
+    if name == "ckpt_meta.pt" and not os.path.exists(os.path.join(folder, ".metadata")):
+        return "its shards have no .metadata"
+    path = os.path.join(folder, name)
+    if os.path.getsize(path) == 0:
+        return f"its {name} is empty"
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        return f"its {name} is unreadable ({type(e).__name__})"
+    if not isinstance(checkpoint, dict) or "iter_num" not in checkpoint:
+        return f"its {name} is not a checkpoint of train.py"
+    return None
+
+
+def resumable_steps(out_dir):
+    """saved_steps, less the newest folders that cannot be resumed (unreadable) where an older one can: each of those
+    is renamed iter_N.unreadable, kept for a look, not deleted, and named in one line; a resume then takes the newest
+    whole save. Where none is whole, all stay, and loading the newest says what is wrong with it."""
+    steps = saved_steps(out_dir)
+    damaged = {}
+    for it in sorted(steps, reverse=True):
+        reason = unreadable(steps[it])
+        if reason is None:
+            break
+        damaged[it] = reason
+    if len(damaged) == len(steps):
+        return steps
+    for it, reason in damaged.items():
+        os.replace(steps[it], f"{steps.pop(it)}.unreadable")
+        print(f"skipping the save of iter {it}: {reason}; moved to {os.path.join(CHECKPOINTS, f'iter_{it:07d}')}"
+              f".unreadable, an older save resumes")
+    return steps
+
+
+def adopt_single_file(out_dir):
+    """A run saved as a plain out_dir/ckpt.pt (the layout before checkpoints/) becomes a save like train.py's:
+    checkpoints/iter_N/ckpt.pt, hard-linked (copied where the filesystem has no hard links), then ckpt.pt a link to
+    it. Each step is atomic, so a kill anywhere leaves the plain file or the whole folder. Returns the folder, or
+    None when out_dir holds no such file."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(path) or os.path.islink(path) or saved_steps(out_dir):
+        return None
+    it = load_checkpoint(path)["iter_num"]
+    folder = os.path.join(out_dir, CHECKPOINTS, f"iter_{it:07d}")
+    os.makedirs(f"{folder}.tmp")  # lock_out_dir removed any that an adoption killed halfway left
+    try:
+        os.link(path, os.path.join(f"{folder}.tmp", "ckpt.pt"))
+    except OSError:
+        shutil.copyfile(path, os.path.join(f"{folder}.tmp", "ckpt.pt"))
+    os.replace(f"{folder}.tmp", folder)
+    point(out_dir, "ckpt.pt", os.path.join(folder, "ckpt.pt"))
+    print(f"{path} was a single file (the layout before {CHECKPOINTS}/): now {folder}/ckpt.pt, which ckpt.pt links to")
+    return folder
+
+
 def finished(out_dir):
     """Whether train.py's run in out_dir reached its last step (always saved), not only a checkpoint on the way."""
     saved = saved_steps(out_dir)

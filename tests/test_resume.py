@@ -281,3 +281,92 @@ def test_retention_keeps_exactly_the_newest_n_and_the_best_over_thirty_saves(kee
         ckpt.prune(tmp_path, keep, "ckpt.pt")
         assert sorted(ckpt.saved_steps(tmp_path)) == sorted(set(range(max(it + 1 - keep, 0), it + 1)) | {best})
         assert (tmp_path / "ckpt.pt").read_text() == str(best)
+
+
+def tree(out_dir):
+    """{path: (link target or size)} of every file and link under out_dir but its lock and metrics."""
+    found = {}
+    for folder, _, names in os.walk(out_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            found[os.path.relpath(path, out_dir)] = os.readlink(path) if os.path.islink(path) else os.path.getsize(path)
+    return {k: v for k, v in found.items() if k != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def saved_run(data_root, tmp_path_factory):
+    """A finished det run saved at every step 0..4 (the newest 3 kept, and the best), and its arguments."""
+    args = ["--init_from=auto", "--max_iters=4", "--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=3"]
+    out_dir = tmp_path_factory.mktemp("saved") / "full"
+    train_det(data_root, out_dir, *args)
+    return out_dir, args
+
+
+def copy_run(saved_run, tmp_path):
+    import shutil
+    out_dir = tmp_path / "copy"
+    shutil.copytree(saved_run[0], out_dir, symlinks=True)
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["empty", "truncated", "no_file"])
+def test_auto_resumes_from_the_newest_whole_save_when_the_newest_is_damaged(damage, saved_run, data_root, tmp_path):
+    """The newest save cut short (a disk that lost data): auto resumes from the older whole save beside it, keeps the
+    damaged folder aside as iter_N.unreadable, and ends as the uninterrupted run did."""
+    out_dir = copy_run(saved_run, tmp_path)
+    newest = out_dir / ckpt.CHECKPOINTS / "iter_0000004"
+    if damage == "no_file":
+        os.remove(newest / "ckpt.pt")
+    else:
+        with open(newest / "ckpt.pt", "r+b") as f:
+            f.truncate(0 if damage == "empty" else 1000)
+    out = train_det(data_root, out_dir, *saved_run[1]).stdout
+    assert f"resuming from {out_dir / ckpt.CHECKPOINTS / 'iter_0000003'} at iter 3" in out
+    assert "skipping the save of iter 4" in out and os.path.isdir(f"{newest}.unreadable")
+    assert untimed(out_dir) == untimed(saved_run[0])
+    a, b = (torch.load(d / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt", weights_only=True)["model"]
+            for d in (out_dir, saved_run[0]))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_auto_relinks_ckpt_pt_when_the_best_save_was_deleted_by_hand(saved_run, data_root, tmp_path):
+    """learning_rate=min_lr=0: the val loss never improves on step 0's, so the best save is iter 0, kept beside the newest."""
+    import shutil
+    out_dir, args = tmp_path / "run", [*saved_run[1], "--learning_rate=0", "--min_lr=0"]
+    train_det(data_root, out_dir, *args)
+    assert os.path.realpath(out_dir / "ckpt.pt") == str(out_dir / ckpt.CHECKPOINTS / "iter_0000000" / "ckpt.pt")
+    shutil.rmtree(out_dir / ckpt.CHECKPOINTS / "iter_0000000")
+    out = train_det(data_root, out_dir, *args).stdout
+    assert "is gone" in out and "done" in out
+    assert os.path.realpath(out_dir / "ckpt.pt") == str(out_dir / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt")
+    run_script("sample.py", f"--out_dir={out_dir}", "--start=K>", "--num_samples=1", "--max_new_tokens=4",
+               data_dir=data_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init_from", ["resume", "auto"])
+def test_a_run_saved_as_a_single_ckpt_pt_resumes(init_from, saved_run, data_root, tmp_path):
+    """The layout before checkpoints/: a plain out_dir/ckpt.pt. It becomes checkpoints/iter_N/ (its bytes unchanged),
+    linked by ckpt.pt, and the run goes on from it as the uninterrupted run did."""
+    import shutil
+    out_dir = tmp_path / "old"
+    os.makedirs(out_dir)
+    shutil.copyfile(saved_run[0] / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt", out_dir / "ckpt.pt")
+    shutil.copyfile(saved_run[0] / "metrics.jsonl", out_dir / "metrics.jsonl")
+    data = (out_dir / "ckpt.pt").read_bytes()
+    args = [a for a in saved_run[1] if not a.startswith("--init_from")]
+    out = train_det(data_root, out_dir, *args, f"--init_from={init_from}").stdout
+    assert f"resuming from {out_dir / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in out
+    assert (out_dir / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt").read_bytes() == data
+    assert untimed(out_dir) == untimed(saved_run[0])
+
+
+@pytest.mark.slow
+def test_auto_with_overwrite_is_refused_in_one_line_and_nothing_changes(saved_run, data_root, tmp_path):
+    out_dir = copy_run(saved_run, tmp_path)
+    before = tree(out_dir)
+    proc = train_det(data_root, out_dir, *saved_run[1], "--overwrite=True", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--init_from=scratch --overwrite=True" in proc.stderr
+    assert tree(out_dir) == before

@@ -55,7 +55,7 @@ def test_checkpoint_round_trip_gives_identical_logits(data_root, tmp_path):
 
 
 def test_corrupt_checkpoint_is_one_clear_error(data_root, tmp_path):
-    train(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
+    train(data_root, tmp_path, "--max_iters=2", "--eval_interval=2", "--keep_checkpoints=1")  # no older save to resume
     with open(tmp_path / "ckpt.pt", "r+b") as f:
         f.truncate(1000)
     proc = train(data_root, tmp_path, "--init_from=resume", check=False)

@@ -552,13 +552,15 @@ while True:
     if eval_only or iter_num >= max_iters:
         break
 
-    # The model's own noise (B-Trans minds, EVE eps, Free Z) comes from the global generator: seeded per step and
-    # per process, so ranks draw different noise and a resumed run draws the same noise as an uninterrupted one.
-    torch.manual_seed(common.seed_of(seed, MODEL_NOISE, rank, iter_num))
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(gradient_accumulation_steps):
-        X, Y = get_batch("train", TRAIN_BATCH, iter_num, rank * gradient_accumulation_steps + micro_step)
+        batch = rank * gradient_accumulation_steps + micro_step  # the micro-batch's index in the step, over processes
+        X, Y = get_batch("train", TRAIN_BATCH, iter_num, batch)
+        # The model's own noise (B-Trans minds, EVE eps, Free Z) comes from the global generator, seeded like the
+        # batch by (step, micro-batch): each micro-batch draws other noise, and the same noise on any number of
+        # processes and in a resumed run as in an uninterrupted one.
+        torch.manual_seed(common.seed_of(seed, MODEL_NOISE, iter_num, batch))
         # DDP averages gradients across processes only on the last micro-step (one all-reduce per step). FSDP
         # reduce-scatters after every micro-step instead: gradients then stay sharded and accumulate in fp32,
         # where skipping the sync would hold full unsharded gradients (in bf16) until the last one.

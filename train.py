@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -246,7 +246,8 @@ def get_batch(split, *key):
 
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
 # memory-mapped: tensors read on load
-checkpoint = ckpt.load_checkpoint(os.path.join(start_dir, pointer), device) if resume else None
+# memory-mapped: tensors read on load; a save of the other parallel mode (ckpt.pt or FSDP's ckpt_meta.pt) is converted
+checkpoint = ckpt.load_checkpoint(ckpt.run_file(start_dir), device) if resume else None
 if checkpoint is not None:
     if checkpoint["model_type"] != model_type:
         common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model_type={checkpoint['model_type']}")
@@ -365,12 +366,36 @@ def save_checkpoint(selected):
             print(f"saved checkpoint {folder}" + (f" ({ckpt_file} links to it)" if selected else ""))
 
 
+def names_for_ids(optimizer_state):
+    """optimizer.state_dict() keyed by the parameters' names instead of their indices in the groups, as set_state_dict
+    takes it: configure_optimizers lists the same parameters in the same order, sharded or not."""
+    names = {p: name for name, p in model.named_parameters()}
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    name_of = dict(zip(ids, (names[p] for group in optimizer.param_groups for p in group["params"])))
+    return {"state": {name_of[i]: value for i, value in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
+
+
 def load_checkpoint():
-    """The weights and AdamW state of `checkpoint` (ckpt.pt), or under FSDP the shards of its folder that this
-    process owns, whatever world size wrote them (DCP reshards)."""
-    if not fsdp:
+    """The weights and AdamW state of `checkpoint`: a full save's (ckpt.pt), or the shards of an FSDP save's folder
+    (torch.distributed.checkpoint), whatever world size wrote them (DCP reshards). A save of the other parallel mode
+    is converted, and says so: FSDP's shards load as full tensors under DDP (DCP gathers them), and under FSDP each
+    process takes its shards of a full save's tensors (set_state_dict with full_state_dict=True)."""
+    sharded = "model" not in checkpoint  # ckpt_meta.pt: the tensors are the folder's shards
+    if master and sharded != fsdp:
+        print(f"resuming {'an FSDP (sharded)' if sharded else 'a full (DDP or one-process)'} save under "
+              f"{'FSDP' if fsdp else 'DDP' if ddp else 'one process'}: "
+              + ("torch.distributed.checkpoint gathers its shards into full tensors" if sharded else
+                 "each process keeps its shards of its full tensors (set_state_dict, full_state_dict=True)"))
+    if not sharded and not fsdp:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
+        return
+    if not sharded:
+        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"],
+                       optim_state_dict=names_for_ids(checkpoint["optimizer"]),
+                       options=StateDictOptions(full_state_dict=True))
         return
     saved = dcp.FileSystemReader(start_dir).read_metadata().state_dict_metadata
     if not any(key.startswith("optimizer.") for key in saved):  # saved before the first update (save_checkpoint)
@@ -394,9 +419,10 @@ if checkpoint is not None:
         if selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
             print(f"the best save (iter {selected_iter}) is gone: {ckpt_file} links to iter {iter_num}'s, resumed")
             selected_iter = iter_num
-        target = os.path.join(saved[selected_iter], pointer)
-        if os.path.realpath(ckpt_file) != os.path.realpath(target):
-            ckpt.point(out_dir, pointer, target)
+        target = ckpt.run_file(saved[selected_iter])  # linked by its own name: ckpt.pt, or ckpt_meta.pt (FSDP)
+        link = os.path.join(out_dir, os.path.basename(target))
+        if os.path.realpath(link) != os.path.realpath(target):
+            ckpt.point(out_dir, os.path.basename(target), target)
         ckpt.prune(out_dir, keep_checkpoints, pointer)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
 metrics_path = os.path.join(out_dir, "metrics.jsonl")

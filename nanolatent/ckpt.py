@@ -288,21 +288,28 @@ def finished(out_dir):
     saved = saved_steps(out_dir)
     if not saved:
         return False
-    folder = saved[max(saved)]
-    name = "ckpt.pt" if os.path.exists(os.path.join(folder, "ckpt.pt")) else "ckpt_meta.pt"
-    checkpoint = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = torch.load(run_file(saved[max(saved)]), map_location="cpu", weights_only=True, mmap=True)
     return checkpoint["iter_num"] >= checkpoint["config"]["max_iters"]
 
 
 def point(out_dir, name, target):
     """Make out_dir/name a symlink to target (relative, so the run folder can move) in one rename: a reader opening
-    out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither."""
+    out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither. The other name's link, left by the
+    run in the other parallel mode (ckpt.pt under DDP, ckpt_meta.pt under FSDP), then goes: one best save."""
     link = os.path.join(out_dir, name)
     tmp = f"{link}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
     os.symlink(os.path.relpath(target, out_dir), tmp)
     os.replace(tmp, link)
+    for other in RUN_FILES:
+        if other != name and os.path.islink(os.path.join(out_dir, other)):
+            os.remove(os.path.join(out_dir, other))
+
+
+def run_file(folder):
+    """The file of train.py's save in folder that holds the run: ckpt.pt (a full save), or ckpt_meta.pt (FSDP's)."""
+    return os.path.join(folder, "ckpt.pt" if os.path.exists(os.path.join(folder, "ckpt.pt")) else "ckpt_meta.pt")
 
 
 def prune(out_dir, keep, pointer=None):
@@ -310,10 +317,11 @@ def prune(out_dir, keep, pointer=None):
     keep=0 and no pointer delete them all (a run replaced with --overwrite=True). Each is first renamed out of the
     iter_N names, so a deletion killed halfway never leaves a partial folder that a resume would take for a whole
     one (lock_out_dir removes it later)."""
-    kept = os.path.dirname(os.path.realpath(os.path.join(out_dir, pointer))) if pointer else None
+    # the best save may still be linked by the other parallel mode's name (a run resumed in the other mode)
+    kept = {os.path.dirname(os.path.realpath(os.path.join(out_dir, name))) for name in RUN_FILES} if pointer else ()
     steps = saved_steps(out_dir)
     for it in sorted(steps)[:max(len(steps) - keep, 0)]:  # fewer folders than keep: none deleted
-        if os.path.realpath(steps[it]) != kept:
+        if os.path.realpath(steps[it]) not in kept:
             os.replace(steps[it], f"{steps[it]}.old")
             shutil.rmtree(f"{steps[it]}.old")
 

@@ -370,3 +370,26 @@ def test_auto_with_overwrite_is_refused_in_one_line_and_nothing_changes(saved_ru
     proc = train_det(data_root, out_dir, *saved_run[1], "--overwrite=True", check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--init_from=scratch --overwrite=True" in proc.stderr
     assert tree(out_dir) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single")])
+def test_a_run_saved_in_one_parallel_mode_resumes_in_the_other(before, after, data_root, tmp_path):
+    """FSDP's sharded save resumed under DDP (or one process), a full save under FSDP: converted, said so, and the
+    run ends where the uninterrupted run in the new mode does (the first steps' rounding differs between the modes:
+    1e-5; the evaluations too, but for one process, which evaluates rank 0's batches only). The best save is then linked by its own format's name, and only by it."""
+    args = ["--eval_interval=2", "--checkpoint_interval=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    finish(command(after, full, *args, "--max_iters=4", torchrun=False), data_root)
+    finish(command(before, part, *args, "--max_iters=2", torchrun=False), data_root)
+    out = finish(command(after, part, *args, "--max_iters=4", torchrun=False), data_root)
+    said = "an FSDP (sharded) save under" if before == "fsdp" else "a full (DDP or one-process) save under FSDP"
+    assert said in out and f"resuming from {part / ckpt.CHECKPOINTS / 'iter_0000002'} at iter 2" in out
+    a, b = newest_weights(part, tmp_path), newest_weights(full, tmp_path)
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    val = lambda out_dir: [r["val_loss"] for r in records(out_dir) if "val_loss" in r]
+    if after != "single":  # one process evaluates rank 0's batches only, so its first evaluations differ
+        assert len(val(part)) == len(val(full)) == 3 and all(abs(x - y) < 1e-5 for x, y in zip(val(part), val(full)))
+    links = [name for name in ckpt.RUN_FILES if os.path.islink(part / name)]
+    assert links == [next(name for name in ckpt.RUN_FILES if os.path.islink(full / name))]
+    assert os.path.exists(part / links[0])

@@ -121,11 +121,22 @@ if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(glo
     lr_decay_iters = config["lr_decay_iters"] = max_iters
 # ----------------------------------------------------------------------------------------------------------------
 
+
+
+def check_world_size(processes):
+    """What the run refuses of its number of processes, the dry run refuses of the number it plans for."""
+    if gradient_accumulation_steps % processes:
+        common.die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+                   f"{processes} processes: each one runs an equal share of the micro-batches")
+
+
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
+    planned = dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    check_world_size(planned)
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
-                    dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1)), dry_run_mfu, activation_checkpointing)
+                    planned, dry_run_mfu, activation_checkpointing)
     gc.freeze()  # as before the training loop below: the exit walks none of start-up's objects
     raise SystemExit(0)
 
@@ -160,9 +171,7 @@ if ddp:
                             device_id=torch.device(device) if device.startswith("cuda") else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sys.excepthook = lost_peer
-    if gradient_accumulation_steps % world_size:
-        common.die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-                   f"{world_size} processes: each one runs an equal share of the micro-batches")
+    check_world_size(world_size)
     gradient_accumulation_steps //= world_size
 else:
     rank, world_size = 0, 1

@@ -125,6 +125,13 @@ TRAIN_CASES = {
     "init_embeddings strings": ([FRESH, "--init_embeddings={tmp}/words.npy"], ("{tmp}/words.npy", "<U5")),
     "init_embeddings a folder": ([FRESH, "--init_embeddings={tmp}"], ("{tmp}", "folder")),
     "a dry run of 100,000 layers": ([FRESH, "--dry_run=True", "--n_layer=100000"], ("n_layer=100000",)),
+    # the world sizes the run refuses (each process an equal share of the micro-batches), refused by its plan too
+    "a dry run on 3 processes": ([FRESH, "--dry_run=True", "--dry_run_world_size=3", "--gradient_accumulation_steps=4"],
+                                 ("gradient_accumulation_steps=4", "3 processes")),
+    "a dry run on 1,024 processes": ([FRESH, "--dry_run=True", "--dry_run_world_size=1024",
+                                      "--gradient_accumulation_steps=512"], ("gradient_accumulation_steps=512", "1024")),
+    "auto with overwrite": (["--init_from=auto", "--overwrite=True"], ("init_from=auto", "overwrite=True",
+                                                                     "--init_from=scratch --overwrite=True")),
     "out_dir the checkpoint's path on resume": (["--init_from=resume", "--out_dir={run}/ckpt.pt"],
                                                 ("--out_dir={run}/ckpt.pt", "--out_dir={run}")),
     "out_dir the checkpoint's path, eval_only": (["--eval_only=True", "--out_dir={run}/ckpt.pt"],
@@ -275,10 +282,12 @@ def test_train_mistake_is_one_line_in_a_real_process(case, run, tmp_path, data_r
 ])
 def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, data_root):
     path = run / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt"  # the newest, which a resume reads
-    if content == "foreign":
-        torch.save({"weights": torch.zeros(2)}, path)
-    else:
-        path.write_bytes(content)
+    for folder in ckpt.saved_steps(run).values():  # every save: with an older whole one, that one would resume
+        if content == "foreign":
+            torch.save({"weights": torch.zeros(2)}, os.path.join(folder, "ckpt.pt"))
+        else:
+            with open(os.path.join(folder, "ckpt.pt"), "wb") as f:
+                f.write(content)
     before = snapshot(run)
     proc = train_det(data_root, run, "--init_from=resume", check=False)
     assert_one_line_error(proc, phrase, str(path))

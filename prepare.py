@@ -168,11 +168,17 @@ def write_gpt2(out, train_docs, val_docs, **meta):
     write_dataset(out, splits, meta)
 
 
-def record_text(record, fields):
+def record_text(record, fields, where):
+    """The record's `fields` joined into a document; where: the file and line (or the dataset and record) it is."""
     missing = [f for f in fields if f not in record]
     if missing:
-        common.die(f"field(s) {missing} not in the records; available: {', '.join(record)} (choose with --fields)")
-    return "\n\n".join(str(record[f]).strip() for f in fields)
+        common.die(f"{where}: field(s) {missing} not in the record; available: {', '.join(record)} (choose with "
+                   f"--fields)")
+    bad = next((f for f in fields if not isinstance(record[f], str)), None)
+    if bad is not None:  # a list, null or object would be prepared as its Python repr
+        common.die(f"{where}: field {bad!r} holds {json.dumps(record[bad])[:60]}, not a string; fix the record, or "
+                   f"choose other --fields")
+    return "\n\n".join(record[f].strip() for f in fields)
 
 
 def load_datasets():
@@ -185,7 +191,8 @@ def load_datasets():
 def read_blocks(path, size=1 << 20):
     """A local file's text in blocks of `size` bytes, decoded as open(path).read() decodes it (UTF-8, newlines made
     \\n): never the whole file in memory."""
-    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    # utf-8-sig: a byte-order mark at the start (Windows editors write one) is dropped, not made a character
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8-sig")(), translate=True)
     offset = 0
     with open(path, "rb") as f:
         while True:
@@ -231,7 +238,7 @@ def jsonl_texts(path, fields):
             if not isinstance(record, dict):
                 common.die(f"{path} line {number} is a JSON {type(record).__name__}, not an object: a .jsonl holds "
                            f"one JSON object per line, its text under --fields={','.join(fields)}")
-            yield record_text(record, fields)
+            yield record_text(record, fields, f"{path} line {number}")
 
 
 def local_documents(path, fields, start=0, stop=None):
@@ -335,7 +342,7 @@ def prepare_hub():
             for i, record in enumerate(stream):  # streamed: the hub can fail at any record
                 if limit and i >= limit:
                     return
-                yield [record_text(record, spec["fields"])]
+                yield [record_text(record, spec["fields"], f"{spec['path']} {split} record {i}")]
         except Exception as e:
             hub_failure(e)
 
@@ -376,12 +383,46 @@ def fineweb_stream():
     builder, data_files = ("parquet", files["parquet"]) if files["parquet"] else ("json", files["jsonl"])
     if not data_files:
         common.die(f"{folder} ({tokendata.LOCAL_DATA_ENV}) holds no .parquet or .jsonl files of FineWeb-Edu {subset}")
+    if builder == "json":
+        check_fineweb_jsonl(folder)
     print(f"fineweb_edu: reading {len(data_files)} files under {folder} ({tokendata.LOCAL_DATA_ENV}) in place of "
           f"the hub")
     return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True), folder
 
 
-def document_batches(stream, start, size=1024):
+def fineweb_text(line):
+    """What is wrong with the `text` of a line of a local FineWeb-Edu .jsonl, or None."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"is not JSON ({e.msg})"
+    if not isinstance(record, dict) or "text" not in record:
+        return f"has no field 'text' (its fields: {', '.join(record) if isinstance(record, dict) else 'none'})"
+    return None if isinstance(record["text"], str) else f"field 'text' holds {json.dumps(record['text'])[:60]}, " \
+                                                          f"not a string"
+
+
+def check_fineweb_jsonl(origin):
+    """One line naming the first line of the local FineWeb-Edu .jsonl files under origin (read in the stream's order)
+    whose `text` is missing or not a string, if any: before the stream, where the datasets library would make a list
+    or an object its JSON text. Each file is read by pyarrow first (its C++ reader: seconds a GB); only a file whose
+    `text` is not a string column without nulls is read again line by line, to name the line."""
+    from pyarrow import json as arrow_json
+    for path in sorted(glob.glob(os.path.join(origin, "**", "*.jsonl"), recursive=True)) if os.path.isdir(origin) else ():
+        try:
+            column = arrow_json.read_json(path).column("text")
+            if str(column.type) == "string" and column.null_count == 0:
+                continue
+        except Exception:  # no such column, types that conflict, a line that is not JSON: found below
+            pass
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip() and (what := fineweb_text(line)):
+                    common.die(f"{path} line {number} {what}: FineWeb-Edu's documents are its 'text' strings; fix "
+                               f"or drop that line")
+
+
+def document_batches(stream, origin, start, size=1024):
     """(index of the first document, anchor, texts) for batches of documents from start["doc"] on. An anchor (document
     index, stream state) is where a rerun can load the stream and count documents from: the batch's first document,
     or in the first batch of a resumed run the anchor it resumed from."""
@@ -389,13 +430,18 @@ def document_batches(stream, start, size=1024):
     doc, first, batch = start["anchor_doc"], start["doc"], []
     try:
         for record in stream:
+            if not isinstance(record.get("text"), str):  # a worker's traceback otherwise, or a repr prepared
+                check_fineweb_jsonl(origin)
+                common.die(f"{origin}: FineWeb-Edu's document {doc} has no string 'text' (its fields: "
+                           f"{', '.join(record)}); fix or drop that record")
             if doc >= start["doc"]:  # those before it are read again from the anchor, not tokenized
                 batch.append(record["text"])
             doc += 1
             if len(batch) == size:
                 yield first, anchor, batch
                 first, anchor, batch = doc, (doc, stream.state_dict()), []
-    except Exception as e:  # the hub may fail at any record
+    except Exception as e:  # the hub may fail at any record; the datasets library at a local record of another type
+        check_fineweb_jsonl(origin)
         fineweb_failure(e, "; the shards written whole are kept: the same command, run again, goes on")
     if batch:
         yield first, anchor, batch
@@ -475,7 +521,6 @@ def prepare_fineweb():
     start = shards[-1]["next"] if shards else dict(doc=0, offset=0, anchor_doc=0, state=None)
     if start["state"] is not None:
         stream.load_state_dict(start["state"])
-    os.makedirs(out, exist_ok=True)
 
     def size(k):  # tokens of shard k: 0 for none (the budget is spent)
         if k == 0:
@@ -487,6 +532,7 @@ def prepare_fineweb():
 
     def write(buffer, next):
         split = "val" if len(shards) == 0 else "train"
+        os.makedirs(out, exist_ok=True)  # at the first shard: a record refused before it leaves no empty folder
         shards.append(dict(file=f"{split}_{len(shards):06d}.bin", tokens=len(buffer), next=next))
         write_atomically(os.path.join(out, shards[-1]["file"]), lambda f: f.write(buffer.tobytes()))
         write_atomically(os.path.join(out, "progress.json"), lambda f: json.dump(
@@ -496,7 +542,7 @@ def prepare_fineweb():
 
     buffer, fill = np.empty(size(len(shards)), dtype=np.uint16), 0
     try:
-        batches = document_batches(stream, start) if len(buffer) else ()  # () when a kill came after the last shard
+        batches = document_batches(stream, origin, start) if len(buffer) else ()  # () when a kill came after the last shard
         for first, anchor, tokens, lengths in encoded(batches, local_bpe, num_proc or os.cpu_count()):
             ends = np.cumsum(lengths)
             position = start["offset"] if first == start["doc"] else 0  # a resumed run's first document: its rest

@@ -482,3 +482,52 @@ def test_train_py_on_shards_not_yet_finished_says_to_run_their_command_again(tmp
     with pytest.raises(common.Refused) as refused:
         tokendata.load_meta("fineweb_edu_47b")
     assert "is not finished" in refused.value.message and "run again, goes on where it stopped" in refused.value.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ['["a", "list"]', "null", '{"an": "object"}', "3"])
+def test_a_text_field_that_is_not_a_string_is_one_line_naming_file_line_and_field(value, tmp_path):
+    """Not its Python repr prepared as text: one line naming the file, the line and the field, and nothing written."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "fine"}\n{"title": "t", "text": ' + value + "}\n")
+    proc = run_script("prepare.py", "text", f"--input={path}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{path} line 2" in proc.stderr and "'text'" in proc.stderr and "not a string" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@needs_bpe
+@pytest.mark.parametrize("record, phrase", [
+    ({"text": None}, "field 'text' holds null, not a string"),
+    ({"text": ["a", "list"]}, "field 'text' holds [\"a\", \"list\"], not a string"),
+    ({"body": "no text field"}, "has no field 'text' (its fields: body)"),
+])
+def test_a_fineweb_record_without_a_string_text_is_one_line_naming_the_file_and_line(record, phrase, tmp_path):
+    """A local .jsonl copy of FineWeb-Edu with NANOLATENT_LOCAL_DATA set: its file, line and field, not the hub's
+    'export NANOLATENT_LOCAL_DATA' line nor a worker's traceback; and no data folder is left."""
+    folder = tmp_path / "copies" / "fineweb-edu" / tokendata.FINEWEB_EDU_SUBSETS["sample-100BT"]
+    folder.mkdir(parents=True)
+    (folder / "000_00000.jsonl").write_text('{"text": "fine"}\n' * 3)
+    (folder / "001_00000.jsonl").write_text('{"text": "fine"}\n' + json.dumps(record) + "\n")
+    proc = fineweb(tmp_path / "copies", tmp_path / "data", "--subset=sample-100BT", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{folder / '001_00000.jsonl'} line 2 {phrase}" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suffix", ["txt", "jsonl"])
+def test_a_utf8_byte_order_mark_is_not_a_character_of_the_data(suffix, tmp_path):
+    text = "hello world, the quick brown fox.\n" * 30
+    body = text if suffix == "txt" else "".join(json.dumps({"text": line}) + "\n" for line in text.splitlines())
+    (tmp_path / f"in.{suffix}").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    run_script("prepare.py", "text", f"--input={tmp_path / f'in.{suffix}'}", "--tokenizer=char", "--name=t",
+               data_dir=tmp_path)
+    train, meta = read(tmp_path, "t", "train")
+    assert "\ufeff" not in meta["chars"] and meta["chars"] == sorted(set(text if suffix == "txt" else text + "\n"))
+    if suffix == "txt":
+        val, _ = read(tmp_path, "t", "val")
+        decode = tokendata.tokenizer(meta)[1]
+        assert decode(train.tolist()) + decode(val.tolist()) == text

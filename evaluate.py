@@ -416,6 +416,10 @@ def run_mc(checkpoints):
     return {"mc_file": mc_file, "mc_samples": mc_samples}, results
 
 
+RESULTS_START = '{\n "task": '  # how every --out_json file begins (json.dumps(..., indent=1)): one that does not
+# is not evaluate.py's, and is never replaced
+
+
 def write_output(path, text, what):
     """A file written after the whole evaluation (which can take an hour), through a temporary file renamed once
     whole. A write that fails (a full disk) keeps the file there as it was and loses nothing: the text goes to
@@ -460,10 +464,7 @@ def run_tokens(checkpoints):
     difference, the mutual information (sampling.token_uncertainty)."""
     body = text
     if body.startswith("FILE:"):
-        if not os.path.isfile(body[5:]):
-            common.die(f"--text=FILE:{body[5:]}: no such file; give the path of a UTF-8 text file")
-        with open(body[5:], encoding="utf-8") as f:
-            body = f.read()
+        body = common.read_text_file("text", body[5:])
     if not body:
         common.die("--task=tokens needs --text: the text to score (its first token is the context of the others)")
     results = {}
@@ -529,6 +530,10 @@ if __name__ == "__main__":
             common.die(f"--out_json={out_json} cannot be written: " + ("it is a folder" if os.path.isdir(out_json)
                        else f"no folder {folder}" if not os.path.isdir(folder) else f"{folder} is not writable")
                        + "; give a file in an existing, writable folder")
+        with open(out_json, encoding="utf-8", errors="replace") if os.path.isfile(out_json) else nullcontext() as f:
+            if f is not None and f.read(len(RESULTS_START)) != RESULTS_START:  # a run's metrics.jsonl, say
+                common.die(f"--out_json={out_json} exists and evaluate.py did not write it (its results begin "
+                           f"{RESULTS_START!r}): choose another file, or move that one away")
     if not checkpoints:
         common.die("--out_dir names no run: give a folder or ckpt.pt, or several separated by commas")
     _, autocast = common.autocast(device, dtype)

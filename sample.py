@@ -7,7 +7,6 @@
 """
 
 import gc
-import os
 
 import torch
 
@@ -55,16 +54,7 @@ common.check_device(device)
 if latent_seed < -1:
     common.die(f"--latent_seed must be >= 0, or -1 to use --seed; got {latent_seed}")
 if start.startswith("FILE:"):
-    if os.path.isdir(start[5:]):
-        common.die(f"--start=FILE:{start[5:]} is a folder; give the path of a text file holding the prompt")
-    if not os.path.isfile(start[5:]):
-        common.die(f"--start=FILE:{start[5:]}: no such file; give the path of a text file holding the prompt")
-    try:
-        with open(start[5:], encoding="utf-8") as f:  # whatever the locale: prompts, like prepared text, are UTF-8
-            start = f.read()
-    except UnicodeDecodeError as e:
-        common.die(f"--start=FILE:{start[5:]} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, "
-                   f"e.g. iconv -t utf-8")
+    start = common.read_text_file("start", start[5:])
 if not start:
     common.die("--start is empty: the model needs at least one token to continue (the default is a newline)")
 if chat:

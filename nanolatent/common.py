@@ -78,6 +78,20 @@ def die(message):
     raise Refused(message)
 
 
+def read_text_file(flag, path):
+    """The text of the file --flag=FILE:path names (sample.py's prompt, evaluate.py's text): UTF-8 whatever the
+    locale, as prepared text is, a byte-order mark dropped; a folder, a missing file or another encoding is one line."""
+    if os.path.isdir(path):
+        die(f"--{flag}=FILE:{path} is a folder; give the path of a UTF-8 text file")
+    if not os.path.isfile(path):
+        die(f"--{flag}=FILE:{path}: no such file; give the path of a UTF-8 text file")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        die(f"--{flag}=FILE:{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. iconv -t utf-8")
+
+
 def seeded(seed, *key):
     """A generator for the draws of (seed, *key), non-negative ints: every batch and every noise draw of a run derives
     from its step (and micro-step, process, ...), so a resumed run, or one on another number of processes, draws

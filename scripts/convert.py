@@ -187,7 +187,13 @@ def state_from_hf(tensors, model):
                        f"{tuple(expected[ours].shape)}")
         state[ours] = tensor
     if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # a stored copy of the tied head: transformers ties it to the embedding
+        stored = tensors.pop("lm_head.weight", None)  # a stored copy of the tied head
+        if stored is not None and not torch.equal(stored, state["tok_emb.weight"]):  # transformers keeps it then
+            gap = (stored.float() - state["tok_emb.weight"].float()).abs().max().item()
+            common.die(f"config.json ties the head to the embedding (tie_word_embeddings=true), but the stored "
+                       f"lm_head.weight differs from model.embed_tokens.weight (max |difference| {gap:.3g}), and "
+                       f"transformers computes with it: set tie_word_embeddings to false in config.json to import "
+                       f"that head")
         state["lm_head.weight"] = state["tok_emb.weight"]  # one tensor under both names, as a tied state_dict has
     leftover = [name for name in tensors if not name.endswith("rotary_emb.inv_freq")]  # old saves kept the RoPE table
     if leftover:

@@ -136,6 +136,8 @@ def plot_eval(paths, out, floor=1e-6):
 
 if not paths:
     common.die("what to plot? give train.py out_dirs, or evaluate.py JSON files: python -m scripts.plot out-det out-eve")
+if not keys or not all(keys):  # --keys= : no panel to draw
+    common.die(f"--keys={','.join(keys)} names no key: give the metrics.jsonl keys to plot, e.g. --keys=val_loss,val_ce")
 if os.path.splitext(out)[1].lower() not in (".png", ".pdf", ".svg"):
     common.die(f"--out={out} is the figure: name a .png, .pdf or .svg file")
 if all(path.endswith(".json") for path in paths):

@@ -544,3 +544,25 @@ def test_a_det_checkpoint_loaded_as_btrans_counts_its_new_parameters_in_one_line
     assert len(new) == 5 and all(name.endswith(".mu") for name in new)  # 2 norms per block x 2 blocks + the final one
     assert capsys.readouterr().out == (f"loaded a det checkpoint into btrans; 5 new parameters keep their init "
                                        f"({new[0]} ... {new[-1]})\n")
+
+
+def test_a_tied_config_with_a_stored_head_that_differs_is_refused_and_an_equal_copy_imports_tied(tmp_path,
+                                                                                               tokenizer_file, capsys):
+    """tie_word_embeddings=true beside a stored lm_head.weight: transformers computes with the stored head, so one
+    that differs from the embedding is refused in one line (imported tied, the logits would not be transformers');
+    a stored copy equal to it imports tied."""
+    from safetensors.torch import load_file, save_file
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
+    path, args = tmp_path / "hf" / "model.safetensors", ["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"]
+    tensors = load_file(path)
+    embedding = tensors["model.embed_tokens.weight"]
+    head = embedding + 0.5 * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(0))
+    save_file({**tensors, "lm_head.weight": head}, path, metadata={"format": "pt"})
+    assert torch.equal(LlamaForCausalLM.from_pretrained(tmp_path / "hf").lm_head.weight, head)  # what transformers uses
+    line = refusal(capsys, *args)
+    assert "tie_word_embeddings" in line and "lm_head.weight" in line and "differs" in line
+    assert not (tmp_path / "ours" / "ckpt.pt").exists()
+    save_file({**tensors, "lm_head.weight": embedding.clone()}, path, metadata={"format": "pt"})
+    convert.main(args)
+    ours, _ = ckpt.load_model(tmp_path / "ours")
+    assert ours.lm_head.weight is ours.tok_emb.weight and torch.equal(ours.tok_emb.weight, embedding)

@@ -703,7 +703,7 @@ builtins.open = open
 def test_evaluate_on_a_full_disk_prints_the_results_keeps_the_old_file_and_says_so_in_one_line(trained, data_root,
                                                                                               tmp_path):
     write(tmp_path / "hook" / "sitecustomize.py", FULL_DISK_JSON)
-    write(tmp_path / "eval.json", '{"earlier": "results"}')
+    write(tmp_path / "eval.json", '{\n "task": "lm", "earlier": "results"}')  # evaluate.py's: it may replace it
     env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook"),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "evaluate.py", f"--out_dir={trained}", "--max_tokens=256",
@@ -711,7 +711,7 @@ def test_evaluate_on_a_full_disk_prints_the_results_keeps_the_old_file_and_says_
     assert_one_line_error(proc, str(tmp_path / "eval.json"), "No space left on device")
     printed = json.loads(proc.stdout[proc.stdout.index('{\n "task"'):])  # nothing lost: the file's text, on stdout
     assert printed["task"] == "lm" and printed["results"][str(trained)]["nll"] > 0
-    assert (tmp_path / "eval.json").read_text() == '{"earlier": "results"}'
+    assert (tmp_path / "eval.json").read_text() == '{\n "task": "lm", "earlier": "results"}'
     assert sorted(os.listdir(tmp_path)) == ["eval.json", "hook"]
 
 
@@ -786,3 +786,55 @@ def test_plot_skips_a_partial_last_line(trained, tmp_path):
     proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
     assert "ends in a partial line" in proc.stderr and (tmp_path / "p.png").exists()
     assert json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())["iter"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["metrics.jsonl", "notes.json"])
+def test_evaluate_never_replaces_a_file_it_did_not_write(name, trained, data_root, tmp_path):
+    """--out_json=RUN/metrics.jsonl (the run's training log), or any JSON of another writer: one line before the
+    evaluation, the file as it was; evaluate.py's own results file is replaced."""
+    shutil.copytree(trained, tmp_path / "run")
+    path = tmp_path / "run" / name
+    if name == "notes.json":
+        write(path, '{"task": "mine", "results": {}}')  # evaluate.py's keys, not its layout
+    before = path.read_bytes()
+    proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'run'}", "--max_tokens=256", f"--out_json={path}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--out_json={path}", "did not write it")
+    assert "lm:" not in proc.stdout and path.read_bytes() == before
+    ours = tmp_path / "eval.json"
+    for _ in range(2):  # written, then replaced
+        run_script("evaluate.py", f"--out_dir={tmp_path / 'run'}", "--max_tokens=256", f"--out_json={ours}",
+                   data_dir=data_root)
+        assert json.loads(ours.read_text())["task"] == "lm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, phrase", [
+    ("caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3: invalid continuation byte)"),
+    (None, "is a folder"),
+])
+def test_evaluate_text_file_that_is_not_utf8_text_is_one_line_as_in_sample(content, phrase, trained, data_root,
+                                                                           tmp_path):
+    path = tmp_path / "latin1.txt" if content is not None else tmp_path
+    if content is not None:
+        path.write_bytes(content)
+    proc = run_script("evaluate.py", f"--out_dir={trained}", "--task=tokens", f"--text=FILE:{path}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--text=FILE:{path} {phrase}")
+
+
+@pytest.mark.slow
+def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(trained, data_root, tmp_path):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfK>")
+    a, b = (run_script("sample.py", f"--out_dir={trained}", start, "--seed=3", "--num_samples=2",
+                       data_dir=data_root).stdout for start in ("--start=K>", f"--start=FILE:{tmp_path / 'bom.txt'}"))
+    assert a == b and a.count("K>") == 2
+
+
+@pytest.mark.slow
+def test_plot_with_no_keys_is_one_line(trained, tmp_path):
+    proc = run_script("-m", "scripts.plot", trained, "--keys=", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path,
+                      check=False)
+    assert_one_line_error(proc, "--keys=", "names no key")
+    assert not (tmp_path / "p.png").exists()

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -139,12 +140,39 @@ class Stop:
     the signal, and the loop, between two whole steps, saves and exits (stopping inside an optimizer step would
     save half an update). A second signal stops at once, without saving: the last checkpoint stays as it is."""
 
+    STUCK = 10  # seconds a signal may wait for the interpreter before the process leaves without saving
+
     def __init__(self):
-        self.signum = 0
+        self.signum, self.handled = 0, 0
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.handle)
+        # The handler above runs only between two bytecodes of the main thread: never while it waits in C++ code, as
+        # in a collective whose other process died (until dist_timeout), where torchrun's SIGTERM to the survivors
+        # would go unread until its SIGKILL 30 s later. The C-level handler also writes each signal's number to this
+        # pipe, at once; a thread that reads it ends the process when the handler has not run STUCK seconds later.
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self.watch, args=(read,), daemon=True).start()
+
+    def watch(self, read):
+        seen = 0
+        while True:
+            signum = os.read(read, 1)[0]
+            if signum not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            seen += 1
+            deadline = time.time() + self.STUCK
+            while self.handled < seen and time.time() < deadline:
+                time.sleep(0.05)
+            if self.handled < seen:
+                os.write(2, f"\nstopped by {signal.Signals(signum).name} without saving: the process was blocked "
+                            f"{self.STUCK} s in a collective or another call (a lost process?); the last checkpoint "
+                            f"is unchanged\n".encode())
+                os._exit(128 + signum)
 
     def handle(self, signum, frame):
+        self.handled += 1
         if self.signum:
             print(f"\nstopped by a second {signal.Signals(signum).name} without saving: the last checkpoint is "
                   f"unchanged", file=sys.stderr)

@@ -152,3 +152,20 @@ def test_activation_checkpointing_keeps_the_state_dict_keys():
     keys = list(model.state_dict())
     models.checkpoint_blocks(model)
     assert list(model.state_dict()) == keys
+
+
+# shapes from d = 32 to 128 and 2 to 6 layers, GQA, multi-query and not
+BOUND_SHAPES = [dict(n_embd=32, n_head=2, n_kv_head=1, n_layer=2), dict(n_embd=32, n_head=2, n_kv_head=2, n_layer=4),
+                dict(n_embd=48, n_head=3, n_kv_head=1, n_layer=6), *SHAPES,
+                dict(n_embd=128, n_head=4, n_kv_head=4, n_layer=2)]
+
+
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_plan_keeps_the_bound_docs_training_md_states_in_the_default_configs(model_type):
+    """Within 1% of torch's saved tensors at d >= 64, 2.5% at smaller widths (docs/training.md, Dry run)."""
+    for shape in BOUND_SHAPES:
+        measured, _ = plan.saved_bytes(tiny(model_type, shape), *batch())
+        with torch.device("meta"):
+            planned = models.build_model(model_type, {"vocab_size": V, "block_size": T, **shape})
+        ratio = plan.memory_plan(planned, B, fsdp=False, gpus=1)["activations"] / measured
+        assert abs(ratio - 1) < (0.01 if shape["n_embd"] >= 64 else 0.025), (shape, ratio)

@@ -393,3 +393,56 @@ def test_a_run_saved_in_one_parallel_mode_resumes_in_the_other(before, after, da
     links = [name for name in ckpt.RUN_FILES if os.path.islink(part / name)]
     assert links == [next(name for name in ckpt.RUN_FILES if os.path.islink(full / name))]
     assert os.path.exists(part / links[0])
+
+
+def restart_recipe():
+    """(environment, torchrun flags) of docs/training.md's torchrun --max_restarts command, as written there."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "training.md")) as f:
+        line = next(line for line in f if "torchrun" in line and "--max_restarts" in line and "`" not in line)
+    words = line.split()
+    at = words.index("torchrun")
+    env = dict(word.split("=", 1) for word in words[:at])
+    return env, [w for w in words[at + 1:] if w.startswith("--max_restarts")]
+
+
+@pytest.mark.slow
+def test_the_documented_restart_recipe_reconnects_after_a_worker_is_killed(data_root, tmp_path):
+    """docs/training.md's command (its environment and --max_restarts) on a 2-process gloo job: one worker SIGKILLed
+    at step 3, torchrun restarts both, and they reconnect, resume from the last save and finish the run, exit 0."""
+    env, restarts = restart_recipe()
+    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} and restarts
+    out_dir, log_file = tmp_path / "run", tmp_path / "job.log"
+    cmd = command("ddp", out_dir, "--max_iters=8", "--eval_interval=4", "--checkpoint_interval=2")
+    cmd[cmd.index("--standalone") + 1:cmd.index("--standalone") + 1] = restarts
+    proc = start_script(*cmd[1:], data_dir=data_root, out=log_file, err=log_file, env=env)
+    try:
+        wait_for_line(log_file, "iter 3/", proc)
+        os.kill(ranks(job(proc.pid))[1], signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, log_file.read_text()[-3000:]
+    finally:
+        kill_job(job(proc.pid) if proc.poll() is None else [])
+    text = log_file.read_text()
+    assert re.search(rf"resuming from {re.escape(str(out_dir / ckpt.CHECKPOINTS))}/iter_\d+ at iter [23]", text)
+    assert ckpt.finished(out_dir) and text.count("done. Sample from") == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_process_blocked_in_a_collective_ends_it_within_seconds(data_root, tmp_path):
+    """The other process hangs (SIGSTOP), so process 0 waits in a collective until dist_timeout (120 s here); torchrun's
+    SIGTERM, which its Python handler cannot read there, still ends it within Stop.STUCK = 10 s (20 s of slack)."""
+    log_file = tmp_path / "job.log"
+    proc = start_job(data_root, log_file, tmp_path / "run", "--dist_timeout=120")
+    pids = job(proc.pid)
+    try:
+        workers = ranks(pids)
+        os.kill(workers[1], signal.SIGSTOP)
+        time.sleep(1)  # process 0 is in the step's collective by now
+        t0 = time.time()
+        os.kill(workers[0], signal.SIGTERM)
+        while os.path.exists(f"/proc/{workers[0]}") and open(f"/proc/{workers[0]}/stat").read().split()[2] != "Z":
+            assert time.time() - t0 < 30, log_file.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        kill_job(pids)
+        proc.wait()
+    assert "stopped by SIGTERM without saving: the process was blocked" in log_file.read_text()

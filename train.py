@@ -122,7 +122,6 @@ if max_iters < lr_decay_iters and "lr_decay_iters" not in configurator.given(glo
 # ----------------------------------------------------------------------------------------------------------------
 
 
-
 def check_world_size(processes):
     """What the run refuses of its number of processes, the dry run refuses of the number it plans for."""
     if gradient_accumulation_steps % processes:
@@ -254,7 +253,6 @@ def get_batch(split, *key):
 
 
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
-# memory-mapped: tensors read on load
 # memory-mapped: tensors read on load; a save of the other parallel mode (ckpt.pt or FSDP's ckpt_meta.pt) is converted
 checkpoint = ckpt.load_checkpoint(ckpt.run_file(start_dir), device) if resume else None
 if checkpoint is not None:
@@ -426,7 +424,7 @@ if checkpoint is not None:
     if master and not eval_only:  # what a save killed after its commit left undone: the link, the deletions
         saved = ckpt.saved_steps(out_dir)
         if selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
-            print(f"the best save (iter {selected_iter}) is gone: {ckpt_file} links to iter {iter_num}'s, resumed")
+            print(f"the best save (iter {selected_iter}) is gone: {out_dir}'s link goes to iter {iter_num}'s, resumed")
             selected_iter = iter_num
         target = ckpt.run_file(saved[selected_iter])  # linked by its own name: ckpt.pt, or ckpt_meta.pt (FSDP)
         link = os.path.join(out_dir, os.path.basename(target))

@@ -159,7 +159,7 @@ class Stop:
         seen = 0
         while True:
             signum = os.read(read, 1)[0]
-            if signum not in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) != self.handle:  # another signal, or this Stop's handlers are gone
                 continue
             seen += 1
             deadline = time.time() + self.STUCK

@@ -228,7 +228,7 @@ class VariationalMLP(nn.Module):
         """The neurons between the products, element-wise (§3.2, §3.3): from m = w_mu u, r = w_logvar u and eps (B, T,
         D), and at a decode step the cached memory mu_p (B, 1, D), to the decoder's output y (B, T, N), the token means
         the objective reads ((D,) each, by name) and the memory of the next position (B, D; None without the AR prior).
-        nanolatent/eve_bank.py computes the same with its backward written out, for the CPU (tests/test_eve_bank.py)."""
+        nanolatent/eve_bank.py computes the same with its backward written out (tests/test_eve_bank.py)."""
         cfg, (B, T, D), N = self.config, m.shape, self.config.n_neurons
         logvar_q = r.clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2
         sigma_q = torch.exp(0.5 * logvar_q)

@@ -148,7 +148,8 @@ def test_fused_banks_leaves_a_model_without_neurons_unchanged():
 
 def test_fused_banks_applies_only_to_the_plain_bank_it_was_written_for(monkeypatch):
     """The fused bank stands for today's VariationalMLP.bank, prior_mean and scan: after an edit of any of them (their
-    source's hash differs; update PLAIN_SOURCE once the tests above pass again) the plain bank trains, with a warning."""
+    source's hash differs; update PLAIN_SOURCE once the tests above pass again) the plain bank trains, with a
+    warning."""
     assert eve_bank.plain_source() == eve_bank.PLAIN_SOURCE
     monkeypatch.setattr(eve_bank, "PLAIN_SOURCE", "an edited bank")
     model = make()

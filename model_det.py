@@ -180,7 +180,10 @@ class Config:
 
 
 class Model(nn.Module):
-    latent_kind = "none"  # what each stochastic pass draws, for the scripts: nothing here, one pass is all there is
+    @property
+    def latent_kind(self):
+        """What each stochastic pass draws, for the scripts: nothing here, one pass is all there is."""
+        return "none"
 
     def __init__(self, config):
         super().__init__()

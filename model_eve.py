@@ -144,95 +144,23 @@ def gaussian_kl(logvar_q, var_q, sq_dist, logvar_p):
     return 0.5 * (logvar_p - logvar_q + (var_q + sq_dist) * torch.exp(-logvar_p) - 1.0)
 
 
-def scan(x, a, reverse=False, k=8):
-    """h[t] = a h[t-1] + x[t] (reverse: a h[t+1] + x[t]) along dim 1 of x (B, T, D), a (D,), in chunks of k positions
-    (as linear-attention codebases do): k - 1 steps in all chunks at once, the T/k chunk ends by doubling with a^k, then
-    a^d times the chunk before's end at distance d. k + log2(T/k) ops, out of place: torch.compile fuses each stage."""
+def scan(x, a, k=8):
+    """h[t] = a h[t-1] + x[t] along dim 1 of x (B, T, D), a (D,), in chunks of k positions (as linear-attention
+    codebases do): k - 1 steps in all chunks at once, the T/k chunk ends by doubling with a^k, then a^i times the end of
+    the chunk before at position i of a chunk. k + log2(T/k) ops, out of place: torch.compile fuses each stage."""
     B, T, D = x.shape
     x = torch.cat([x, x.new_zeros(B, -T % k, D)], dim=1).view(B, -1, k, D)  # (B, n, k, D), 0 after T
     powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
-    h, steps = list(x.unbind(2)), range(k)[::-1] if reverse else range(k)  # k of (B, n, D)
-    for prev, i in zip(steps, steps[1:]):  # within every chunk at once
-        h[i] = torch.addcmul(h[i], h[prev], a)
-    ends = h[steps[-1]].flip(1) if reverse else h[steps[-1]]  # (B, n, D): chunks' last, in order
-    s, a_s = 1, powers[-1]
+    h = list(x.unbind(2))  # k of (B, n, D)
+    for i in range(1, k):  # within every chunk at once
+        h[i] = torch.addcmul(h[i], h[i - 1], a)
+    ends, s, a_s = h[-1], 1, powers[-1]  # (B, n, D): the chunks' last
     while s < ends.size(1):  # the ends' own recurrence with a^k, by doubling (Hillis & Steele 1986): log2(n) steps
         ends = torch.cat([ends[:, :s], torch.addcmul(ends[:, s:], ends[:, :-s], a_s)], dim=1)
         s, a_s = 2 * s, a_s * a_s
     carried = torch.cat([ends.new_zeros(B, 1, D), ends[:, :-1]], dim=1)  # (B, n, D): the end of the chunk before
-    carried = carried.flip(1) if reverse else carried  # i + 1 after it, or (reverse) k - i before the next's first
-    h = torch.addcmul(torch.stack(h, dim=2), carried.unsqueeze(2), powers.flip(0) if reverse else powers)
+    h = torch.addcmul(torch.stack(h, dim=2), carried.unsqueeze(2), powers)  # position i: + a^(i+1) carried
     return h.view(B, -1, D)[:, :T]
-
-
-def posterior(m, r, eps, lo, hi):
-    logvar_q = r.clamp(lo, hi)  # clipped log sigma_q^2
-    sigma_q = torch.exp(0.5 * logvar_q)
-    return logvar_q, sigma_q, torch.addcmul(m, sigma_q, eps)  # §3.2 mu + sigma_q eps: the innovation e
-
-
-def readout(m, e, mu_p, c, gain, bias):
-    """-> mu_q = m + c h, z = e + c h (B, T, D) (§3.2 q(z | x, h), h = mu_p) and the decoder's d_i . z_i + c_i."""
-    mu_q, z = (m, e) if c is None else (torch.addcmul(m, mu_p, c), torch.addcmul(e, mu_p, c))
-    B, T, N, dz = *m.shape[:2], *gain.shape
-    pre = torch.addcmul(bias, z, gain.view(N)) if dz == 1 else (z.view(B, T, N, dz) * gain).sum(-1) + bias
-    return mu_q, z, pre
-
-
-class NeuronBank(torch.autograd.Function):
-    """The bank between its products, element-wise (§3.2, §3.3): from m = w_mu u, r = w_logvar u and eps (B, T, D) to
-    the decoder's output y (B, T, N) and the token means the objective reads. Its backward, written out, keeps m, r,
-    eps and mu_p, recomputes sigma_q, z, mu_q and the decoder's input: 4 (B, T, D) tensors a layer (autograd kept 8)."""
-
-    @staticmethod
-    def forward(ctx, m, r, eps, mu_p, alpha, b, m0, c, gain, bias, lo, hi):
-        """mu_p: a decode step's cached memory (B, 1, D); None: scanned (alpha None: no AR prior). -> y (B, T, N), token
-        means (6, D) of log sigma_q^2, sigma_q^2, mu_q^2, (mu_q - mu_p)^2 twice (L_AR's: grad to mu_p only), sigma_q,
-        and the memory at the next position."""
-        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
-        ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
-        if ctx.scanned:  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0: sees z(< t) only
-            mu_p = scan(torch.cat([m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)  # (B, T, D)
-        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
-        sq = (mu_q if mu_p is None else mu_q - mu_p).pow(2).mean((0, 1))
-        means = torch.stack([logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), mu_q.pow(2).mean((0, 1)), sq, sq,
-                             sigma_q.mean((0, 1))])  # (6, D)
-        following = None if mu_p is None else alpha * mu_p[:, -1] + b * e[:, -1]  # (B, D)
-        ctx.save_for_backward(m, r, eps, mu_p, alpha, b, c, gain, bias)
-        if following is not None:
-            ctx.mark_non_differentiable(following)  # the decode cache's next state, stored detached
-        return F.silu(pre), means, following
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_means, _):
-        m, r, eps, mu_p, alpha, b, c, gain, bias = ctx.saved_tensors
-        (lo, hi), (B, T, D), (N, dz) = ctx.bounds, m.shape, gain.shape
-        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
-        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
-        grad_pre = torch.ops.aten.silu_backward(grad_y, pre)  # (B, T, N)
-        grad_e = (grad_pre.unsqueeze(-1) * gain).view(B, T, D)  # through z: z = e + c h
-        g = grad_means.unsqueeze(1) / (B * T)  # (6, 1, D): a token mean passes 1 / (B T) of its gradient to each
-        dist = mu_q if mu_p is None else mu_q - mu_p
-        grad_mu_q = torch.addcmul(2 * g[2] * mu_q, dist, 2 * g[3])  # of mean mu_q^2 and mean (mu_q - mu_p)^2
-        grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c = None, None, None, None, None
-        if mu_p is not None:
-            grad_mu_p = dist * (-2 * (g[3] + g[4]))  # the KL's distance and L_AR
-            if c is not None:  # c h enters z and mu_q
-                through = grad_e + grad_mu_q
-                grad_c = (through * mu_p).sum((0, 1))
-                grad_mu_p.addcmul_(through, c)
-        if ctx.scanned:  # back through the scan: the same recurrence in reverse (d drive = reverse scan of d mu_p)
-            grad_drive = scan(grad_mu_p, alpha, reverse=True)
-            grad_alpha = (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
-            grad_b = (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
-            grad_m0 = grad_drive[:, 0].sum(0)
-            grad_e[:, :-1].addcmul_(grad_drive[:, 1:], b)  # e(t) drives mu_p(t + 1)
-            grad_mu_p = None  # an output of the scan here, not an input
-        grad_sigma = torch.addcmul(g[5], sigma_q, 2 * g[1]).addcmul_(grad_e, eps)
-        grad_r = torch.addcmul(g[0], sigma_q, grad_sigma, value=0.5).mul_(logvar_q == r)  # the clip: r in [lo, hi]
-        grad_gain = (grad_pre.unsqueeze(-1) * z.view(B, T, N, dz)).sum((0, 1))
-        return (grad_e + grad_mu_q, grad_r, None, grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c, grad_gain,
-                grad_pre.sum((0, 1)), None, None)
 
 
 class VariationalMLP(nn.Module):
@@ -276,31 +204,60 @@ class VariationalMLP(nn.Module):
     def forward(self, u, eps, start_pos=0, with_aux=False):
         """u = RMSNorm(x) (B, T, C), eps (B, T, D) -> (update (B, T, C), aux: KL_u, mu2_u (N,), L_AR, sigma or None)"""
         cfg, cache, N, dz = self.config, self.prior_cache, self.config.n_neurons, self.config.latent_dim
-        # the memory h = mu_p: NeuronBank's scan; at one position the cached state (B, 1, D), a copy: it moves on
+        # the memory h = mu_p: scanned over the positions; at one position the cached state (B, 1, D), a copy
         mu_p = cache.mean.unsqueeze(1).clone() if cache is not None and u.size(1) == 1 else None
         if mu_p is None and cfg.ar_prior and start_pos > 0:
             raise ValueError("the AR prior needs the state of earlier positions: decode with the KV cache")
-        prior = (torch.tanh(self.ar_a), self.ar_b, self.prior_m0) if cfg.ar_prior else (None, None, None)
-        c = None if self.mem_gain is None else torch.tanh(self.mem_gain)  # (D,)
-        y, means, following = NeuronBank.apply(self.w_mu(u), self.w_logvar(u), eps, mu_p, *prior, c, self.dec_gain,
-                                               self.dec_bias, cfg.logvar_min, cfg.logvar_max)  # (B, T, N), (6, D)
-        if cache is not None: cache.mean.copy_(following)
+        y, means, following = self.bank(self.w_mu(u), self.w_logvar(u), eps, mu_p)  # (B, T, N), (D,) each
+        if cache is not None:
+            cache.mean.copy_(following.detach())
         out = self.w2(y)  # (B, T, C)
         if not with_aux:
             return out, None
         # The objective needs only means over the tokens (B, T); the KL is linear in them: closed forms on (D,) vectors
-        logvar_p = self.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max) if cfg.ar_prior else means.new_zeros(())
-        kl = gaussian_kl(means[0], means[1], means[3], logvar_p)  # (D,) §3.3 KL; the fixed prior: N(0, I)
-        # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the prior's squared one-step error
-        # at the posterior mean, mean_{t,i} (mu_p,i(t) - sg[mu_q,i(t)])^2: sg keeps it from pulling the posterior (the
-        # KL does, weighted by beta); it trains f_AR and asks past latents to predict the next (§3.3's continuity).
-        ar = means[4].mean() if cfg.ar_prior else means.new_zeros(())
+        logvar_p = self.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max) if cfg.ar_prior else y.new_zeros(())
+        kl = gaussian_kl(means["logvar_q"], means["var_q"], means["sq_dist"], logvar_p)  # (D,) §3.3 KL; fixed: N(0, I)
         aux = {"kl_u": kl.view(N, dz).sum(-1),  # (N,) KL of each neuron, summed over its dims, mean over tokens
-               "mu2_u": means[2].view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2 over tokens
-               "ar": ar, "sigma": means[5].detach().mean()}
+               "mu2_u": means["mu2"].view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2 over tokens
+               "ar": means["ar"].mean() if cfg.ar_prior else y.new_zeros(()), "sigma": means["sigma_q"].detach().mean()}
         if self.training:  # for update_controllers: the last training forward's per-unit measurements
-            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach().float()  # (2, N), float32 like the buffers
+            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach()  # (2, N)
         return out, aux
+
+    def bank(self, m, r, eps, mu_p=None):
+        """The neurons between the products, element-wise (§3.2, §3.3): from m = w_mu u, r = w_logvar u and eps (B, T,
+        D), and at a decode step the cached memory mu_p (B, 1, D), to the decoder's output y (B, T, N), the token means
+        the objective reads ((D,) each, by name) and the memory of the next position (B, D; None without the AR prior).
+        nanolatent/eve_bank.py computes the same with its backward written out (tests/test_eve_bank.py)."""
+        cfg, (B, T, D), N = self.config, m.shape, self.config.n_neurons
+        logvar_q = r.clamp(cfg.logvar_min, cfg.logvar_max)  # clipped log sigma_q^2
+        sigma_q = torch.exp(0.5 * logvar_q)
+        e = m + sigma_q * eps  # §3.2 z = mu + sigma_q eps, of mu's part read from u alone: the innovation
+        following = None
+        if cfg.ar_prior:
+            mu_p, following = self.prior_mean(e, mu_p)  # (B, T, D), (B, D)
+        # §3.2 q(z | x, h): mu_q = w_mu u + c h with the memory h = mu_p, and z = mu_q + sigma_q eps = e + c h
+        c = torch.tanh(self.mem_gain) if self.mem_gain is not None else None  # (D,)
+        mu_q, z = (m, e) if c is None else (m + c * mu_p, e + c * mu_p)
+        y = F.silu((z * self.dec_gain.view(D)).view(B, T, N, -1).sum(-1) + self.dec_bias)  # §3.2 y = g(z), (B, T, N)
+        means = {"logvar_q": logvar_q.mean((0, 1)), "var_q": sigma_q.pow(2).mean((0, 1)),
+                 "mu2": mu_q.pow(2).mean((0, 1)), "sigma_q": sigma_q.mean((0, 1)),
+                 "sq_dist": (mu_q if mu_p is None else mu_q - mu_p).pow(2).mean((0, 1))}  # the KL's (mu_q - mu_p)^2
+        if cfg.ar_prior:
+            # L_AR (§3.6, "present when the autoregressive prior is active"). Choice: the prior's squared one-step
+            # error at the posterior mean, (mu_p(t) - sg[mu_q(t)])^2: the stop-gradient keeps it from pulling the
+            # posterior (the KL does, weighted by beta); it trains f_AR, asking past latents to predict the next (§3.3)
+            means["ar"] = (mu_p - mu_q.detach()).pow(2).mean((0, 1))
+        return y, means, following
+
+    def prior_mean(self, e, mu_p=None):
+        """§3.3 the AR prior's mean, the memory h = mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0 (alpha the loop's
+        pole: see __init__), from the innovations e (B, T, D); at a decode step mu_p (B, 1, D) is the cached state.
+        -> mu_p (B, T, D), which sees e(< t) only, and the next position's (B, D)."""
+        alpha, b = torch.tanh(self.ar_a), self.ar_b  # (D,) each
+        if mu_p is None:  # every position at once: the linear recurrence as a scan
+            mu_p = scan(torch.cat([self.prior_m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)
+        return mu_p, alpha * mu_p[:, -1] + b * e[:, -1]
 
 
 class Block(nn.Module):
@@ -413,11 +370,14 @@ class Config:
 
 
 class Model(nn.Module):
+    @property
+    def latent_kind(self):
+        """What each stochastic pass draws, for the scripts: a fresh eps for every neuron and token (twin: nothing)."""
+        return "noise" if self.config.variational else "none"
+
     def __init__(self, config):
         super().__init__()
         self.config = config
-        # what each stochastic pass draws, for the scripts: a fresh eps for every neuron and token (twin: nothing)
-        self.latent_kind = "noise" if config.variational else "none"
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
@@ -541,7 +501,7 @@ class Model(nn.Module):
         mlps = [block.mlp for block in self.blocks]
         if not cfg.variational or any(m.stash is None for m in mlps):
             return  # no training forward since the last update
-        measured = torch.stack([m.stash for m in mlps])  # (L, 2, N)
+        measured = torch.stack([m.stash for m in mlps]).to(mlps[0].mu2_ema.dtype)  # (L, 2, N), as the buffers
         if all_reduce is not None:
             all_reduce(measured)
         step = int(self.ctrl_step)

@@ -313,7 +313,10 @@ class Config:
 
 
 class Model(nn.Module):
-    latent_kind = "code"  # what each stochastic pass draws, for the scripts: Z codes, from the prior or the encoder
+    @property
+    def latent_kind(self):
+        """What each stochastic pass draws, for the scripts: Z codes, from the prior or the encoder."""
+        return "code"
 
     def __init__(self, config):
         super().__init__()

@@ -39,7 +39,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from nanolatent import ckpt, common, cpu, models, plan, records, tokendata
+from nanolatent import ckpt, common, cpu, eve_bank, models, plan, records, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -304,6 +304,7 @@ if init_embeddings and checkpoint is None:  # a resumed run has them in its chec
         model.tok_emb.weight.copy_(embedding)
 model.tok_emb.weight.requires_grad_(not freeze_embeddings)  # before configure_optimizers, which skips it then
 model_config = models.config_dict(model.config)
+eve_bank.fused_banks(model)  # EVE's neurons with their backward written out (eve_bank.py; other models: no change)
 
 # One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
 # all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied

@@ -1,5 +1,6 @@
-"""What every script shares: one-line errors, seeded draws, devices and dtypes, run records, picking and building a
-model file, and planning a run's memory. Model files never import this module; they stay self-contained."""
+"""What every script shares: one-line errors (die), seeded draws, devices, dtypes and autocast, GPUs' peak FLOPs, a
+progress line, matplotlib if present, free disk space, a training loop's stop on a signal. Model files never import
+this module."""
 
 import contextlib
 import os

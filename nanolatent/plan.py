@@ -20,26 +20,29 @@ def saved_per_token(planned, checkpointing=False, bytes_per_value=2):
       6 q + 4 kv + 4 nh  attention: queries after RoPE, its output and wo's input; keys, values; the log-sum-exp
       8 f   SwiGLU: w1 x, w3 x, silu(w1 x) and their product, in bf16
     (Korthikanti et al. 2022 §4.1 count 34 d for GPT's block: autocast's copies and RMSNorm's float32 are the rest.)
-    EVE: its neurons in place of the SwiGLU, 14.5 bytes per latent coordinate D (4 of them the float32 eps, drawn
-    for every block before the first); its head's layer mix keeps the last block's float32 output (4 d, once: the
-    others are the next blocks' inputs); n_samples > 1 multiplies the tokens. Free Transformer: the encoder is one
-    more block, and the injection of Z (the middle block's second norm and its copies, R, X + R) adds 20.5 d a
-    token. Outside the blocks: the final norm and the head's input (10 d), the bf16 logits (2 V, held by the
-    caller), the loss's float32 log-probabilities (4 V). checkpointing: a block keeps only its float32 input (4 d;
-    EVE also its eps) and one block at a time is recomputed in full. bytes_per_value=4 (float32, no autocast): no
-    copies, every bf16 value above at 4 bytes; EVE's and the Free Transformer's own terms doubled, which bounds them."""
-    cfg, kind = planned.config, type(planned).__module__
+    EVE: its neurons (eve_bank.fused_banks, as train.py trains them) in place of the SwiGLU, 14.5 bytes per latent
+    coordinate D (4 of them the float32 eps, drawn for every block before the first); its head's layer mix keeps the
+    last block's float32 output (4 d, once: the others are the next blocks' inputs); n_samples > 1 multiplies the
+    tokens. Free Transformer: the encoder is one more block, and the injection of Z (the middle block's second norm and
+    its copies, R, X + R) adds 20.5 d a token. Outside the blocks: the final norm and the head's input (10 d), the bf16
+    logits (2 V, held by the caller), the loss's float32 log-probabilities (4 V). checkpointing: a block keeps only its
+    float32 input (4 d; EVE also its eps) and one block at a time is recomputed in full. bytes_per_value=4 (float32, no
+    autocast): no copies, every bf16 value above at 4 bytes; EVE's and the Free Transformer's own terms doubled, which
+    bounds them."""
+    cfg = planned.config
+    neurons = getattr(cfg, "variational", False)  # EVE's neuron bank (its Config alone has the field; twin: False)
     d, V, nh, n_blocks = cfg.n_embd, cfg.vocab_size, cfg.n_head, len(models.transformer_blocks(planned))
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     x = bytes_per_value / 2  # the bf16 values' scale
     autocast = bytes_per_value == 2  # its bf16 copies of the normed inputs: 5 in a block, 1 for the head
     attention = 16 * d + (10 * d if autocast else 0) + x * (6 * q + 4 * kv) + 4 * nh
     kept = 0  # per block, kept whatever checkpointing does
-    if kind == "model_eve" and cfg.variational:
+    if neurons:
         block, kept = attention + x * 10.5 * cfg.n_latent, 4 * cfg.n_latent
     else:
         block = attention + x * 8 * cfg.ffn_hidden
-    extra = x * 20.5 * d if kind == "model_free" else 4 * d if kind == "model_eve" and cfg.layer_weights else 0
+    # the Free Transformer's encoder draws the codes (latent_kind "code"); EVE's head mixes the blocks (layer_weights)
+    extra = x * 20.5 * d if planned.latent_kind == "code" else 4 * d if getattr(cfg, "layer_weights", False) else 0
     blocks = n_blocks * (4 * d + kept) + block if checkpointing else n_blocks * (block + kept)
     head = 8 * d + (2 * d if autocast else 0) + x * 2 * V + 4 * V  # final norm, head input, logits, log-probs
     return blocks + extra + head

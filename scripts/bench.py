@@ -13,11 +13,12 @@ A model spec is `type[:field=value...]`, with any field of the model's Config. E
 process's peak resident set on a CPU (torch itself included, about 0.3 GB). --repeats=N runs the specs N times, round
 robin, and keeps each one's best: a shared CPU is noisy. A training step is forward, backward and AdamW (the model's
 configure_optimizers) on random tokens; MFU is flops_per_token() x tokens/s over the GPU's peak bf16 throughput
-(common.PEAK_FLOPS). On a CPU our models train as train.py runs them, through cpu.training_kernels (--cpu_kernels=False:
-the plain model files), and every process keeps its freed memory (cpu.keep_freed_memory; --keep_freed_memory=False:
-glibc's default). Decoding is ms per generated token at each context length: with the KV cache (generate), without it
-(a full forward over the context per token) and, with --compile_decode=True, with the cached step compiled as
-sample.py --compile=True does, beside the seconds its compilation took.
+(common.PEAK_FLOPS). EVE trains through eve_bank.fused_banks, as in train.py (a spec `eve:bank=plain`: the model file's
+bank). On a CPU our models train as train.py runs them, through cpu.training_kernels (--cpu_kernels=False: the plain
+model files), and every process keeps its freed memory (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's
+default). Decoding is ms per generated token at each context length: with the KV cache (generate), without it (a full
+forward over the context per token) and, with --compile_decode=True, with the cached step compiled as sample.py
+--compile=True does, beside the seconds its compilation took.
 
 --peer=<a nanoGPT model.py> (git clone https://github.com/karpathy/nanoGPT: nanoGPT/model.py, MIT, never copied here)
 adds nanoGPT's GPT at the same sizes (bias=False; it has no grouped-query attention, so compare at n_kv_head = n_head)
@@ -40,7 +41,7 @@ import time
 import torch
 
 import configurator
-from nanolatent import common, cpu, models as model_files
+from nanolatent import common, cpu, eve_bank, models as model_files
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -92,7 +93,7 @@ def build(spec, context):
     if spec == PEER:
         return build_peer(context).to(device)
     model_type, *fields = spec.split(":")
-    overrides = {k: v for k, _, v in (field.partition("=") for field in fields)}
+    overrides = {k: v for k, _, v in (field.partition("=") for field in fields) if k != "bank"}  # bench_train's
     for key, value in overrides.items():
         with contextlib.suppress(SyntaxError, ValueError):  # a number or a bool; else the text (mapper=dense)
             overrides[key] = ast.literal_eval(value)
@@ -121,6 +122,8 @@ def bench_train(spec):
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     if device_type == "cpu" and cpu_kernels and not compile and spec != PEER:
         cpu.training_kernels(model)
+    if "bank=plain" not in spec.split(":"):  # EVE's neurons: the fused bank, as in train.py
+        eve_bank.fused_banks(model)
     train_model = torch.compile(model) if compile else model
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)

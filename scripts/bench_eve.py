@@ -2,7 +2,8 @@
 
     python -m scripts.bench_eve --repeats=9 --threads=1,2 --pieces=True   # bench.py's default size
 
-Step: det and eve as bench.py builds them (cpu.training_kernels, freed memory kept, fused AdamW), a training step of
+Step: det and eve as bench.py builds them (cpu.training_kernels, eve_bank.fused_banks, freed memory kept, fused
+AdamW), a training step of
 each in turns in one process: median ms, eve / det, MiB autograd keeps for backward (each storage once, parameters
 left out) and peak resident MiB of three steps in a fresh process (bench.py's measure). Pieces: one block's neuron
 bank as VariationalMLP.forward computes it (det's SwiGLU for contrast), forward and backward ms in turns and the MiB
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 import configurator
 import model_det
 import model_eve
-from nanolatent import cpu
+from nanolatent import cpu, eve_bank
 
 n_layer, n_embd, n_head, n_kv_head, vocab_size, block_size, batch_size = 8, 256, 4, 2, 256, 256, 8  # bench.py's
 repeats = 9  # timed turns of each model, and of each piece
@@ -37,7 +38,7 @@ x = torch.randint(0, vocab_size, (batch_size, block_size), generator=torch.Gener
 
 def build(name):
     torch.manual_seed(0)
-    model = cpu.training_kernels(MODELS[name].Model(MODELS[name].Config(**SIZES)))
+    model = eve_bank.fused_banks(cpu.training_kernels(MODELS[name].Model(MODELS[name].Config(**SIZES))))
     return model, model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), "cpu")
 
 
@@ -105,14 +106,20 @@ def piece_table():
     drive, y = torch.randn(B, T, cfg.n_latent), leaf(torch.randn(B, T, cfg.n_neurons))
     prior = lambda: (torch.tanh(eve.ar_a), eve.ar_b, eve.prior_m0)  # noqa: E731, fresh in each forward
     alpha = torch.tanh(eve.ar_a).detach()
+
+    def plain_bank(m, r, eps):  # the model file's bank (eve's own is the fused one): y and its token means, stacked
+        y, means, _ = model_eve.VariationalMLP.bank(eve, m, r, eps)
+        return y, torch.stack(list(means.values()))
+
     rows = {  # piece: (forward, its inputs)
         "posterior heads: w_mu u, w_logvar u": (lambda: (eve.w_mu(u), eve.w_logvar(u)), [u]),
         "eps draw (one layer's)": (lambda: torch.randn(B, T, cfg.n_latent), []),
-        "NeuronBank: sigma_q, z, AR prior, decoder, means": (lambda: model_eve.NeuronBank.apply(
+        "NeuronBank: sigma_q, z, AR prior, decoder, means": (lambda: eve_bank.NeuronBank.apply(
             m, r, eps, None, *prior(), torch.tanh(eve.mem_gain), eve.dec_gain, eve.dec_bias, cfg.logvar_min,
             cfg.logvar_max)[:2], [m, r]),
+        "the plain bank (model_eve.py), for contrast": (lambda: plain_bank(m, r, eps), [m, r]),
         "of which the scan (forward only)": (lambda: model_eve.scan(drive, alpha), []),
-        "and its reverse, in the backward": (lambda: model_eve.scan(drive, alpha, reverse=True), []),
+        "and its reverse, in the backward": (lambda: eve_bank.reverse_scan(drive, alpha), []),
         "w2 y": (lambda: eve.w2(y), [y]),
         "det's SwiGLU, for contrast": (lambda: det(u), [u]),
     }

@@ -22,12 +22,6 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(2)
 
 
-def pytest_configure(config):
-    # The fast tier, `python -m pytest -q -m "not slow" tests`: every model's contract in-process, in about two minutes.
-    config.addinivalue_line("markers", "slow: starts processes (the scripts, torchrun) or trains for more than a few "
-                                       "seconds; the full suite runs it")
-
-
 def script_env(data_dir, **extra):
     """The environment the scripts run in: os.environ with prepared data under data_dir, one thread, unbuffered."""
     return {**os.environ, "NANOLATENT_DATA": str(data_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}

@@ -33,15 +33,14 @@ def gen(seed):
 
 
 def record_priors(model, monkeypatch):
-    """Record each block's AR prior mean mu_p (B, T, D) at every forward: the scans NeuronBank runs, by block."""
+    """Record each block's AR prior mean mu_p (B, T, D) at every forward: the scans the bank runs, by block."""
     records, current, scan = [[] for _ in model.blocks], [], model_eve.scan
     for i, block in enumerate(model.blocks):
         block.mlp.register_forward_pre_hook(lambda module, args, i=i: current.append(i))
 
-    def recording(x, a, reverse=False):
-        h = scan(x, a, reverse)
-        if not reverse:
-            records[current[-1]].append(h)
+    def recording(x, a):
+        h = scan(x, a)
+        records[current[-1]].append(h)
         return h
     monkeypatch.setattr(model_eve, "scan", recording)
     return records
@@ -560,12 +559,13 @@ def test_the_twin_is_det_under_a_head_that_mixes_the_blocks():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Exact rewrites for speed: the neuron bank as it was computed before (doubling scan through autograd, every
-# statistic from its own temporaries), frozen here, against the model's in float64, values and gradients.
+# The bank's chunked scan against the recurrence one position at a time, and the whole bank against the paper's
+# definitions run as a per-position loop, in float64, values and gradients (nanolatent/eve_bank.py's fused bank is
+# held to the model's in tests/test_eve_bank.py).
 
 
 def doubling_scan(x, a):
-    """The former scan: h[t] = a h[t-1] + x[t] in ceil(log2 T) doubling steps (Hillis & Steele 1986), through autograd."""
+    """h[t] = a h[t-1] + x[t] in ceil(log2 T) doubling steps (Hillis & Steele 1986), through autograd."""
     h, a_k, k = x, a, 1
     while k < h.size(1):
         h = torch.cat([h[:, :k], h[:, k:] + a_k * h[:, :-k]], dim=1)
@@ -582,41 +582,44 @@ def sequential_scan(x, a, reverse=False):
     return torch.stack(out[::-1] if reverse else out, dim=1)
 
 
-def former_bank(mlp, u, eps):
-    """VariationalMLP.forward's update and aux as computed before the rewrites for speed (doubling scan, autograd
-    through every element-wise step), from the same parameters, with or without the AR prior and the memory."""
+def loop_bank(mlp, u, eps):
+    """VariationalMLP.forward's update and aux from the paper's definitions, one position at a time: mu_q(t) = w_mu u(t)
+    + c h(t) (§3.2 q(z | x, h)), z(t) = mu_q(t) + sigma_q(t) eps(t), the prior's mean h(t) = mu_p(t) = a mu_p(t-1)
+    + b z(t-1), mu_p(0) = m0, a = alpha - b c (§3.3), the KL, mu^2 and L_AR (with its stop-gradient) from every
+    position's values; with or without the AR prior and the memory."""
     cfg = mlp.config
     B, T, _ = u.shape
-    N, dz = cfg.n_neurons, cfg.latent_dim
-    mu_q = mlp.w_mu(u)
-    logvar_q = mlp.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)
+    N, dz, D = cfg.n_neurons, cfg.latent_dim, cfg.n_latent
+    logvar_q = mlp.w_logvar(u).clamp(cfg.logvar_min, cfg.logvar_max)  # (B, T, D)
     sigma_q = torch.exp(0.5 * logvar_q)
-    z = torch.addcmul(mu_q, sigma_q, eps)
-    mu_p, logvar_p, ar = torch.zeros_like(z), torch.zeros(()).double(), torch.zeros(()).double()
-    if cfg.ar_prior:
-        drive = torch.cat([mlp.prior_m0.expand(B, 1, -1), mlp.ar_b * z[:, :-1]], dim=1)
-        mu_p = doubling_scan(drive, torch.tanh(mlp.ar_a))
-        logvar_p = mlp.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max)
-    if mlp.mem_gain is not None:
-        read = torch.tanh(mlp.mem_gain) * mu_p
-        mu_q, z = mu_q + read, z + read
+    c = torch.tanh(mlp.mem_gain) if mlp.mem_gain is not None else torch.zeros(D, dtype=u.dtype)
+    alpha, b = (torch.tanh(mlp.ar_a), mlp.ar_b) if cfg.ar_prior else (None, None)
+    mu_p, mu_q, z = [], [], []
+    for t in range(T):
+        if not cfg.ar_prior:
+            h = torch.zeros(B, D, dtype=u.dtype)  # the fixed prior N(0, I)
+        elif t == 0:
+            h = mlp.prior_m0.expand(B, -1)
+        else:
+            h = (alpha - b * c) * h + b * z[-1]
+        mu_p.append(h)
+        mu_q.append(mlp.w_mu(u[:, t]) + c * h)
+        z.append(mu_q[-1] + sigma_q[:, t] * eps[:, t])
+    mu_p, mu_q, z = (torch.stack(v, dim=1) for v in (mu_p, mu_q, z))  # (B, T, D)
     y = F.silu((z.view(B, T, N, dz) * mlp.dec_gain).sum(-1) + mlp.dec_bias)
-    mu2 = mu_q.pow(2).mean((0, 1))
-    sq_dist = (mu_q - mu_p).pow(2).mean((0, 1))
-    if cfg.ar_prior:
-        ar = (mu_p - mu_q.detach()).pow(2).mean()
-    kl = model_eve.gaussian_kl(logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), sq_dist, logvar_p)
-    return mlp.w2(y), {"kl_u": kl.view(N, dz).sum(-1), "mu2_u": mu2.view(N, dz).mean(-1), "ar": ar,
-                       "sigma": sigma_q.detach().mean()}
+    logvar_p = mlp.prior_logvar.clamp(cfg.logvar_min, cfg.logvar_max) if cfg.ar_prior else u.new_zeros(())
+    kl = model_eve.gaussian_kl(logvar_q, sigma_q.pow(2), (mu_q - mu_p).pow(2), logvar_p)  # (B, T, D)
+    ar = (mu_p - mu_q.detach()).pow(2).mean() if cfg.ar_prior else torch.zeros((), dtype=u.dtype)
+    return mlp.w2(y), {"kl_u": kl.mean((0, 1)).view(N, dz).sum(-1), "ar": ar, "sigma": sigma_q.detach().mean(),
+                       "mu2_u": mu_q.pow(2).mean((0, 1)).view(N, dz).mean(-1)}
 
 
-def test_chunked_scan_equals_the_per_position_loop_both_ways_and_the_doubling_scan_in_float64():
+def test_chunked_scan_equals_the_per_position_loop_and_the_doubling_scan_in_float64():
     g = gen(0)
     for T in (1, 2, 5, 16, 17, 37, 100):  # one chunk, whole chunks, a partial last chunk
         x = torch.randn(3, T, 6, dtype=torch.double, generator=g)
         a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g))  # poles near +-1 too
-        for reverse in (False, True):
-            assert torch.allclose(model_eve.scan(x, a, reverse), sequential_scan(x, a, reverse), rtol=0, atol=1e-12)
+        assert torch.allclose(model_eve.scan(x, a), sequential_scan(x, a), rtol=0, atol=1e-12)
         assert torch.allclose(model_eve.scan(x, a), doubling_scan(x, a), rtol=0, atol=1e-12)
 
 
@@ -631,16 +634,16 @@ def with_clipped_logvar(mlp):
 
 
 @pytest.mark.parametrize("overrides", BANKS, ids=str)
-def test_neuron_bank_equals_its_former_computation_in_float64_values_and_gradients(overrides):
+def test_neuron_bank_equals_the_per_position_loop_in_float64_values_and_gradients(overrides):
     model = make_with_memory(**overrides).double().train()
     mlp = with_clipped_logvar(model.blocks[0].mlp)
     u = torch.randn(3, 20, SMALL["n_embd"], dtype=torch.double, generator=gen(1), requires_grad=True)
     eps = torch.randn(3, 20, mlp.config.n_latent, dtype=torch.double, generator=gen(2))
     r = mlp.w_logvar(u)
-    assert ((r < -6) | (r > 2)).any() and ((r > -6) & (r < 2)).any()  # both sides of the clip are exercised
+    assert (r < -6).any() and (r > 2).any() and ((r > -6) & (r < 2)).any()  # the clip binds on both sides
     params = [u, *mlp.parameters()]
     results = []
-    for bank in (lambda: mlp(u, eps, 0, True), lambda: former_bank(mlp, u, eps)):
+    for bank in (lambda: mlp(u, eps, 0, True), lambda: loop_bank(mlp, u, eps)):
         out, aux = bank()
         # every output reaches the gradients, each with its own random weight
         w = torch.randn(out.shape, dtype=torch.double, generator=gen(3))
@@ -651,27 +654,17 @@ def test_neuron_bank_equals_its_former_computation_in_float64_values_and_gradien
         assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("overrides", BANKS, ids=str)
-def test_neuron_bank_backward_passes_gradcheck_with_the_scan_and_at_a_cached_decode_step(overrides):
-    """NeuronBank's written-out backward against finite differences (float64), on every input with a gradient:
-    through the AR prior's scan (11 positions: a chunk and part of one), and at a decode step given its memory mu_p.
-    L_AR's row of the means is left out: its stop-gradient is no derivative (the test above holds it to autograd's)."""
-    cfg = make(**overrides).config
-    N, dz, g = 3, cfg.latent_dim, gen(5)
-
-    def leaf(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, dtype=torch.double, generator=g)).requires_grad_()
-    m, r, eps = leaf(2, 11, N * dz), leaf(2, 11, N * dz, scale=4.0), torch.randn(2, 11, N * dz, dtype=torch.double,
-                                                                                 generator=g)
-    prior = (torch.tanh(leaf(N * dz)), leaf(N * dz), leaf(N * dz)) if cfg.ar_prior else (None, None, None)
-    c = torch.tanh(leaf(N * dz)) if cfg.ar_prior and cfg.posterior_memory else None
-    rest = (c, leaf(N, dz), leaf(N), cfg.logvar_min, cfg.logvar_max)
-
-    def bank(m, r, eps, mu_p, *args):
-        y, means, _ = model_eve.NeuronBank.apply(m, r, eps, mu_p, *args)
-        return y, means[[0, 1, 2, 3, 5]]
-    assert torch.autograd.gradcheck(lambda m, r, *x: bank(m, r, eps, None, *x), (m, r, *prior, *rest))
-    if cfg.ar_prior:  # a decode step: one position, its memory from the cache
-        one = [t[:, :1].detach().requires_grad_() for t in (m, r)]
-        assert torch.autograd.gradcheck(lambda m, r, mu_p, *x: bank(m, r, eps[:, :1], mu_p, *x),
-                                        (*one, leaf(2, 1, N * dz), *prior, *rest))
+def test_update_controllers_runs_on_a_model_cast_to_float64_and_equals_float32s():
+    """The stash follows the model's dtype, update_controllers reads it in its buffers' (a second call: the EMA)."""
+    idx, models = tokens(), []
+    for dtype in (torch.float32, torch.float64):
+        model = make(homeostat_warmup=1, homeostat_every=1, beta_control=True).to(dtype).train()
+        for step in range(3):  # pinned eps, drawn in float32 and cast (sample_latents): the same in both dtypes
+            model(idx, targets=idx, latents=model.sample_latents(3, gen(step)))
+            model.update_controllers()
+        models.append(model)
+    single, double = (m.blocks[1].mlp for m in models)
+    assert double.mu2_ema.dtype == torch.float64 and int(models[1].ctrl_step) == 3
+    for name in ("mu2_ema", "beta_unit"):
+        assert torch.allclose(getattr(double, name).float(), getattr(single, name), rtol=1e-4), name
+    assert torch.allclose(double.w_mu.weight.float(), single.w_mu.weight, rtol=1e-4, atol=1e-6)

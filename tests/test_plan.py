@@ -1,10 +1,12 @@
 """The dry run's memory plan against what torch saves for the backward (measured on the CPU under bf16 autocast), and
 activation checkpointing: the same gradients and statistics as without it, for every model."""
 
+import inspect
+
 import pytest
 import torch
 
-from nanolatent import models, plan
+from nanolatent import eve_bank, models, plan
 
 # small shapes apart from each other and from the defaults: GQA and not, a SwiGLU width of its own
 SHAPES = [dict(n_embd=64, n_head=4, n_kv_head=2, n_layer=2),
@@ -13,9 +15,10 @@ B, T, V = 2, 40, 320
 
 
 def tiny(model_type, shape, **values):
+    """A small model as train.py trains it: EVE's neurons through the fused bank."""
     torch.manual_seed(0)
     model = models.build_model(model_type, {"vocab_size": V, "block_size": T, **shape, **values})
-    return model.train()
+    return eve_bank.fused_banks(model.train())
 
 
 def batch():
@@ -169,3 +172,20 @@ def test_plan_keeps_the_bound_docs_training_md_states_in_the_default_configs(mod
             planned = models.build_model(model_type, {"vocab_size": V, "block_size": T, **shape})
         ratio = plan.memory_plan(planned, B, fsdp=False, gpus=1)["activations"] / measured
         assert abs(ratio - 1) < (0.01 if shape["n_embd"] >= 64 else 0.025), (shape, ratio)
+
+
+@pytest.mark.parametrize("model_type", models.MODEL_TYPES)
+def test_plan_reads_the_kind_of_model_from_what_the_model_states_not_its_module(model_type):
+    """A model class defined elsewhere (a subclass here, in this test module) gets its own file's plan, and every model
+    file states what a pass draws the same way: a latent_kind property."""
+    module = models.import_model(model_type)
+    assert isinstance(inspect.getattr_static(module.Model, "latent_kind"), property)
+    renamed = type("Renamed", (module.Model,), {})
+    values = {"vocab_size": V, "block_size": T, **SHAPES[1]}
+    with torch.device("meta"):
+        planned = models.build_model(model_type, values)
+        elsewhere = renamed(planned.config)
+    assert type(elsewhere).__module__ != type(planned).__module__
+    for bytes_per_value in (2, 4):
+        assert plan.saved_per_token(elsewhere, bytes_per_value=bytes_per_value) == plan.saved_per_token(
+            planned, bytes_per_value=bytes_per_value)

@@ -1,0 +1,129 @@
+"""EVE's neuron bank with its backward written out, for training: a module swap applied from outside model_eve.py (as
+gpt-fast's quantize.py swaps nn.Linear and nanochat's fp8.py is switched on by its training script). It computes what
+VariationalMLP.bank computes, to float rounding (tests/test_eve_bank.py holds the two equal in float64, values and
+every gradient), keeping 4 tensors of (B, T, D) a layer for the backward where autograd keeps 8, and recomputing the
+rest. BENCHMARKS.md has what it gains. It is written for one plain bank: after an edit of model_eve.py's bank, its
+prior or its scan, fused_banks leaves the edited bank in place (and warns), so that a change made there is trained."""
+
+import hashlib
+import inspect
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import model_eve
+
+# The source of the plain bank this module computes (plain_source()), hashed; tests/test_eve_bank.py checks it
+PLAIN_SOURCE = "b43b674f8768e68f"
+# The token means of the bank's statistics, in the order of NeuronBank's (6, D) stack
+MEANS = ("logvar_q", "var_q", "mu2", "sq_dist", "ar", "sigma_q")
+
+
+def posterior(m, r, eps, lo, hi):
+    logvar_q = r.clamp(lo, hi)  # clipped log sigma_q^2
+    sigma_q = torch.exp(0.5 * logvar_q)
+    return logvar_q, sigma_q, torch.addcmul(m, sigma_q, eps)  # §3.2 mu + sigma_q eps: the innovation e
+
+
+def readout(m, e, mu_p, c, gain, bias):
+    """-> mu_q = m + c h, z = e + c h (B, T, D) (§3.2 q(z | x, h), h = mu_p) and the decoder's d_i . z_i + c_i."""
+    mu_q, z = (m, e) if c is None else (torch.addcmul(m, mu_p, c), torch.addcmul(e, mu_p, c))
+    B, T, N, dz = *m.shape[:2], *gain.shape
+    pre = torch.addcmul(bias, z, gain.view(N)) if dz == 1 else (z.view(B, T, N, dz) * gain).sum(-1) + bias
+    return mu_q, z, pre
+
+
+def reverse_scan(x, a):
+    """h[t] = a h[t+1] + x[t] along dim 1 of x (B, T, D): model_eve.scan read from the last position back."""
+    return model_eve.scan(x.flip(1), a).flip(1)
+
+
+class NeuronBank(torch.autograd.Function):
+    """VariationalMLP.bank between its products, element-wise (§3.2, §3.3): from m = w_mu u, r = w_logvar u and eps
+    (B, T, D) to the decoder's output y (B, T, N) and the token means the objective reads. Its backward keeps m, r,
+    eps and mu_p, and recomputes sigma_q, z, mu_q and the decoder's input."""
+
+    @staticmethod
+    def forward(ctx, m, r, eps, mu_p, alpha, b, m0, c, gain, bias, lo, hi):
+        """mu_p: a decode step's cached memory (B, 1, D); None: scanned (alpha None: no AR prior). -> y (B, T, N), token
+        means (6, D) in MEANS's order ((mu_q - mu_p)^2 twice: the KL's, and L_AR's, whose gradient reaches mu_p
+        alone), and the memory at the next position."""
+        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
+        ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
+        if ctx.scanned:  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0: sees z(< t) only
+            mu_p = model_eve.scan(torch.cat([m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)  # (B, T, D)
+        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
+        sq = (mu_q if mu_p is None else mu_q - mu_p).pow(2).mean((0, 1))
+        means = torch.stack([logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), mu_q.pow(2).mean((0, 1)), sq, sq,
+                             sigma_q.mean((0, 1))])  # (6, D)
+        following = None if mu_p is None else alpha * mu_p[:, -1] + b * e[:, -1]  # (B, D)
+        ctx.save_for_backward(m, r, eps, mu_p, alpha, b, c, gain, bias)
+        if following is not None:
+            ctx.mark_non_differentiable(following)  # the decode cache's next state, stored detached
+        return F.silu(pre), means, following
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_means, _):
+        m, r, eps, mu_p, alpha, b, c, gain, bias = ctx.saved_tensors
+        (lo, hi), (B, T, D), (N, dz) = ctx.bounds, m.shape, gain.shape
+        logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
+        mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
+        grad_pre = torch.ops.aten.silu_backward(grad_y, pre)  # (B, T, N)
+        grad_e = (grad_pre.unsqueeze(-1) * gain).view(B, T, D)  # through z: z = e + c h
+        g = grad_means.unsqueeze(1) / (B * T)  # (6, 1, D): a token mean passes 1 / (B T) of its gradient to each
+        dist = mu_q if mu_p is None else mu_q - mu_p
+        grad_mu_q = torch.addcmul(2 * g[2] * mu_q, dist, 2 * g[3])  # of mean mu_q^2 and mean (mu_q - mu_p)^2
+        grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c = None, None, None, None, None
+        if mu_p is not None:
+            grad_mu_p = dist * (-2 * (g[3] + g[4]))  # the KL's distance and L_AR (its stop-gradient: mu_p's alone)
+            if c is not None:  # c h enters z and mu_q
+                through = grad_e + grad_mu_q
+                grad_c = (through * mu_p).sum((0, 1))
+                grad_mu_p.addcmul_(through, c)
+        if ctx.scanned:  # back through the scan: the same recurrence in reverse (d drive = reverse scan of d mu_p)
+            grad_drive = reverse_scan(grad_mu_p, alpha)
+            grad_alpha = (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
+            grad_b = (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
+            grad_m0 = grad_drive[:, 0].sum(0)
+            grad_e[:, :-1].addcmul_(grad_drive[:, 1:], b)  # e(t) drives mu_p(t + 1)
+            grad_mu_p = None  # an output of the scan here, not an input
+        grad_sigma = torch.addcmul(g[5], sigma_q, 2 * g[1]).addcmul_(grad_e, eps)
+        grad_r = torch.addcmul(g[0], sigma_q, grad_sigma, value=0.5).mul_(logvar_q == r)  # the clip: r in [lo, hi]
+        grad_gain = (grad_pre.unsqueeze(-1) * z.view(B, T, N, dz)).sum((0, 1))
+        return (grad_e + grad_mu_q, grad_r, None, grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c, grad_gain,
+                grad_pre.sum((0, 1)), None, None)
+
+
+def fused_bank(self, m, r, eps, mu_p=None):
+    """VariationalMLP.bank's contract (its arguments, y, the named token means, the next memory) through NeuronBank."""
+    cfg = self.config
+    prior = (torch.tanh(self.ar_a), self.ar_b, self.prior_m0) if cfg.ar_prior else (None, None, None)
+    c = torch.tanh(self.mem_gain) if self.mem_gain is not None else None
+    y, means, following = NeuronBank.apply(m, r, eps, mu_p, *prior, c, self.dec_gain, self.dec_bias, cfg.logvar_min,
+                                           cfg.logvar_max)  # (B, T, N), (6, D), (B, D) or None
+    means = dict(zip(MEANS, means.unbind(0)))
+    if not cfg.ar_prior:
+        del means["ar"]  # no L_AR without the AR prior
+    return y, means, following
+
+
+def plain_source():
+    """A hash of the source of model_eve.py's plain bank: VariationalMLP.bank, prior_mean and scan."""
+    functions = (model_eve.VariationalMLP.bank, model_eve.VariationalMLP.prior_mean, model_eve.scan)
+    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
+
+
+def fused_banks(model):
+    """Swap in NeuronBank for every EVE neuron bank of `model`, in place (a model without one is left as it is), while
+    model_eve.py's bank is the one NeuronBank was written for. Parameters and state dict are untouched. train.py
+    applies it to every run (BENCHMARKS.md, EVE's training step, has what it gains on a CPU)."""
+    banks = [m for m in model.modules() if isinstance(m, model_eve.VariationalMLP)]
+    if banks and plain_source() != PLAIN_SOURCE:
+        warnings.warn("model_eve.py's neuron bank was edited: training its plain autograd form (slower); "
+                      "nanolatent/eve_bank.py's fused bank is written for the bank before the edit")
+        return model
+    for m in banks:
+        m.bank = types.MethodType(fused_bank, m)
+    return model

@@ -73,8 +73,10 @@ class Refused(SystemExit):
 
 
 def die(message):
-    """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
-    print(f"error: {message}", file=sys.stderr)
+    """One clear line on stderr and exit code 2: the scripts' answer to bad input. Under torchrun every process meets
+    the same bad input: rank 0 says it, the others exit 2 silently (the line once, not once per GPU)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
     raise Refused(message)
 
 

@@ -777,3 +777,22 @@ def test_plot_skips_a_partial_last_line(trained, tmp_path):
     proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
     assert "ends in a partial line" in proc.stderr and (tmp_path / "p.png").exists()
     assert json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())["iter"] == 0
+
+
+@pytest.mark.parametrize("rank, printed", [("0", "error: no such run\n"), ("3", "")])
+def test_an_error_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys):
+    from nanolatent import common
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit:
+        common.die("no such run")
+    assert exit.value.code == 2 and capsys.readouterr().err == printed
+
+
+@pytest.mark.slow
+def test_an_error_under_torchrun_is_one_line(tmp_path):
+    """Both processes meet the missing dataset; the job fails with one line, rank 0's."""
+    proc = run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", "--dataset=no_such_data", *TINY,
+                      "--gradient_accumulation_steps=2",
+                      data_dir=tmp_path, check=False, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.count("error: ") == 1, proc.stderr[-2000:]
+    assert "no_such_data" in proc.stderr

@@ -145,7 +145,8 @@ def shown(value):
         parts = [shown(v) for v in value]
         return ",".join(parts) if all(p == str(v) and "," not in p for p, v in zip(parts, value)) else repr(value)
     if isinstance(value, str):
-        return value if value and value.isprintable() and " " not in value and value == value.strip("'\"") else repr(value)
+        plain = value and value.isprintable() and " " not in value and value == value.strip("'\"")
+        return value if plain else repr(value)
     return repr(value)
 
 

@@ -170,5 +170,6 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
         planned_gib = {what: sum(memory_plan(planned, b, f, gpus, checkpointing=c).values()) / GiB
                        for what, (b, f, c) in remedies.items()}
         print(f"warning: {sum(terms.values()) / GiB:.2f} GiB a GPU exceeds the {gpu_gib:g} GiB this plan assumes "
-              f"(--dry_run_gpu_gib); change " + "; or ".join(f"{what}: {gib:.2f} GiB" for what, gib in planned_gib.items())
+              f"(--dry_run_gpu_gib); change "
+              + "; or ".join(f"{what}: {gib:.2f} GiB" for what, gib in planned_gib.items())
               + ("" if remedies else "the model's size or the number of GPUs"))

@@ -13,7 +13,8 @@ command line is read as the type of its default: a str is taken as written (--st
 is split on commas (--kappas=1_64,8), a number or bool is a Python literal (--compile=False). Keys that are fields of
 the chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accepted too and returned separately.
 --help (or -h) prints the script's docstring and every default with its comments, read from the script's source, and
-exits 0; with --model_type=X, model_X.py's Config fields too.
+exits 0; with --model_type=X, model_X.py's Config fields too. --quiet turns off the progress lines (common.progress) of
+the script and of the processes it starts.
 """
 
 import ast
@@ -226,7 +227,7 @@ def usage(namespace, argv, positional):
     command = (f"python {relative}" if os.sep not in relative
                else f"python -m {relative[:-3].replace(os.sep, '.')}")
     free = f" [{positional}]" if positional else ""
-    out = [f"usage: {command}{free} [config.py ...] [--key=value ...]", ""]
+    out = [f"usage: {command}{free} [config.py ...] [--key=value ...] [--quiet] [--help]", ""]
     doc = namespace.get("__doc__")
     if doc:
         out += [doc.strip(), ""]
@@ -260,6 +261,9 @@ def apply(namespace, argv=None, model_fields=None, positional=None):
                                          and isinstance(v, TYPES)}
     defaults = namespace["_config_defaults"]
     argv = sys.argv[1:] if argv is None else argv
+    if "--quiet" in argv:  # no progress lines, in this process and in those it starts (they inherit the variable)
+        argv = [arg for arg in argv if arg != "--quiet"]
+        os.environ[common.PROGRESS_ENV] = "off"
     if "--help" in argv or "-h" in argv:
         print(usage(namespace, argv, positional))
         raise SystemExit(0)

@@ -82,7 +82,7 @@ def test_h_is_help(monkeypatch, capsys):
 def test_help_keeps_the_files_groups_and_their_comments(monkeypatch, capsys):
     code, out, _ = run_help(monkeypatch, capsys, "train.py", "--help")
     lines = out.splitlines()
-    assert lines[0] == "usage: python train.py [config.py ...] [--key=value ...]"
+    assert lines[0] == "usage: python train.py [config.py ...] [--key=value ...] [--quiet] [--help]"
     assert lines.index("# I/O") < lines.index("--out_dir=out") < lines.index("# data") < lines.index(
         "--dataset=synthetic") < lines.index("# system")
     # an own-line comment that continues a setting's comment stays under it

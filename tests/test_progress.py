@@ -3,9 +3,11 @@
 these tests see them), off under --quiet; and a line in each phase's own output."""
 
 import os
+import subprocess
 import sys
 
 import pytest
+
 import configurator
 from conftest import ROOT, run_script, start_script, train_det, wait_for_line
 from nanolatent import common
@@ -112,3 +114,15 @@ def test_the_explorer_shows_its_start_up_before_it_serves(det_run, data_root, tm
         assert started[0] == f"opening {det_run} ..." and started[1].startswith(f"opening {det_run}: done in ")
     finally:
         proc.terminate()
+
+
+@pytest.mark.slow
+def test_the_suites_quiet_output_names_each_file_as_it_runs():
+    """The README's `python -m pytest -q tests` shows where a slow suite is: a line per file with its share done."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_help.py",
+                           "tests/test_progress.py", "-k", "h_is_help or quiet_outside"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("tests/test_help.py .") and line.endswith("%]") for line in lines), proc.stdout
+    assert any(line.startswith("tests/test_progress.py .") and line.endswith("[100%]") for line in lines), proc.stdout

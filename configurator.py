@@ -12,13 +12,20 @@ The defaults are the module's public names bound to an int, float, bool, str or 
 command line is read as the type of its default: a str is taken as written (--start=123 is the text "123"), a tuple
 is split on commas (--kappas=1_64,8), a number or bool is a Python literal (--compile=False). Keys that are fields of
 the chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accepted too and returned separately.
+--help (or -h) prints the script's docstring and every default with its comments, read from the script's source, and
+exits 0; with --model_type=X, model_X.py's Config fields too. --quiet turns off the progress lines (common.progress) of
+the script and of the processes it starts.
 """
 
 import ast
+import dataclasses
 import difflib
+import importlib
+import io
 import math
 import os
 import sys
+import tokenize
 import types
 
 from nanolatent import common
@@ -131,6 +138,120 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
     return values, model_values
 
 
+def shown(value):
+    """A default as --key= takes it back: words as written, a tuple comma-separated, anything else as a literal."""
+    if value == ():
+        return "()"
+    if isinstance(value, tuple):
+        parts = [shown(v) for v in value]
+        return ",".join(parts) if all(p == str(v) and "," not in p for p, v in zip(parts, value)) else repr(value)
+    if isinstance(value, str):
+        plain = value and value.isprintable() and " " not in value and value == value.strip("'\"")
+        return value if plain else repr(value)
+    return repr(value)
+
+
+def settings(path, values, scope=None):
+    """The lines that document values, as the file at path writes them: each assignment of a key at the top level
+    of the file (or of the class scope, a Config) as --key=value with its trailing comment, the default being the
+    value in values (what the code computed), and the comment lines around and between them, in the file's order."""
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    body = tree if scope is None else next(node for node in ast.walk(tree)
+                                           if isinstance(node, ast.ClassDef) and node.name == scope)
+    hidden, found = [], {}  # lines of functions (their comments are not a setting's); the first assignment per key
+    stack = list(ast.iter_child_nodes(body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            hidden.append(range(node.lineno - len(node.decorator_list), node.end_lineno + 1))
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            names += [e.id for t in targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)]
+            for name in names:
+                if name in values and (name not in found or found[name].lineno > node.lineno):
+                    found[name] = node
+        elif isinstance(node, (ast.If, ast.With, ast.Try)):  # `if __name__ == "__main__":` defaults
+            stack.extend(ast.iter_child_nodes(node))
+    lines = source.splitlines()
+    comments = {}  # line -> (own line?, text)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            comments[row] = (not lines[row - 1][:col].strip(), tok.string.lstrip("#").strip())
+    if not found:
+        return [f"--{key}={shown(value)}" for key, value in values.items()]
+    starts = {}  # first line of an assignment -> its keys
+    for name, node in found.items():
+        starts.setdefault(node.lineno, []).append(name)
+    owned = {row for node in found.values() for row in range(node.lineno, node.end_lineno + 1)}
+    first, last = min(starts), max(node.end_lineno for node in found.values())
+    while first - 1 in comments and comments[first - 1][0]:  # the comment block right above the first
+        first -= 1
+    while last + 1 in comments and comments[last + 1][0]:  # and right below the last
+        last += 1
+    out = []
+    for row in range(first, last + 1):
+        if any(row in r for r in hidden):
+            continue
+        if row in starts:
+            node = found[starts[row][0]]
+            trailing = " ".join(comments[r][1] for r in range(row, node.end_lineno + 1) if r in comments)
+            for name in starts[row]:
+                out.append(f"--{name}={shown(values[name])}" + (f"  # {trailing}" if trailing else ""))
+        elif row in comments and comments[row][0] and row not in owned:
+            text = comments[row][1]
+            if text.strip("-=# "):  # not a separator line
+                out.append(f"# {text}")
+        elif not lines[row - 1].strip() and out and out[-1]:
+            out.append("")
+    out += [f"--{key}={shown(value)}" for key, value in values.items() if key not in found]
+    return out
+
+
+def constant(key):
+    """An upper-case name (ROOT, ARMS) is a script's constant, left out of --help (configure() accepts it as any
+    default); a one-letter one (K: minds per prompt) is a symbol of the paper, a setting."""
+    return key.isupper() and len(key) > 1
+
+
+def usage(namespace, argv, positional):
+    """--help: the script's docstring, then its settings; with --model_type=X (or a config file setting it), the
+    fields of model_X.py's Config."""
+    path = namespace["__file__"]
+    root = os.path.dirname(os.path.abspath(__file__))
+    relative = os.path.relpath(os.path.abspath(path), root)
+    command = (f"python {relative}" if os.sep not in relative
+               else f"python -m {relative[:-3].replace(os.sep, '.')}")
+    free = f" [{positional}]" if positional else ""
+    out = [f"usage: {command}{free} [config.py ...] [--key=value ...] [--quiet] [--help]", ""]
+    doc = namespace.get("__doc__")
+    if doc:
+        out += [doc.strip(), ""]
+    out += ["settings (--key=default  # what it is), as the script groups them:", ""]
+    out += settings(path, {k: v for k, v in namespace["_config_defaults"].items() if not constant(k)})
+    model_type = ""
+    for arg in argv:
+        if arg.startswith("--model_type="):
+            model_type = arg.partition("=")[2]
+        elif arg.endswith(".py") and os.path.isfile(arg) and "model_type" in namespace["_config_defaults"]:
+            model_type = read_config_file(arg).get("model_type", model_type)
+    if model_type:
+        from nanolatent import models
+        module = models.import_model(model_type)
+        fields = {f.name: f.default for f in dataclasses.fields(module.Config) if f.init}
+        out += ["", f"model_{model_type}.py's Config fields, set like the settings above (--{next(iter(fields))}=...):",
+                ""]
+        out += settings(module.__file__, fields, scope="Config")
+    elif "model_type" in namespace["_config_defaults"]:
+        from nanolatent import models
+        out += ["", f"--model_type=X --help also lists model_X.py's Config fields (X: {', '.join(models.MODEL_TYPES)})"]
+    return "\n".join(out)
+
+
 def apply(namespace, argv=None, model_fields=None, positional=None):
     """configure() on the caller's module globals (their public int/float/bool/str/tuple names), which it updates.
     Returns (config, model values): config is every script value after overrides, as a checkpoint records it. The
@@ -139,9 +260,15 @@ def apply(namespace, argv=None, model_fields=None, positional=None):
         namespace["_config_defaults"] = {k: v for k, v in namespace.items() if not k.startswith("_")
                                          and isinstance(v, TYPES)}
     defaults = namespace["_config_defaults"]
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quiet" in argv:  # no progress lines, in this process and in those it starts (they inherit the variable)
+        argv = [arg for arg in argv if arg != "--quiet"]
+        os.environ[common.PROGRESS_ENV] = "off"
+    if "--help" in argv or "-h" in argv:
+        print(usage(namespace, argv, positional))
+        raise SystemExit(0)
     namespace["_config_given"] = set()
-    config, model_values = configure(defaults, sys.argv[1:] if argv is None else argv, model_fields, positional,
-                                     namespace["_config_given"])
+    config, model_values = configure(defaults, argv, model_fields, positional, namespace["_config_given"])
     namespace.update(config)
     return config, model_values
 

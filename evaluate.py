@@ -323,8 +323,9 @@ def load_net(path, checkpoint):
     """The checkpoint as a model in eval mode (into --model when given, with the Config overrides it takes) and a
     generator, both seeded alike for every run so all see the same draws."""
     fields = models.config_fields(model_type or checkpoint["model_type"])
-    model, _ = ckpt.load_model(path, device, model_type or None, checkpoint=checkpoint,
-                             **{k: v for k, v in overrides.items() if k in fields})
+    with common.phase(f"loading {path}"):
+        model, _ = ckpt.load_model(path, device, model_type or None, checkpoint=checkpoint,
+                                 **{k: v for k, v in overrides.items() if k in fields})
     torch.manual_seed(seed)  # draws from the global RNG (Free's encoder in forward(x, y), B-Trans 'token')
     return model.eval(), torch.Generator(device).manual_seed(seed)
 

@@ -60,7 +60,8 @@ if not start:
 if chat:
     start = tokendata.chat_prompt(checkpoint["meta"], start)
 
-model, _ = ckpt.load_model(out_dir, device, model_type or None, checkpoint=checkpoint, **overrides)
+with common.phase(f"loading {out_dir}"):
+    model, _ = ckpt.load_model(out_dir, device, model_type or None, checkpoint=checkpoint, **overrides)
 checkpoint.pop("model")  # the model holds the weights now: unmap the checkpoint's pages (513 MiB for SmolLM2)
 model.eval()
 for p in model.parameters():  # the weights in --dtype: a decode step reads every weight, so half the bytes in 16 bits

@@ -96,11 +96,12 @@ dist_timeout = 300  # seconds a collective waits for every process: a process th
 dry_run = False
 dry_run_world_size = 0  # GPUs to plan for; 0 = $WORLD_SIZE, or 1
 dry_run_mfu = 0.4  # assumed model FLOPs utilisation (a well-tuned bf16 run on H100s reaches 0.35-0.5)
+dry_run_gpu_gib = 80.0  # a GPU's memory; the plan warns above it, with what to change (an H100: 80 GB)
 # ----------------------------------------------------------------------------------------------------------------
 config, model_config = configurator.apply(globals(), model_fields=lambda values: models.config_fields(values["model_type"]))
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints",
-                                       "dist_timeout"),
+                                       "dist_timeout", "dry_run_gpu_gib"),
                      non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
                                    "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
                      choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
@@ -135,7 +136,7 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
     planned = dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
     check_world_size(planned)
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
-                    planned, dry_run_mfu, activation_checkpointing)
+                    planned, dry_run_mfu, activation_checkpointing, dry_run_gpu_gib)
     gc.freeze()  # as before the training loop below: the exit walks none of start-up's objects
     raise SystemExit(0)
 

@@ -67,9 +67,10 @@ def run(model, temperature):
     return dict(zip(("nll", "distinct_2", "distinct_3", "pairwise"), np.mean(metrics, axis=0)), sample=texts[0])
 
 
-rows = [dict(source="det", setting=f"T={t}", **run(det, t)) for t in temperatures]
+rows = [dict(source="det", setting=f"T={t}", **run(det, t))
+        for t in common.progress(temperatures, desc="det's temperatures")]
 for mode in ("sequence", "token"):
-    for sigma in sigmas:
+    for sigma in common.progress(sigmas, desc=f"{mode} minds' sigmas"):
         minds, _ = ckpt.load_model(out_dir, device, "btrans", sigma=sigma, noise_mode=mode,
                                    sigma_scale=sigma_scale)
         rows.append(dict(source="minds" if mode == "sequence" else "token", setting=f"sigma={sigma}, greedy",

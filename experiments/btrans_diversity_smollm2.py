@@ -215,7 +215,7 @@ def run(seed):
     for sigma, temperature in settings:
         name = arm_name(sigma, temperature)
         arms[name] = {"nll": [], "diversity": []}
-        for i in range(len(prompts)):
+        for i in common.progress(range(len(prompts)), desc=f"seed {seed}, {name}: prompts"):
             texts, nll = group(i, sigma, temperature, population, seed)
             e = embed(texts)  # (K, 384)
             arms[name]["nll"].append(round(nll, 6))

@@ -75,7 +75,7 @@ print(f"{len(prompts)} val problems of arith, n={n} samples each, T={temperature
 all_k = range(1, n + 1)
 runs = [("temperature", 0.0)] + [(arm, s) for s in sigmas for arm in (*wrapped, "greedy minds")]
 curves = {}  # (arm, sigma) -> (seeds, n): pass@k for k = 1 ... n
-for arm, sigma in runs:
+for arm, sigma in common.progress(runs, desc="arms"):
     counts = [correct_counts(arm, sigma, seed) for seed in seeds]
     curves[arm, sigma] = np.array([list(tasks.pass_at_k_curve(c, n, all_k).values()) for c in counts])
     print(f"{arm}{'' if arm == 'temperature' else f', sigma={sigma:g}'}: pass@1 "

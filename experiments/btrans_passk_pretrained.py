@@ -196,7 +196,7 @@ def run(problem_ids):
     """(seeds, problems, arms) correct counts."""
     counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
     with torch.no_grad(), cpu.inference_linears(minds, common.DTYPES[dtype]):
-        for p, i in enumerate(problem_ids):
+        for p, i in enumerate(common.progress(problem_ids, desc=f"{benchmark} problems")):
             det_logits = (arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
                           if benchmark != "gsm8k" else None)
             for s, seed in enumerate(seeds):

@@ -115,7 +115,7 @@ print(f"norm gains: mean |w| per norm median {mean_gains.median():.3f}, min {mea
 
 rows = []
 sweeps = {"absolute": absolute_sigmas, "gain": gain_sigmas, "mean_gain": mean_gain_sigmas}
-for scale in scales:
+for scale in common.progress(scales, desc="sigma scales"):
     model = wrapped[scale]
     latents = [model.sample_latents(num_seqs, torch.Generator().manual_seed(common.seed_of(seed, m)))
                for m in range(minds)]

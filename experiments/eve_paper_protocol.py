@@ -76,7 +76,7 @@ if embeddings == "smollm2":
     print(f"SmolLM2-135M embedding: {found:.1%} of the {meta['vocab_size']:,} GPT-2 ids are SmolLM2 tokens; "
           f"{n_embd} principal components keep {kept:.1%} of its variance")
     frozen = [f"--init_embeddings={path}", "--freeze_embeddings=True"]
-for (m, s), out in runs.items():
+for (m, s), out in common.progress(list(runs.items()), desc="runs trained"):
     study.train_if_missing(out, *ARMS[m], f"--dataset={dataset}", f"--seed={s}", f"--batch_size={batch_size}",
                           f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                           f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",

@@ -100,7 +100,8 @@ data = os.path.splitext(figure)[0] + ".json"  # every number of the table and th
 settings = {"letter": letter, "temperature": temperature, "prompt_z": prompt_z, "shared_groups": shared_groups,
             "show": show, "independent": independent, "train_args": train_args}
 runs = study.earlier_runs(data, settings, key=lambda r: (r["kappa"], r["seed"]))
-runs.update({(k, s): {**analyse(k, s), "kappa_bits": KAPPA_BITS[k]} for k in kappas for s in seeds})
+runs.update({(k, s): {**analyse(k, s), "kappa_bits": KAPPA_BITS[k]}
+             for k, s in common.progress([(k, s) for k in kappas for s in seeds], desc="runs analysed")})
 results = [runs[key] for key in sorted(runs, key=lambda key: (KAPPA_BITS[key[0]], key[1]))]
 seeds = sorted({r["seed"] for r in results})  # the table and the figure show every run in the file
 print(f"\nprompt {letter}>, temperature {temperature}; spread = std of the target's start position "

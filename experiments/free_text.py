@@ -237,10 +237,9 @@ meta = tokendata.load_meta(dataset)
 refs_text = tokendata.tokenizer(meta)[1](tokendata.load_tokens(dataset, "val", meta)[max_tokens:].tolist())
 runs = study.earlier_runs(data, settings, key=lambda r: (r["model"], r["seed"]))
 evals = {K: evaluate(K) for K in iw_samples}
-for s in seeds:
-    for name in MODELS:
-        print(f"generating from {run_dir(name, s)}")
-        runs[(name, s)] = analyse(name, s, evals, refs_text)
+for s, name in common.progress([(s, name) for s in seeds for name in MODELS], desc="runs analysed"):
+    print(f"generating from {run_dir(name, s)}")
+    runs[(name, s)] = analyse(name, s, evals, refs_text)
 order = ["det"] + [f"k{k}" for k in KAPPA_BITS]
 results = [runs[key] for key in sorted(runs, key=lambda key: (order.index(key[0]), key[1]))]
 by_model = {m: [r for r in results if r["model"] == m] for m in order if any(r["model"] == m for r in results)}

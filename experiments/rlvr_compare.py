@@ -92,7 +92,8 @@ jobs = [(mode, seed) for mode in modes for seed in seeds]
 print(f"{len(jobs)} GRPO runs of {steps} steps, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}, "
       f"temperature={temperature}, lr={learning_rate}, from {sft_dir}; logs in {runs_dir}/")
 with ThreadPoolExecutor(parallel) as pool:
-    records = dict(zip(jobs, pool.map(lambda job: run(*job), jobs)))
+    done = common.progress(pool.map(lambda job: run(*job), jobs), desc="GRPO runs", total=len(jobs))
+    records = dict(zip(jobs, done))
 
 k = eval_samples
 columns = [("greedy", "eval_greedy"), ("pass@1", "eval_pass@1"), (f"pass@{k}", f"eval_pass@{k}")]

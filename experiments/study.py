@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from nanolatent import ckpt
-from nanolatent.common import die
+from nanolatent.common import die, progress
 
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
@@ -30,7 +30,7 @@ def train_all_missing(runs, parallel=1):
     if parallel < 1:
         die(f"--parallel={parallel}: the training runs at once must be >= 1")
     running = []
-    for out_dir, train_args in runs.items():
+    for out_dir, train_args in progress(list(runs.items()), desc="training runs started"):
         if ckpt.finished(out_dir):
             continue
         os.makedirs(out_dir, exist_ok=True)

@@ -27,10 +27,27 @@ def peak_flops(device):
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
-def progress(iterable, desc="", every=10.0, total=None):
-    """A progress bar with rate and ETA on a terminal (tqdm comes with datasets). In a log or CI, where a bar would
-    be one endless line, a plain line every `every` seconds instead: done/total, elapsed and ETA."""
-    if sys.stderr.isatty():
+PROGRESS_ENV = "NANOLATENT_PROGRESS"  # "off" (--quiet sets it), or S: plain lines every S seconds outside a terminal
+
+
+def progress_every():
+    """None for no progress lines, 'bar' for tqdm's bar (a terminal), or S: a plain line every S seconds (0: after
+    every item). Quiet where the output is not a terminal (a log, CI, a pipe) unless NANOLATENT_PROGRESS=S asks."""
+    setting = os.environ.get(PROGRESS_ENV, "")
+    if setting == "off":
+        return None
+    try:
+        return float(setting)
+    except ValueError:
+        return "bar" if sys.stderr.isatty() else None
+
+
+def progress(iterable, desc="", total=None):
+    """Each item of iterable, with a progress line on stderr for a phase that can take more than ~10 s on a 2-core
+    CPU: on a terminal tqdm's bar (tqdm comes with datasets), done/total, rate and ETA; elsewhere nothing, or with
+    NANOLATENT_PROGRESS=S a plain line every S seconds: done/total, elapsed and ETA."""
+    every = progress_every()
+    if every == "bar":
         from tqdm import tqdm
         yield from tqdm(iterable, desc=desc, total=total, leave=False)
         return
@@ -39,11 +56,37 @@ def progress(iterable, desc="", every=10.0, total=None):
     for i, item in enumerate(iterable):
         yield item
         now = time.time()
-        if now - last >= every:
+        if every is not None and now - last >= every:
             last = now
             done = f"{i + 1}/{total} ({(i + 1) / total:.0%})" if total else f"{i + 1}"
             eta = f", ETA {(now - start) / (i + 1) * (total - i - 1):.0f} s" if total else ""
             print(f"{desc}: {done}, {now - start:.0f} s elapsed{eta}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def phase(desc):
+    """A phase that is one call, not an iteration (loading a model, a first compilation): its name on stderr as it
+    starts and its time as it ends, where progress() would show a line."""
+    if progress_every() is None:
+        yield
+        return
+    print(f"{desc} ...", file=sys.stderr, flush=True)
+    start = time.time()
+    yield
+    print(f"{desc}: done in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def first_call(fn, desc):
+    """fn, its first call inside phase(desc): a compiled function compiles there."""
+    calls = []
+
+    def call(*args, **kwargs):
+        if calls:
+            return fn(*args, **kwargs)
+        calls.append(1)
+        with phase(desc):
+            return fn(*args, **kwargs)
+    return call
 
 
 def pyplot(who):
@@ -75,8 +118,10 @@ class Refused(SystemExit):
 
 
 def die(message):
-    """One clear line on stderr and exit code 2: the scripts' answer to bad input."""
-    print(f"error: {message}", file=sys.stderr)
+    """One clear line on stderr and exit code 2: the scripts' answer to bad input. Under torchrun every process meets
+    the same bad input: rank 0 says it, the others exit 2 silently (the line once, not once per GPU)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
     raise Refused(message)
 
 

@@ -129,9 +129,11 @@ def check_memory(model_type, model_values, batch_size, device, dtype, fsdp=False
             f"or shrink the model; --dry_run=True plans it")
 
 
-def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu, checkpointing=False):
+def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, device, gpus, mfu, checkpointing=False,
+             gpu_gib=80.0):
     """train.py --dry_run: parameters, FLOPs, expected speed and memory per GPU of a config, from a model built on
-    the meta device (shapes, no memory)."""
+    the meta device (shapes, no memory); a warning, with what each remedy would plan, when the memory exceeds the
+    gpu_gib GiB of the GPU it assumes."""
     model_values.setdefault("block_size", models.config_fields(model_type)["block_size"])
     planned = models.meta_model(model_type, model_values)
     cfg = planned.config
@@ -159,3 +161,18 @@ def plan_run(model_type, model_values, batch_size, grad_accum, max_iters, fsdp, 
     print("  measured on the CPU for each model (nanolatent/plan.py saved_per_token); torch.compile saves 0.65 of it "
           "on the CPU for det, B-Trans and the Free Transformer, 1.03 of it for EVE; not counted: the CUDA context and "
           "allocator slack (1-3 GiB)")
+    if sum(terms.values()) > gpu_gib * GiB:
+        remedies = {}  # what each change alone would plan, a GPU's memory
+        if not fsdp and gpus > 1:
+            remedies["--fsdp=True (shards weights, gradients and AdamW)"] = (batch_size, True, checkpointing)
+        if not checkpointing:
+            remedies["--activation_checkpointing=True (a third more FLOPs)"] = (batch_size, fsdp, True)
+        if batch_size > 1:
+            remedies[f"--batch_size={batch_size // 2} --gradient_accumulation_steps={2 * grad_accum} (the same tokens "
+                     f"per step)"] = (batch_size // 2, fsdp, checkpointing)
+        planned_gib = {what: sum(memory_plan(planned, b, f, gpus, checkpointing=c).values()) / GiB
+                       for what, (b, f, c) in remedies.items()}
+        print(f"warning: {sum(terms.values()) / GiB:.2f} GiB a GPU exceeds the {gpu_gib:g} GiB this plan assumes "
+              f"(--dry_run_gpu_gib); change "
+              + "; or ".join(f"{what}: {gib:.2f} GiB" for what, gib in planned_gib.items())
+              + ("" if remedies else "the model's size or the number of GPUs"))

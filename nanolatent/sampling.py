@@ -55,7 +55,8 @@ def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, lat
         reference = torch.tensor([reference], dtype=torch.long, device=device)  # (1, T_ref)
     pinned = pin_latents(model, prompt, latents, latent_generator, prompt_latents, reference)
     # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
-    step = torch.compile(model.forward, dynamic=True) if compile else None
+    step = (common.first_call(torch.compile(model.forward, dynamic=True), "compiling the decode step") if compile
+            else None)
     if on_token is not None:
         decode_step = step or model
 

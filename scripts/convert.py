@@ -158,7 +158,7 @@ def read_safetensors(src):
         common.die(f"{src} has no model.safetensors nor model.safetensors.index.json: scripts/convert.py reads safetensors "
                    f"checkpoints only (load a pytorch_model.bin with transformers and save_pretrained it)")
     tensors = {}
-    for name in files:
+    for name in common.progress(files, desc="reading safetensors files"):
         path = os.path.join(src, name)
         if not os.path.exists(path):
             common.die(f"{path} is missing (model.safetensors.index.json lists it): download the checkpoint again")
@@ -381,7 +381,7 @@ def gguf_tensors(tensors, hf, path):
     from gguf.quants import dequantize
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
     out = {}
-    for tensor in tensors.values():
+    for tensor in common.progress(list(tensors.values()), desc="dequantizing tensors"):
         parts = tensor.name.split(".")  # blk.{i}.{what}.weight
         if tensor.name in GGUF_NAMES:
             name = GGUF_NAMES[tensor.name]

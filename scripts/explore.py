@@ -308,7 +308,8 @@ if __name__ == "__main__":
     common.check_device(device)
     if not 0 <= port <= 65535:
         common.die(f"--port must be 0..65535, got {port}")
-    checkpoint = ckpt.load_checkpoint(out_dir)  # a missing or unreadable run: one line, before serving
+    with common.phase(f"opening {out_dir}"):
+        checkpoint = ckpt.load_checkpoint(out_dir)  # a missing or unreadable run: one line, before serving
     opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
     del checkpoint
     try:

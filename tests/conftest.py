@@ -14,10 +14,10 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")  # ../shared/data: present for CI, not for users
-# offline copies of the public data, as a user without a network would point to theirs (tokendata.local_data); kept when
-# the caller set it (.ci/run does), and inherited by the scripts the tests run
-os.environ.setdefault("NANOLATENT_LOCAL_DATA", SHARED_DATA)
+# offline copies of the public data (tokendata.local_data): NANOLATENT_LOCAL_DATA where the user set it (.ci/run does),
+# else ../shared/data, our machines' folder beside the clone; inherited by the scripts the tests run. A test that reads
+# a copy absent from it skips, naming the file.
+LOCAL_DATA = os.environ.setdefault("NANOLATENT_LOCAL_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(2)
 

@@ -71,11 +71,24 @@ def code_spans(text):
     return spans
 
 
-def commands(text):
+def substituted(span):
+    """span with each $(...) (a command substitution: python -c "...; ...") as one word."""
+    while (start := span.find("$(")) >= 0:
+        depth, end = 0, start + 1
+        for end in range(start + 1, len(span)):
+            depth += {"(": 1, ")": -1}.get(span[end], 0)
+            if depth == 0:
+                break
+        span = span[:start] + "SUBSTITUTED" + span[end + 1:]
+    return span
+
+
+def commands(text, spans=code_spans):
     """(script, [arguments]) for every python command of a markdown text: script is 'x.py', 'scripts.x' or
     'experiments.x'."""
     found = []
-    for span in code_spans(text):
+    for span in spans(text):
+        span = substituted(span)
         for part in re.split(r"&&|;|\|(?!\|)", span):
             try:
                 words = shlex.split(part, comments=True)
@@ -250,3 +263,80 @@ def test_the_parser_reads_keys_continuations_and_inline_commands():
     assert {"max_iters", "out_dir", "dataset"} <= script_keys("train.py") and "config" not in script_keys("train.py")
     assert "kappa_bits" in config_fields("free") and "sigma" in config_fields("btrans")
     assert slug("B-Trans Pass@K on SmolLM2 (§5.1)") == "b-trans-passk-on-smollm2-51"
+
+
+def spans_in_order(text):
+    """code_spans in the order a reader meets them: fenced blocks and inline spans by position."""
+    spans = []
+    for m in re.finditer(r"^```[^\n]*\n(.*?)^```|`([^`\n]+)`", text, flags=re.S | re.M):
+        spans += m[1].replace("\\\n", " ").splitlines() if m[1] is not None else [m[2]]
+    return spans
+
+
+def run_folder(path):
+    """A run as a command names it: its folder, or its ckpt.pt (the folder then)."""
+    path = path.rstrip("/")
+    return os.path.dirname(path) if path.endswith(".pt") else path
+
+
+def runs_made_and_read(doc):
+    """[(run folder, 'made' or 'read', command)] of a page's commands in its order: train.py and scripts.rlvr make
+    their out_dir (--out_dir, else their config file's, else the default), scripts.convert hf and gguf theirs;
+    sample.py, evaluate.py (each of its runs), the explorer, scripts.convert to_hf, scripts.plot (its run folders),
+    the harness (model_args out_dir=) and a study's --out_dir, --sft_dir, --det_dir or --eve_dir read one."""
+    path = lambda script: script if script.endswith(".py") else script.replace(".", "/") + ".py"
+    defaults = {script: literal_defaults(ast.parse(read(path(script))), {"out_dir"}).get("out_dir")
+                for script in ("train.py", "sample.py", "evaluate.py", "scripts.explore", "scripts.rlvr")}
+    found, cwd = [], os.getcwd()
+    os.chdir(ROOT)  # config files are read as the commands, run from the repo root, read them
+    try:
+        for span in spans_in_order(read(doc)):
+            # a folder the shell or a Python snippet of the page makes (mkdir, os.makedirs) is made too
+            made = re.findall(r"(?:mkdir(?: -p)?|os\.makedirs\()\s*\"?([\w./-]+)", span)
+            found += [(run_folder(run), "made", span) for run in made]
+            found += page_runs(commands(span, lambda span: [span]), defaults)
+    finally:
+        os.chdir(cwd)
+    return found
+
+
+def page_runs(span_commands, defaults):
+    """runs_made_and_read's entries for the commands of one code span."""
+    found = []
+    for script, args in span_commands:
+        given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+        free = [a for a in args if not a.startswith("-") and not a.endswith(".py")]
+        line = f"{script} {' '.join(args)}"
+        if script in ("train.py", "scripts.rlvr"):
+            out_dir = defaults[script]
+            for arg in args:
+                if arg.endswith(".py"):
+                    out_dir = configurator.read_config_file(arg).get("out_dir", out_dir)
+            found.append((run_folder(given.get("out_dir", out_dir)), "made", line))
+        elif script == "scripts.convert":
+            if "out_dir" in given:
+                found.append((run_folder(given["out_dir"]), "read" if free[:1] == ["to_hf"] else "made", line))
+        elif script in ("sample.py", "evaluate.py", "scripts.explore"):
+            found += [(run_folder(run), "read", line) for run in given.get("out_dir", defaults[script]).split(",")
+                      if run]
+        elif script == "scripts.plot":
+            found += [(run_folder(run), "read", line) for run in free if not run.endswith((".json", ".png"))]
+        elif script == "scripts.harness":
+            model_args = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--model_args"), "")
+            found += [(run_folder(v), "read", line) for k, _, v in (a.partition("=") for a in model_args.split(","))
+                      if k == "out_dir"]
+        elif script.startswith("experiments."):
+            found += [(run_folder(given[k]), "read", line) for k in ("out_dir", "sft_dir", "det_dir", "eve_dir")
+                      if k in given]
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_run_a_documented_command_reads_is_made_by_an_earlier_command_of_the_page(doc):
+    made, problems = set(), []
+    for run, what, line in runs_made_and_read(doc):
+        if what == "made":
+            made.add(run)
+        elif run not in made and not run.startswith("$"):  # a shell variable: its loop lists the runs
+            problems.append(f"{run} ({line[:100]})")
+    assert not problems, f"{doc}: runs read before any command of the page makes them:\n" + "\n".join(problems)

@@ -838,3 +838,22 @@ def test_plot_with_no_keys_is_one_line(trained, tmp_path):
                       check=False)
     assert_one_line_error(proc, "--keys=", "names no key")
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("rank, printed", [("0", "error: no such run\n"), ("3", "")])
+def test_an_error_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys):
+    from nanolatent import common
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit:
+        common.die("no such run")
+    assert exit.value.code == 2 and capsys.readouterr().err == printed
+
+
+@pytest.mark.slow
+def test_an_error_under_torchrun_is_one_line(tmp_path):
+    """Both processes meet the missing dataset; the job fails with one line, rank 0's."""
+    proc = run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", "--dataset=no_such_data", *TINY,
+                      "--gradient_accumulation_steps=2",
+                      data_dir=tmp_path, check=False, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.count("error: ") == 1, proc.stderr[-2000:]
+    assert "no_such_data" in proc.stderr

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from conftest import SHARED_DATA, run_script
+from conftest import LOCAL_DATA, run_script
 
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
-SHAKESPEARE = os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")
+SHAKESPEARE = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")
 # A 2-layer, 32-wide backbone trained 6 steps: the study's code paths in seconds. det and two κ, one seed.
 TOY = ["--kappas=1_8,2", "--seeds=1,", "--max_tokens=4096", "--groups=2", "--group_size=3", "--references=2",
        "--per_reference=2", "--train_args=--max_iters=6 --n_layer=2 --n_embd=32 --n_head=2 --n_kv_head=1 "
@@ -27,7 +27,7 @@ TOL = 0.025
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     if not os.path.exists(SHAKESPEARE):
-        pytest.skip("../shared/data/tinyshakespeare/input.txt (Tiny Shakespeare, offline) is absent")
+        pytest.skip(f"needs Tiny Shakespeare at {SHAKESPEARE} ($NANOLATENT_LOCAL_DATA)")
     root = tmp_path_factory.mktemp("free_text")
     run_script("prepare.py", "text", f"--input={SHAKESPEARE}", "--tokenizer=char", "--name=shakespeare_char",
                data_dir=root / "data")

@@ -424,6 +424,17 @@ def test_a_gguf_model_det_cannot_compute_is_refused_naming_the_key(tmp_path, cap
     assert not (tmp_path / "ours" / "ckpt.pt").exists()
 
 
+def test_gguf_import_shows_a_progress_line_per_tensor(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOLATENT_PROGRESS", "0")  # a line after every tensor, outside a terminal too
+    weights = write_gguf(tmp_path / "m.gguf", byte_level_bpe(False), "gpt2", types={"emb": Q.F16, "attn": Q.F16,
+                                                                                    "mlp": Q.F16})
+    capsys.readouterr()
+    convert.main(["gguf", f"--src={tmp_path / 'm.gguf'}", f"--out_dir={tmp_path / 'ours'}"])
+    lines = [line.split(",")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("dequantizing")]
+    n = len(weights)  # every tensor of the file, 2 layers' and the embedding and final norm
+    assert lines == [f"dequantizing tensors: {i}/{n} ({i / n:.0%})" for i in range(1, n + 1)]
+
+
 def test_a_missing_or_foreign_file_is_one_line_and_leaves_no_trace(tmp_path, capsys):
     assert "no such file" in refusal(capsys, "gguf", f"--src={tmp_path / 'none.gguf'}", f"--out_dir={tmp_path / 'o'}")
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")

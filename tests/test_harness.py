@@ -10,17 +10,17 @@ import os
 import pytest
 import torch
 
-from conftest import SHARED_DATA, run_script
+from conftest import LOCAL_DATA, run_script
 
 from scripts import convert
 from nanolatent import ckpt, common, models, multiple_choice, tokendata
 
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
-GPT2_BPE = os.path.join(SHARED_DATA, "gpt2", "gpt2.tiktoken")
-GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "vocab.bpe")
+GPT2_BPE = os.path.join(LOCAL_DATA, "gpt2", "gpt2.tiktoken")
+GPT2_MERGES = os.path.join(LOCAL_DATA, "gpt2", "vocab.bpe")
 needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_BPE),
-                                reason=f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+                                reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
 CHARS = " abcdefghijklmnopqrstuvwxyz.:?"
 SEED = 1337
 
@@ -102,7 +102,10 @@ def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tm
     with open(GPT2_MERGES, encoding="utf-8") as f:  # GPT-2's release, never read by the export
         assert merges == [tuple(line.split()) for line in f.read().splitlines()[1:] if line]  # all 50,000, in order
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    with open(os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")) as f:
+    shakespeare = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")
+    if not os.path.exists(shakespeare):
+        pytest.skip(f"needs Tiny Shakespeare at {shakespeare} ($NANOLATENT_LOCAL_DATA)")
+    with open(shakespeare) as f:
         shakespeare = f.read()[:5000]
     corpus = ["The cat sat on the", " mat.", "Question: what is 2 + 2?\nAnswer:", " 4", "  two spaces", "end  ",
               "a\n\n\nb\t\tc \n", "it's we'll they've I'm", "naïve café — 東京 🤖", "Ünïcödé ẞ ﬁ\u00a0nbsp",
@@ -123,7 +126,7 @@ def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tm
 def gpt2_det(tmp_path_factory):
     """A det run on GPT-2's BPE (its meta records the local BPE file, as prepare.py writes it), exported by to_hf."""
     if not os.path.exists(GPT2_BPE):
-        pytest.skip(f"needs GPT-2's BPE at {GPT2_BPE} (../shared/data)")
+        pytest.skip(f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
     needs_lm_eval()
     pytest.importorskip("transformers", reason="lm_eval's hf model needs transformers (pip install \"lm_eval[hf]\")")
     root = tmp_path_factory.mktemp("gpt2_det")

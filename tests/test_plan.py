@@ -2,10 +2,13 @@
 activation checkpointing: the same gradients and statistics as without it, for every model."""
 
 import inspect
+import os
+import re
 
 import pytest
 import torch
 
+from conftest import ROOT
 from nanolatent import eve_bank, models, plan
 
 # small shapes apart from each other and from the defaults: GQA and not, a SwiGLU width of its own
@@ -189,3 +192,27 @@ def test_plan_reads_the_kind_of_model_from_what_the_model_states_not_its_module(
     for bytes_per_value in (2, 4):
         assert plan.saved_per_token(elsewhere, bytes_per_value=bytes_per_value) == plan.saved_per_token(
             planned, bytes_per_value=bytes_per_value)
+
+
+def free_8b():
+    import configurator
+    values = configurator.read_config_file(os.path.join(ROOT, "config", "free_8b.py"))
+    return {k: v for k, v in values.items() if k in models.config_fields("free")}, values
+
+
+@pytest.mark.parametrize("gpus, gpu_gib, warned", [(8, 80.0, True), (256, 80.0, False), (256, 60.0, True)])
+def test_dry_run_warns_above_the_gpus_memory_with_what_each_change_would_plan(gpus, gpu_gib, warned, capsys):
+    model_values, run = free_8b()
+    plan.plan_run("free", dict(model_values), run["batch_size"], run["gradient_accumulation_steps"], 10, True, "cpu",
+                  gpus, 0.4, gpu_gib=gpu_gib)
+    out = capsys.readouterr().out
+    total = float(re.search(r"memory per GPU: ([\d.]+) GiB", out)[1])
+    assert (total > gpu_gib) == warned == ("warning:" in out)
+    if warned:  # the remedies not already on, each planned alone: checkpointing, half the micro-batch (FSDP is on)
+        planned = models.meta_model("free", model_values)
+        expect = {"--activation_checkpointing=True": plan.memory_plan(planned, 2, True, gpus, checkpointing=True),
+                  "--batch_size=1 --gradient_accumulation_steps=1024": plan.memory_plan(planned, 1, True, gpus)}
+        warning = out[out.index("warning:"):]
+        assert f"{total:.2f} GiB a GPU exceeds the {gpu_gib:g} GiB" in warning and "--fsdp" not in warning
+        for change, terms in expect.items():
+            assert f"{change} " in warning and f": {sum(terms.values()) / 2**30:.2f} GiB" in warning

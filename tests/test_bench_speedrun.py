@@ -1,8 +1,10 @@
 """scripts/bench_speedrun.py: its table's arithmetic, its whole-split score, and a tiny run of both arms (nanoGPT's
 train.py from a checkout beside the repository, ../shared/peers/nanogpt, where the suite's machine has one)."""
 
+import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -52,8 +54,9 @@ def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens
                       "--threads=1", f"--work_dir={tmp_path}", f"--nanogpt_args={short} --n_layer=1",
                       f"--ours_args={short} --n_layer=1", f"--out_json={tmp_path / 'bench.json'}", data_dir=tmp_path)
     lines = proc.stdout.splitlines()
-    assert [line.split(" run ")[0] for line in lines[:4]] == ["nanogpt", "ours", "nanogpt", "ours"]
-    import json
+    done = [line.split(" run ")[0] for line in lines if re.match(r"(nanogpt|ours) run \d/2: [\d.]+ s, val", line)]
+    assert done == ["nanogpt", "ours", "nanogpt", "ours"]
+    assert sum(line.startswith("load average") for line in lines) == 4
     with open(tmp_path / "bench.json") as f:
         result = json.load(f)
     assert [r["arm"] for r in result["runs"]] == ["nanogpt", "ours"] * 2

@@ -39,7 +39,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from nanolatent import ckpt, common, cpu, eve_bank, models, plan, records, tokendata
+from nanolatent import ckpt, common, cpu, eve_bank, models, optim, plan, records, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -71,7 +71,9 @@ init_embeddings = ""  # a .npy (vocab_size, n_embd) matrix copied into a fresh m
 # tied to it): pretrained embeddings, held frozen with freeze_embeddings=True (EVE §1; experiments/eve_paper_protocol)
 freeze_embeddings = False  # tok_emb (and a head tied to it) gets no gradient, and so no AdamW update or decay
 # AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+optimizer = "adamw"  # 'adamw': the model's configure_optimizers; 'muon': Muon on the blocks' matrices (optim.py)
 learning_rate = 1e-3
+muon_lr = 0.02  # --optimizer=muon: the matrices' peak learning rate (nanochat's matrix_lr), scheduled as learning_rate
 max_iters = 600
 weight_decay = 0.1
 beta1 = 0.9
@@ -102,10 +104,10 @@ config, model_config = configurator.apply(globals(), model_fields=lambda values:
 configurator.require(config, positive=("eval_interval", "log_interval", "eval_iters", "batch_size",
                                        "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints",
                                        "dist_timeout", "dry_run_gpu_gib"),
-                     non_negative=("max_iters", "learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
+                     non_negative=("max_iters", "learning_rate", "muon_lr", "min_lr", "warmup_iters", "lr_decay_iters",
                                    "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
                      choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
-                              "select_by": ("loss", "ce")},
+                              "select_by": ("loss", "ce"), "optimizer": optim.OPTIMIZERS},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
     common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
@@ -178,6 +180,11 @@ else:
 if fsdp and not ddp:
     common.die("fsdp=True shards the model across processes: run under torchrun "
                "(torchrun --standalone --nproc_per_node=N train.py ...)")
+if fsdp and optimizer == "muon":  # a process holds a slice of each matrix; Muon's Newton-Schulz needs all of it
+    common.die("optimizer=muon orthogonalises whole matrices, which fsdp=True splits across processes: train with "
+               "DDP (drop --fsdp) or with --optimizer=adamw")
+if optimizer == "muon" and not learning_rate:  # the matrices' rate is scheduled as a multiple of learning_rate
+    common.die("optimizer=muon schedules muon_lr as a multiple of learning_rate, which is 0: set learning_rate > 0")
 if fsdp and dtype == "float16":
     common.die("fsdp=True trains in bfloat16 or float32 (sharded gradients have no GradScaler here): "
                "set --dtype=bfloat16")
@@ -267,6 +274,7 @@ if checkpoint is not None:
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
     freeze_embeddings = checkpoint["config"]["freeze_embeddings"]  # the optimizer's saved groups were made with it
+    optimizer = config["optimizer"] = checkpoint["config"]["optimizer"]  # and its state is this optimizer's
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "
@@ -332,7 +340,7 @@ else:
     train_model = torch.compile(model) if compile else model
     if ddp:
         train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = optim.build(optimizer, model, weight_decay, learning_rate, muon_lr, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
@@ -559,7 +567,7 @@ t_paced = None  # the end of the first step: the pace for the ETA leaves out its
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # --optimizer=muon: the matrices' groups at muon_lr's scale
     if stop_requested():
         save_and_stop()
 

@@ -1,0 +1,24 @@
+# det to nanoGPT's CPU-recipe val loss in the fewest seconds: nanoGPT's "I only have a macbook" shape (4 layers x 128,
+# context 64, Tiny Shakespeare characters, the same 90/10 split), trained with Muon on the blocks' matrices.
+# python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
+# python train.py config/det_speedrun_char.py      (python -m scripts.bench_speedrun times it against nanoGPT's recipe)
+model_type = "det"
+dataset = "shakespeare_char"
+out_dir = "out-det-speedrun-char"
+block_size = 64
+n_layer = 4
+n_embd = 128
+n_head = 4
+n_kv_head = 4  # multi-head attention, as nanoGPT's
+optimizer = "muon"
+muon_lr = 0.04  # above nanochat's 0.02 (its models are wider); modded-nanogpt's small runs use 0.05
+learning_rate = 6e-3  # AdamW's: the embedding (and the head tied to it) and the norms' gains
+min_lr = 6e-4
+beta2 = 0.99  # few tokens per step: a shorter second-moment memory (nanoGPT's recipe)
+batch_size = 32  # 2,048 tokens a step, 348k in all: nanoGPT's recipe reads 1.54M
+max_iters = 170
+lr_decay_iters = 170
+warmup_iters = 20
+eval_interval = 170  # an evaluation at the start and one at the end
+eval_iters = 10
+log_interval = 10

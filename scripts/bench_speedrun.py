@@ -1,0 +1,205 @@
+"""Time to quality: nanoGPT's CPU recipe against config/det_speedrun_char.py, each a whole process timed from its start
+to its exit, one after the other, and each final model's loss on the whole val split.
+
+    python -m scripts.bench_speedrun --nanogpt=../nanoGPT --input=input.txt --seeds=3 --threads=2
+
+--nanogpt is a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT: its train.py, model.py, configurator.py,
+config/train_shakespeare_char.py and data/shakespeare_char/prepare.py; never copied here), --input Tiny Shakespeare's
+input.txt. Into a scratch folder (--work_dir, else a temporary one) the script copies the checkout, prepares the text
+with nanoGPT's data script and with prepare.py (and checks that both wrote the same train.bin and val.bin: the same
+characters, the same 90/10 split), then runs the two arms in turns, nanoGPT, ours, nanoGPT, ours, ..., every process
+with OMP_NUM_THREADS=--threads (a loaded machine slows both alike; the load average is printed before each run). nanoGPT
+runs its README's "I only have a macbook" command (4 layers x 128, context 64, batch 12, 2,000 steps, dropout 0, no
+compile), evaluating 100 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time
+it again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`. After each run (outside its time) its final
+checkpoint is scored the same way: the mean cross-entropy per token over the whole val split cut into windows of 64
+tokens (each token predicted from the up to 63 before it in its window), by nanoGPT's model.py for its runs and ours for
+ours. The table shows each run's wall time, the val loss it printed itself and that whole-split loss; then the means,
+and the time ratio ours / nanoGPT's. Extra flags for either arm: --nanogpt_args="--max_iters=500",
+--ours_args="--max_iters=200".
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import configurator
+from nanolatent import ckpt, common
+
+nanogpt = ""  # a nanoGPT checkout (required)
+input = ""  # Tiny Shakespeare's input.txt (required)
+seeds = 3  # runs per arm
+threads = 2  # OMP_NUM_THREADS of every run, the same for both arms
+work_dir = ""  # scratch folder for the copy, the data and the runs ('' = a temporary one, deleted at the end)
+nanogpt_args = ""  # extra flags for nanoGPT's train.py
+ours_args = ""  # extra flags for our train.py
+out_json = ""  # also write the runs and the summary here
+# ----------------------------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# nanoGPT's README: "I only have a macbook", with the evaluation every 250 steps on 100 batches
+NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=100",
+                  "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+                  "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
+                 "data/shakespeare_char/prepare.py")
+CONTEXT = 64  # the window of the whole-split score: both recipes' context
+
+
+def summary(runs):
+    """{arm: (mean wall s, mean whole-split val loss, runs)} and the ratio of the arms' mean wall times (ours over
+    nanoGPT's); runs: dicts with arm, wall_s, val_loss."""
+    arms = {}
+    for arm in ("nanogpt", "ours"):
+        mine = [r for r in runs if r["arm"] == arm]
+        arms[arm] = (statistics.fmean(r["wall_s"] for r in mine), statistics.fmean(r["val_loss"] for r in mine),
+                     len(mine))
+    return arms, arms["ours"][0] / arms["nanogpt"][0]
+
+
+def table(runs):
+    """The runs' rows, then each arm's means and the time ratio: the lines the script prints."""
+    lines = ["arm | seed | wall s | own val | val (whole split)"]
+    for r in runs:
+        lines.append(f"{r['arm']} | {r['seed']} | {r['wall_s']:.1f} | {r['printed_val']:.4f} | {r['val_loss']:.4f}")
+    arms, ratio = summary(runs)
+    for arm, (wall, val, n) in arms.items():
+        lines.append(f"{arm} | mean of {n} | {wall:.1f} |  | {val:.4f}")
+    gap = arms["ours"][1] - arms["nanogpt"][1]
+    lines.append(f"time ours / nanoGPT: {ratio:.3f}; val ours - nanoGPT: {gap:+.4f}")
+    return lines
+
+
+def val_windows(path):
+    """The val split as (N, 65) windows: 64 inputs and their 64 next tokens, side by side, the last partial one out."""
+    data = np.fromfile(path, dtype=np.uint16).astype(np.int64)
+    n = (len(data) - 1) // CONTEXT
+    x = torch.from_numpy(data[:n * CONTEXT].reshape(n, CONTEXT))
+    y = torch.from_numpy(data[1:n * CONTEXT + 1].reshape(n, CONTEXT))
+    return x, y
+
+
+@torch.no_grad()
+def whole_split_loss(logits_of, x, y, batch=256):
+    """Mean cross-entropy per token of logits_of(x, y) -> (B, T, V) over all windows."""
+    total = 0.0
+    for i in range(0, len(x), batch):
+        logits = logits_of(x[i:i + batch], y[i:i + batch]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+    return total / y.numel()
+
+
+def nanogpt_loss(run_dir, copy, x, y):
+    """nanoGPT's final checkpoint scored by its own model.py."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(copy, "model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    checkpoint = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+    model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+    model.eval()
+    return whole_split_loss(lambda a, b: model(a, b)[0], x, y)
+
+
+def ours_loss(run_dir, x, y):
+    model, _ = ckpt.load_model(run_dir)
+    model.eval()
+    return whole_split_loss(lambda a, b: model(a, b)[0], x, y)
+
+
+def timed_run(cmd, cwd, env, log):
+    """Seconds the process ran, from its start to its exit; its output goes to `log`. The load average over the
+    last minute is printed before it starts: a shared machine's."""
+    print(f"load average {os.getloadavg()[0]:.2f}: {' '.join(cmd[1:3])} ...", flush=True)
+    with open(log, "w") as f:
+        t0 = time.perf_counter()
+        code = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        seconds = time.perf_counter() - t0
+    if code:
+        common.die(f"{' '.join(cmd)} (in {cwd}) failed with exit code {code}: see {log}")
+    return seconds
+
+
+def printed_val(log, pattern):
+    """The last val loss a run printed."""
+    with open(log) as f:
+        found = re.findall(pattern, f.read())
+    if not found:
+        common.die(f"{log} holds no val loss: the run printed no evaluation")
+    return float(found[-1])
+
+
+def prepare(copy, data, env):
+    """Tiny Shakespeare prepared by nanoGPT's data script in the copy and by prepare.py under `data`: the same."""
+    shutil.copy(input, os.path.join(copy, "data", "shakespeare_char", "input.txt"))
+    subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=copy, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "prepare.py", "text", f"--input={os.path.abspath(input)}", "--tokenizer=char",
+                    "--name=shakespeare_char"], cwd=ROOT, env={**env, "NANOLATENT_DATA": data}, check=True,
+                   stdout=subprocess.DEVNULL)
+    for split in ("train", "val"):
+        theirs = os.path.join(copy, "data", "shakespeare_char", f"{split}.bin")
+        ours = os.path.join(data, "shakespeare_char", f"{split}.bin")
+        if not np.array_equal(np.fromfile(theirs, dtype=np.uint16), np.fromfile(ours, dtype=np.uint16)):
+            common.die(f"prepare.py and nanoGPT's data script wrote different {split}.bin from {input}: the arms "
+                       f"would not train and score on the same tokens")
+
+
+def main():
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    scratch = work_dir or tempfile.mkdtemp(prefix="bench_speedrun_")
+    copy, data = os.path.join(scratch, "nanogpt"), os.path.join(scratch, "data")
+    shutil.rmtree(copy, ignore_errors=True)
+    for name in NANOGPT_FILES:
+        os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
+        shutil.copy(os.path.join(nanogpt, name), os.path.join(copy, name))
+    prepare(copy, data, env)
+    runs = []
+    x, y = val_windows(os.path.join(data, "shakespeare_char", "val.bin"))
+    for i in range(seeds):
+        out = os.path.join(scratch, f"nanogpt_{i}")
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "train.py", *NANOGPT_RECIPE, f"--out_dir={out}", *shlex.split(nanogpt_args)]
+        wall = timed_run(cmd, copy, env, f"{out}.log")
+        runs.append({"arm": "nanogpt", "seed": 1337, "wall_s": wall, "out_dir": out,
+                     "printed_val": printed_val(f"{out}.log", r"val loss (\d+\.\d+)"),
+                     "val_loss": nanogpt_loss(out, copy, x, y)})
+        print(f"nanogpt run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
+        out = os.path.join(scratch, f"ours_{i}")
+        cmd = [sys.executable, "train.py", "config/det_speedrun_char.py", f"--out_dir={out}", "--overwrite=True",
+               f"--seed={1337 + i}", *shlex.split(ours_args)]
+        wall = timed_run(cmd, ROOT, {**env, "NANOLATENT_DATA": data}, f"{out}.log")
+        runs.append({"arm": "ours", "seed": 1337 + i, "wall_s": wall, "out_dir": out,
+                     "printed_val": printed_val(f"{out}.log", r"val_loss (\d+\.\d+)"),
+                     "val_loss": ours_loss(out, x, y)})
+        print(f"ours run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
+    print("\n".join(table(runs)))
+    if out_json:
+        arms, ratio = summary(runs)
+        with open(out_json, "w") as f:
+            json.dump({"config": config, "runs": runs, "arms": arms, "ratio": ratio}, f, indent=1)
+    if not work_dir:
+        shutil.rmtree(scratch)
+
+
+if __name__ == "__main__":
+    config, _ = configurator.apply(globals())
+    configurator.require(config, positive=("seeds", "threads"))
+    missing = [name for name in NANOGPT_FILES if not os.path.isfile(os.path.join(nanogpt, name))]
+    if not nanogpt or missing:
+        common.die(f"--nanogpt={nanogpt or '(not given)'} is not a nanoGPT checkout (it lacks {', '.join(missing)}): "
+                   f"git clone https://github.com/karpathy/nanoGPT and pass --nanogpt=<its folder>")
+    if not os.path.isfile(input):
+        common.die(f"--input={input or '(not given)'} is not a file: pass Tiny Shakespeare's input.txt")
+    main()

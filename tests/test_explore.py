@@ -3,7 +3,9 @@ server (on 127.0.0.1, a free port) answers each view with exactly the texts and 
 evaluate.py command it shows, the page in headless Chromium shows them, and bad input is one message in the page and
 in the server's log, with the server still up and the run folders untouched."""
 
+import itertools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -12,7 +14,9 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import TINY, run_script, start_script, wait_for_line
 from nanolatent import tasks
@@ -23,11 +27,16 @@ TIMEOUT = 120  # seconds for any one request or wait; every request goes to 127.
 
 @pytest.fixture(scope="module")
 def runs(data_root, tmp_path_factory):
-    """Tiny det, EVE and Free runs on the synthetic task (a few seconds each)."""
+    """Tiny det, EVE and Free runs on the synthetic task (a few seconds each), and the Free run with its Z made to
+    change nothing (post_sampler, the only way Z enters the decoder, zeroed: §3.1's R = 0)."""
     root = tmp_path_factory.mktemp("explore")
     for model in ("det", "eve", "free"):
         run_script("train.py", f"--model_type={model}", f"--out_dir={root / model}", *TINY, "--max_iters=20",
                    "--eval_interval=20", data_dir=data_root)
+    checkpoint = torch.load(root / "free" / "ckpt.pt", map_location="cpu", weights_only=False)
+    checkpoint["model"]["post_sampler.weight"].zero_()
+    (root / "free_z_ignored").mkdir()
+    torch.save(checkpoint, root / "free_z_ignored" / "ckpt.pt")
     return root
 
 
@@ -77,7 +86,7 @@ def printed_samples(stdout):
 def run_files(runs):
     """Every file under the run folders with its size and modification time."""
     return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
-            for model in ("det", "eve", "free") for d, _, files in os.walk(runs / model) for f in files}
+            for model in ("det", "eve", "free", "free_z_ignored") for d, _, files in os.walk(runs / model) for f in files}
 
 
 GROUP = dict(prompt="K>", k="4", groups="2", max_new_tokens="30", temperature="0.8", latent_seed="5", seed="11")
@@ -137,6 +146,95 @@ def test_z_shows_the_bits_and_texts_of_sample_py_show_latents(server, runs, data
     assert ["".join(row) for row in z["tokens"]] == z["texts"]
 
 
+def pair_agreement(texts):
+    """Per position, the share of pairs of equal-length texts with the same character there (counted pair by pair)."""
+    pairs = list(itertools.combinations(texts, 2))
+    return [sum(a[i] == b[i] for a, b in pairs) / len(pairs) for i in range(len(texts[0]))]
+
+
+def summary_of(events):
+    (summary,) = [e for e in events if "summary" in e]
+    return summary
+
+
+def test_groups_agreement_is_sample_py_summary_and_counts_pairs(server, runs, data_root, tmp_path):
+    status, events = post(server, "groups", run=str(runs / "eve"), **dict(GROUP, groups="3", max_new_tokens="40"))
+    summary, blocks = summary_of(events), [e for e in events if "block" in e]
+    stdout = run_command(summary["command"], data_root, tmp_path)
+    # the samples, block after block (the shared groups, then a draw each), then exactly the page's lines
+    assert printed_samples(stdout) == [t + "\n" for b in blocks for t in b["texts"]]
+    assert stdout.split("---------------\n")[-1].splitlines() == summary["lines"]
+    new = lambda block: [t[len("K>"):] for t in block["texts"]]  # one character a token on this task
+    within = np.mean([pair_agreement(new(b)) for b in blocks[:-1]], axis=0)
+    across = pair_agreement(new(blocks[-1]))
+    assert np.allclose(summary["summary"]["within"], within, rtol=0, atol=1e-12)
+    assert np.allclose(summary["summary"]["across"], across, rtol=0, atol=1e-12)
+    assert math.isclose(summary["summary"]["within_mean"], np.mean(within), abs_tol=1e-12)
+    # the reproduction's spread: std of the target's start over the well-formed samples
+    starts = [t.index(tasks.letters_answer(t)) for t in new(blocks[-1]) if tasks.letters_answer(t)]
+    assert summary["summary"]["formed_independent"] == len(starts)
+    assert summary["summary"]["spread_independent"] == (float(np.std(starts)) if len(starts) >= 2 else None)
+    assert not summary["summary"]["identical"] and not any(line.startswith("warning") for line in summary["lines"])
+
+
+@pytest.mark.parametrize("run", ["det", "free_z_ignored"])
+def test_groups_flag_a_run_whose_latents_change_nothing(server, runs, data_root, tmp_path, run):
+    status, events = post(server, "groups", run=str(runs / run), **GROUP)
+    summary, blocks = summary_of(events), [e for e in events if "block" in e]
+    assert status == 200 and all(b["texts"] == blocks[-1]["texts"] for b in blocks)
+    assert summary["summary"]["identical"] and summary["summary"]["within"] == summary["summary"]["across"]
+    assert summary["lines"][-1].startswith("warning: every group is identical")
+    assert run_command(summary["command"], data_root, tmp_path).splitlines()[-1] == summary["lines"][-1]
+
+
+def test_uncertainty_top_tokens_are_each_pass_probabilities_and_their_mean(server, runs):
+    text = "K>___KKKKKKKK___!__"
+    for run, passes in (("eve", 6), ("det", 1)):
+        status, events = post(server, "uncertainty", run=str(runs / run), text=text, passes="6", seed="21")
+        (scores,) = events
+        assert status == 200 and len(scores["top"]) == len(text) - 1
+        for token, nll, top in zip(scores["tokens"], scores["nll"], scores["top"]):
+            p = np.array(top["passes"])  # (M, k)
+            assert p.shape == (passes, 5) and np.allclose(p.mean(0), top["mean"], atol=1e-6)
+            assert np.allclose(p.std(0), top["spread"], atol=1e-6) and top["mean"] == sorted(top["mean"])[::-1]
+            if token in top["tokens"]:  # p̄ of the text's token is evaluate.py's exp(-nll)
+                assert math.isclose(-math.log(top["mean"][top["tokens"].index(token)]), nll, abs_tol=1e-4)
+        spread = max(max(top["spread"]) for top in scores["top"])
+        assert spread > 0 if run == "eve" else spread == 0
+
+
+def test_minds_mean_model_rows_spread_and_pinned_mind(server, runs, data_root, tmp_path):
+    fields = dict(run=str(runs / "det"), prompt="K>", k="3", sigma="0.3", max_new_tokens="30", temperature="1.0",
+                  latent_seed="2", seed="7")
+    minds = post(server, "minds", **fields)[1][-1]
+    assert printed_samples(run_command(minds["mean_command"], data_root, tmp_path)) == \
+        [t + "\n" for t in minds["mean_texts"]]
+    assert minds["differ"] == [sum(a != b for a, b in zip(t, m)) for t, m in zip(minds["texts"], minds["mean_texts"])]
+    assert minds["nll_std"] == float(np.std(minds["nll"])) and minds["nll_range"] == max(minds["nll"]) - min(minds["nll"])
+    # greedy: a pinned mind writes its own text in every row, the text it wrote among the K
+    greedy = post(server, "minds", **dict(fields, temperature="0"))[1][-1]
+    pinned = post(server, "minds", **dict(fields, temperature="0", pin="1", seed="8"))[1][-1]
+    assert pinned["pin"] == 1 and pinned["texts"] == [greedy["texts"][1]] * 3
+    assert "--pin_mind=1" in pinned["command"]
+    assert printed_samples(run_command(pinned["command"], data_root, tmp_path)) == [t + "\n" for t in pinned["texts"]]
+
+
+def test_z_kl_per_position_and_a_flipped_bit_are_sample_py_s(server, runs, data_root, tmp_path):
+    reference = "K>____KKKKKKKK_______"
+    fields = dict(run=str(runs / "free"), prompt="K>", reference=reference, k="2", max_new_tokens="20",
+                  temperature="0.8", latent_seed="4", seed="9")
+    z = post(server, "z", **fields)[1][-1]
+    stdout = run_command(z["command"], data_root, tmp_path)
+    assert stdout.splitlines()[-1] == "KL bits: " + " ".join(z["kl_bits"]) and len(z["kl_bits"]) == len(reference)
+    assert all(0 <= float(kl) <= 8 for kl in z["kl_bits"])  # KL from the uniform prior over 2^8 codes
+    bits = z["bits"][:]
+    bits[3] = bits[3][:2] + "10"[int(bits[3][2])] + bits[3][3:]
+    flipped = post(server, "z", **fields, z=" ".join(bits))[1][-1]
+    assert flipped["bits"] == bits and f"--z={' '.join(bits)}" in shlex.split(flipped["command"])
+    assert printed_samples(run_command(flipped["command"], data_root, tmp_path)) == \
+        [f"{t}\nZ: {' '.join(bits)}\n" for t in flipped["texts"]]
+
+
 BAD = [  # (view, fields, what the message names)
     ("groups", dict(GROUP, run="no/such/run"), "no checkpoint at no/such/run"),
     ("groups", dict(GROUP, prompt="K>" + "_" * 70), "the prompt has 72 tokens, more than the context"),
@@ -183,6 +281,65 @@ def test_a_browser_closing_mid_generation_stops_it_and_the_server_goes_on(server
         time.sleep(0.2)
     status, events = post(server, "uncertainty", run=str(runs / "free"), text="K>__", passes="2", seed="1")
     assert status == 200 and len(events[0]["nll"]) == 3
+
+
+def raw(server, request, wait=None):
+    """Send raw request bytes to the server and read its answer to the end: (seconds taken, status code, the body's
+    lines). wait: a socket the server is busy with meanwhile, closed after."""
+    host, port = server[0].split(":")
+    started = time.time()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    return time.time() - started, int(head.split()[1]), body.decode().splitlines()
+
+
+def headers(server, length):
+    return (f"POST /api/uncertainty HTTP/1.1\r\nHost: {server[0]}\r\n"
+            + (f"Content-Length: {length}\r\n" if length is not None else "") + "\r\n").encode()
+
+
+FIELDS = json.dumps(dict(text="K>__", passes="2", seed="1")).encode()
+
+
+@pytest.mark.parametrize("length, body, phrase", [
+    ("-1", FIELDS, "Content-Length=-1 is outside 1..1048576"),
+    ("-5", FIELDS, "Content-Length=-5 is outside"),
+    ("0", b"", "Content-Length=0 is outside"),
+    ("abc", FIELDS, "Content-Length must be a whole number of bytes, got 'abc'"),
+    (None, FIELDS, "Content-Length must be a whole number of bytes, got ''"),
+    ("100", b'{"text": "K>_', "the request's body ended after 13 of its Content-Length 100 bytes"),
+])
+def test_a_bad_content_length_is_one_line_400_within_seconds(server, length, body, phrase):
+    seconds, status, lines = raw(server, headers(server, length) + body)
+    assert seconds < 5 and status == 400 and len(lines) == 1 and phrase in json.loads(lines[0])["error"], lines
+
+
+def test_a_huge_value_is_echoed_as_a_short_prefix(server, runs):
+    status, events = post(server, "groups", **dict(GROUP, run=str(runs / "free"), seed="9" * 5000))
+    assert status == 400 and len(events[0]["error"]) < 120 and "(5,002 characters)" in events[0]["error"]
+
+
+def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, runs):
+    host, port = server[0].split(":")
+    body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
+        received = b""
+        while b'"partial": 0' not in received:  # the first generation is under way
+            received += s.recv(65536)
+        fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
+        started = time.time()
+        status, events = post(server, "uncertainty", **fields)
+        assert time.time() - started < 5 and status == 503 and len(events) == 1
+        assert events[0]["error"].startswith("busy:")
+    deadline = time.time() + TIMEOUT  # the closed connection ends the generation; then the server computes again
+    while post(server, "uncertainty", **fields)[0] == 503:
+        assert time.time() < deadline
+        time.sleep(0.2)
 
 
 def test_only_pages_of_the_server_itself_may_ask_it(server):

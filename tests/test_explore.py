@@ -363,8 +363,11 @@ def chromium():
         options.add_argument(flag)
     profile = __import__("tempfile").mkdtemp(prefix="chromium-")
     options.add_argument(f"--user-data-dir={profile}")
+    options.add_experimental_option("prefs", {"download.default_directory": os.path.join(profile, "downloads"),
+                                              "download.prompt_for_download": False})
     browser = webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver_path), options=options)
     browser.set_page_load_timeout(TIMEOUT)
+    browser.downloads = os.path.join(profile, "downloads")  # where "export JSON" saves
     yield browser
     browser.quit()
     shutil.rmtree(profile, ignore_errors=True)
@@ -420,3 +423,158 @@ def test_the_page_in_chromium_shows_sample_py_groups_and_evaluate_py_token_value
     for key in ("nll", "entropy", "expected_entropy", "mi"):
         assert [float(s.get_attribute(f"data-{key}")) for s in spans] == expected[key]
     assert max(expected["mi"]) > 0  # EVE's noise moves the predictions
+
+
+def page(chromium, server):
+    """(wait, fill, go) for driving the page: fill sets text fields by id, go clicks a view's button and waits for
+    "done" or a message."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(chromium, TIMEOUT)
+
+    def fill(fields):
+        for key, value in fields.items():
+            box = chromium.find_element(By.ID, key)
+            box.clear()
+            box.send_keys(value)
+
+    def go(view):
+        chromium.find_element(By.ID, f"{view}-go").click()
+        wait.until(lambda b: b.find_element(By.ID, "status").text == "done" or b.find_element(By.ID, "message").text)
+        assert chromium.find_element(By.ID, "message").text == ""
+    return wait, fill, go
+
+
+def test_the_page_in_chromium_shows_the_groups_numbers_of_sample_py_summary_and_the_warning(server, runs, chromium,
+                                                                                             data_root, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value") == str(runs / "free"))
+    assert chromium.find_element(By.ID, "runinfo").text == "a free run, trained on synthetic"
+    fill({"run": str(runs / "eve"), "groups-k": "4", "groups-groups": "2", "groups-max_new_tokens": "30",
+          "groups-latent_seed": "5", "groups-seed": "11"})
+    ActionChains(chromium).double_click(chromium.find_element(By.ID, "groups-go")).perform()  # one request
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "done")
+    assert chromium.find_element(By.ID, "message").text == "" and chromium.find_element(By.ID, "runinfo").text == \
+        "an eve run"
+    lines = chromium.find_element(By.CSS_SELECTOR, "#groups-out pre.summary").get_property("textContent")
+    command = chromium.find_elements(By.CSS_SELECTOR, "#groups-out pre.command")[-1].get_property("textContent")
+    assert "--summary=True" in command
+    assert run_command(command, data_root, tmp_path).split("---------------\n")[-1] == lines + "\n"
+    # marked: the new tokens that differ from their block's most common one at that position
+    for block in chromium.find_elements(By.CSS_SELECTOR, "#groups-out .block"):
+        rows = [s.get_property("textContent")[len("K>"):] for s in block.find_elements(By.CSS_SELECTOR, ".sample")]
+        marked = [[(d.get_property("textContent"), d.location["x"]) for d in s.find_elements(By.CSS_SELECTOR, ".diff")]
+                  for s in block.find_elements(By.CSS_SELECTOR, ".sample")]
+        counts = [sum(c for c in [sum(r[i] != m for m in [max(set(col), key=col.count)]) for r in rows])
+                  for i, col in enumerate(map(list, zip(*rows)))]
+        assert sum(map(len, marked)) == sum(counts)
+    assert not chromium.find_elements(By.CSS_SELECTOR, "#groups-out .warning")
+    fill({"run": str(runs / "free_z_ignored")})
+    go("groups")
+    warning = chromium.find_element(By.CSS_SELECTOR, "#groups-out p.warning").text
+    assert warning.startswith("warning: every group is identical to the samples with a draw each")
+
+
+def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_tokens(server, runs, chromium):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=uncertainty]").click()
+    fill({"run": str(runs / "eve"), "uncertainty-text": "K>___KKKKKKKK___!__", "uncertainty-passes": "4",
+          "uncertainty-seed": "21"})
+    go("uncertainty")
+    answer = chromium.execute_script("return answers.uncertainty.answer[0]")
+    for scale in ("0.1", "0.001"):
+        Select(chromium.find_element(By.ID, "uncertainty-scale")).select_by_value(scale)
+        spans = chromium.find_elements(By.CSS_SELECTOR, "#uncertainty-out .tok")
+        alphas = [float(s.value_of_css_property("background-color").split(",")[-1].rstrip(")")) if
+                  s.value_of_css_property("background-color").startswith("rgba") else 1.0 for s in spans]
+        assert np.allclose(alphas, [min(abs(v) / float(scale), 1) for v in answer["mi"]], atol=0.01)
+    ActionChains(chromium).move_to_element(spans[5]).click().perform()
+    rows = chromium.find_elements(By.CSS_SELECTOR, "#uncertainty-panel tr.topk-row")
+    top = answer["top"][5]
+    assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows] == [json.dumps(t) for t in top["tokens"]]
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == [f"{p:.4f}" for p in top["mean"]]
+    assert [[c.text for c in r.find_elements(By.TAG_NAME, "td")[3:]] for r in rows] == \
+        [[f"{p:.4f}" for p in ps] for ps in zip(*top["passes"])]  # (M, k) -> a row per token
+
+
+def test_the_page_in_chromium_pins_a_mind_beside_the_mean_model(server, runs, chromium, data_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=minds]").click()
+    fill({"run": str(runs / "det"), "minds-k": "3", "minds-sigma": "0.3", "minds-max_new_tokens": "30",
+          "minds-temperature": "0", "minds-latent_seed": "2", "minds-seed": "7"})
+    go("minds")
+    texts = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, "tr.mind .sample")]
+    means = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, ".mean-text")]
+    command = chromium.find_elements(By.CSS_SELECTOR, "#minds-out pre.command")[1].get_property("textContent")
+    assert "--noise_mode=mean" in command
+    assert printed_samples(run_command(command, data_root, tmp_path)) == [t + "\n" for t in means]
+    nll = [float(c.get_attribute("data-value")) for c in chromium.find_elements(By.CSS_SELECTOR, "td.nll")]
+    assert f"std {np.std(nll):.4f}, range {max(nll) - min(nll):.4f} nats" in \
+        chromium.find_element(By.CSS_SELECTOR, "p.spread").text
+    chromium.find_elements(By.CSS_SELECTOR, "button.pin")[2].click()
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#minds-out p.warning"))
+    pinned = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, "tr.mind .sample")]
+    assert pinned == [texts[2]] * 3  # greedy: mind 2's text in every row
+    command = chromium.find_elements(By.CSS_SELECTOR, "#minds-out pre.command")[0].get_property("textContent")
+    assert printed_samples(run_command(command, data_root, tmp_path)) == [t + "\n" for t in pinned]
+
+
+def test_the_page_in_chromium_flips_a_bit_of_z_and_keeps_its_state_in_the_url(server, runs, chromium, data_root,
+                                                                              tmp_path):
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=z]").click()
+    fill({"run": str(runs / "free"), "z-reference": "K>____KKKKKKKK_______", "z-k": "2", "z-max_new_tokens": "20",
+          "z-latent_seed": "4", "z-seed": "9"})
+    go("z")
+    kl = [c.text for c in chromium.find_elements(By.CSS_SELECTOR, "tr.klrow td.kl")]
+    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    assert run_command(command, data_root, tmp_path).splitlines()[-1] == "KL bits: " + " ".join(kl)
+    bits = chromium.execute_script("return answers.z.answer[1].bits")
+    chromium.find_element(By.CSS_SELECTOR, "td.flip[data-position='3'][data-bit='2']").click()
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#z-out p.warning")
+               and b.find_element(By.ID, "status").text == "done")
+    flipped = chromium.execute_script("return answers.z.answer[1].bits")
+    assert [i for i, (a, b) in enumerate(zip(bits, flipped)) if a != b] == [3] and \
+        [i for i, (a, b) in enumerate(zip(bits[3], flipped[3])) if a != b] == [2]
+    texts = [r.get_attribute("data-text") for r in chromium.find_elements(By.CSS_SELECTOR, "tr.zsample")]
+    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    assert printed_samples(run_command(command, data_root, tmp_path)) == \
+        [f"{t}\nZ: {' '.join(flipped)}\n" for t in texts]
+    # the URL holds the view and its fields: opened afresh, it computes the same view again
+    url = chromium.current_url
+    assert "view=z" in url and "z=" in url
+    chromium.get("about:blank")
+    chromium.get(url)
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "done")
+    assert [r.get_attribute("data-text") for r in chromium.find_elements(By.CSS_SELECTOR, "tr.zsample")] == texts
+    # export: the answer shown, with its request, as a JSON file
+    chromium.find_element(By.CSS_SELECTOR, "button.export[data-view=z]").click()
+    path = os.path.join(chromium.downloads, "nanolatent-z.json")
+    deadline = time.time() + TIMEOUT
+    while not os.path.exists(path):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)
+    with open(path) as f:
+        exported = json.load(f)
+    assert exported["view"] == "z" and exported["request"]["z"] == " ".join(flipped)
+    assert exported["answer"][1]["texts"] == texts and exported["answer"][1]["bits"] == flipped

@@ -149,11 +149,11 @@ def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullc
 
 
 @torch.no_grad()
-def top_predictions(model, ids, n_passes, generator, k=5, onednn=True, dtype="float32"):
+def top_predictions(model, ids, n_passes, generator, decode, k=5, onednn=True, dtype="float32"):
     """What the passes predict at each position of one text: the k tokens most likely under p̄ (the mean over M
     passes with fresh latents, drawn from `generator` as token_uncertainty draws them), p̄ of each, each pass's p_m of
     each (M, k) and their spread, the standard deviation of p_m over the passes (0 for a det model's one pass).
-    -> [{"ids", "mean", "passes", "spread"}] per predicted position."""
+    -> [{"tokens", "mean", "passes", "spread"}] per predicted position."""
     x = torch.tensor([ids[:-1]], dtype=torch.long, device=model.tok_emb.weight.device)  # (1, T)
     y = torch.tensor([ids[1:]], dtype=torch.long, device=x.device)  # (1, T): targets, as token_uncertainty's
     M = 1 if model.latent_kind == "none" else n_passes
@@ -161,12 +161,14 @@ def top_predictions(model, ids, n_passes, generator, k=5, onednn=True, dtype="fl
     products = cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
     with products:
         probs = lambda latents: F.softmax(model(x, y, latents=latents)[0][0].float(), dim=-1)  # (T, V)
-        p_bar = sum(probs(latents) for latents in drawn) / M  # (T, V)
+        # The passes run twice (p̄, then each p_m at p̄'s top k, rather than M full distributions held): the second
+        # time from the same global RNG state, which a B-Trans forward with noise_mode='token' draws from.
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            p_bar = sum(probs(latents) for latents in drawn) / M  # (T, V)
         mean, top = p_bar.topk(min(k, p_bar.size(-1)), dim=-1)  # (T, k)
-        passes = torch.stack([probs(latents).gather(1, top) for latents in drawn], dim=1)  # (T, M, k): again, to
-        # hold p_m only at the top k rather than M full distributions
+        passes = torch.stack([probs(latents).gather(1, top) for latents in drawn], dim=1)  # (T, M, k)
     spread = passes.std(dim=1, unbiased=False)  # (T, k)
-    return [{"ids": top[t].tolist(), "mean": mean[t].tolist(), "passes": passes[t].tolist(),
+    return [{"tokens": [decode([t]) for t in top[t].tolist()], "mean": mean[t].tolist(), "passes": passes[t].tolist(),
              "spread": spread[t].tolist()} for t in range(x.size(1))]
 
 

@@ -31,6 +31,7 @@ stream_every = 0.2  # seconds between two lines of a generation's tokens so far 
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals())
 MAX_SAMPLES, MAX_GROUPS, MAX_PASSES = 64, 16, 64  # per request: a page answers in seconds, not hours
+TOP_TOKENS = 5  # Uncertainty's panel: the most likely tokens of p̄ at a position, with each pass's probability of them
 READ_TIMEOUT = 3  # seconds a client may take to send its request: a body shorter than its Content-Length ends there
 SHOWN = 40  # characters of a bad value an error echoes (a 5,000-digit seed is not echoed whole)
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")
@@ -44,7 +45,8 @@ class ClientGone(Exception):
     """The browser closed the connection: nothing more to compute for it."""
 
 
-LABELS = {"pin": "pinned mind", "k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed", "seed": "seed",
+LABELS = {"pin": "pinned mind", "k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed",
+          "seed": "seed",
           "passes": "passes M", "sigma": "σ", "temperature": "temperature"}  # the page's names of the fields
 
 
@@ -211,13 +213,12 @@ def view_uncertainty(params, send):
     ids = encode(body)
     torch.manual_seed(seed)  # as evaluate.py's load_net: the same draws
     scores = sampling.token_uncertainty(model, ids, passes, torch.Generator(device).manual_seed(seed))
-    top = sampling.top_predictions(model, ids, passes, torch.Generator(device).manual_seed(seed))
-    for position in top:
-        position["tokens"] = [decode([t]) for t in position.pop("ids")]
+    torch.manual_seed(seed)
+    top = sampling.top_predictions(model, ids, passes, torch.Generator(device).manual_seed(seed), decode, TOP_TOKENS)
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "context": decode(ids[:1]),
            "tokens": [decode([t]) for t in ids[1:]], **scores, "top": top,
            "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes, seed=seed,
-                              out_json="tokens.json")}
+                              top_tokens=TOP_TOKENS, out_json="tokens.json")}
 
 
 def view_z(params, send):

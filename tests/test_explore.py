@@ -86,7 +86,8 @@ def printed_samples(stdout):
 def run_files(runs):
     """Every file under the run folders with its size and modification time."""
     return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
-            for model in ("det", "eve", "free", "free_z_ignored") for d, _, files in os.walk(runs / model) for f in files}
+            for model in ("det", "eve", "free", "free_z_ignored")
+            for d, _, files in os.walk(runs / model) for f in files}
 
 
 GROUP = dict(prompt="K>", k="4", groups="2", max_new_tokens="30", temperature="0.8", latent_seed="5", seed="11")
@@ -187,12 +188,15 @@ def test_groups_flag_a_run_whose_latents_change_nothing(server, runs, data_root,
     assert run_command(summary["command"], data_root, tmp_path).splitlines()[-1] == summary["lines"][-1]
 
 
-def test_uncertainty_top_tokens_are_each_pass_probabilities_and_their_mean(server, runs):
+def test_uncertainty_top_tokens_are_evaluate_py_s_each_pass_and_their_mean(server, runs, data_root, tmp_path):
     text = "K>___KKKKKKKK___!__"
     for run, passes in (("eve", 6), ("det", 1)):
         status, events = post(server, "uncertainty", run=str(runs / run), text=text, passes="6", seed="21")
         (scores,) = events
-        assert status == 200 and len(scores["top"]) == len(text) - 1
+        assert status == 200 and len(scores["top"]) == len(text) - 1 and "--top_tokens=5" in scores["command"]
+        run_command(scores["command"], data_root, tmp_path)
+        with open(tmp_path / "tokens.json") as f:
+            assert json.load(f)["results"][str(runs / run)]["top"] == scores["top"]
         for token, nll, top in zip(scores["tokens"], scores["nll"], scores["top"]):
             p = np.array(top["passes"])  # (M, k)
             assert p.shape == (passes, 5) and np.allclose(p.mean(0), top["mean"], atol=1e-6)
@@ -210,7 +214,8 @@ def test_minds_mean_model_rows_spread_and_pinned_mind(server, runs, data_root, t
     assert printed_samples(run_command(minds["mean_command"], data_root, tmp_path)) == \
         [t + "\n" for t in minds["mean_texts"]]
     assert minds["differ"] == [sum(a != b for a, b in zip(t, m)) for t, m in zip(minds["texts"], minds["mean_texts"])]
-    assert minds["nll_std"] == float(np.std(minds["nll"])) and minds["nll_range"] == max(minds["nll"]) - min(minds["nll"])
+    assert minds["nll_std"] == float(np.std(minds["nll"]))
+    assert minds["nll_range"] == max(minds["nll"]) - min(minds["nll"])
     # greedy: a pinned mind writes its own text in every row, the text it wrote among the K
     greedy = post(server, "minds", **dict(fields, temperature="0"))[1][-1]
     pinned = post(server, "minds", **dict(fields, temperature="0", pin="1", seed="8"))[1][-1]

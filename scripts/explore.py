@@ -78,6 +78,8 @@ def text(params, key, required=True):
 def load(params, model_type=None, **overrides):
     """The run the request names (the page's run field) as a model in eval mode, into model_type when given."""
     run = text(params, "run")
+    if len(run) > 4096:  # longer than any path (PATH_MAX): not echoed whole by the messages that name the run
+        common.die(f"run must be the path of a run's folder or ckpt.pt, got {shown(run)}")
     path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
     key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:

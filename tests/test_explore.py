@@ -323,9 +323,11 @@ def test_a_bad_content_length_is_one_line_400_within_seconds(server, length, bod
     assert seconds < 5 and status == 400 and len(lines) == 1 and phrase in json.loads(lines[0])["error"], lines
 
 
-def test_a_huge_value_is_echoed_as_a_short_prefix(server, runs):
-    status, events = post(server, "groups", **dict(GROUP, run=str(runs / "free"), seed="9" * 5000))
-    assert status == 400 and len(events[0]["error"]) < 120 and "(5,002 characters)" in events[0]["error"]
+@pytest.mark.parametrize("field, value", [("seed", "9" * 5000), ("run", "x" * 5000), ("prompt", ["K>"] * 2000)],
+                         ids=["seed", "run", "prompt"])
+def test_a_huge_value_is_echoed_as_a_short_prefix(server, runs, field, value):
+    status, events = post(server, "groups", **{**GROUP, "run": str(runs / "free"), field: value})
+    assert status == 400 and len(events[0]["error"]) < 120 and "characters)" in events[0]["error"], events
 
 
 def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, runs):

@@ -59,6 +59,8 @@ configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      choices={"latents": sampling.LATENTS,
                               "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
 common.check_device(device)
+if pin_mind >= 0 and latents != "independent":
+    common.die(f"--pin_mind={pin_mind} picks one of the independent draws: drop --latents={latents}")
 if summary and (latents != "independent" or minds or pin_mind >= 0 or groups < 1):
     common.die("--summary draws its own groups (--groups >= 1 of them): drop --latents, --minds and --pin_mind")
 if latent_seed < -1:

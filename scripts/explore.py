@@ -1,6 +1,7 @@
-"""A local page that shows what the latents do: groups of samples sharing one draw against a draw each, B-Trans minds,
-per-token uncertainty and the Free Transformer's Z, each with the sample.py or evaluate.py command that prints the
-same texts and numbers.
+"""A local page that shows what the latents do, and how much: groups of samples sharing one draw against a draw each
+(with their agreement per position), B-Trans minds beside the mean model, per-token uncertainty with each pass's top
+tokens, and the Free Transformer's Z with its KL per position, each with the sample.py or evaluate.py command that
+prints the same texts and numbers.
 
     python -m scripts.explore --out_dir=out --port=8000      # then open http://127.0.0.1:8000
 
@@ -8,6 +9,8 @@ Python's http.server on 127.0.0.1 only, and one HTML file beside this one (plain
 internet). Every number comes from sampling.py, the functions sample.py and evaluate.py call; the server writes no
 file. A request is a JSON object of the page's fields; the answer streams as JSON lines: the tokens so far while a
 generation runs, then each block of samples or the scores, or one {"error": ...} line, which the log also prints.
+One view computes at a time: a request meanwhile is answered "busy" (503) at once, and a request that is malformed
+or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
 """
 
 import http.server

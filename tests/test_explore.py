@@ -487,7 +487,8 @@ def test_the_page_in_chromium_shows_the_groups_numbers_of_sample_py_summary_and_
     assert warning.startswith("warning: every group is identical to the samples with a draw each")
 
 
-def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_tokens(server, runs, chromium):
+def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_tokens(server, runs, chromium,
+                                                                                     data_root, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -506,6 +507,12 @@ def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_t
         alphas = [float(s.value_of_css_property("background-color").split(",")[-1].rstrip(")")) if
                   s.value_of_css_property("background-color").startswith("rgba") else 1.0 for s in spans]
         assert np.allclose(alphas, [min(abs(v) / float(scale), 1) for v in answer["mi"]], atol=0.01)
+    command = chromium.find_element(By.CSS_SELECTOR, "#uncertainty-out pre.command").get_property("textContent")
+    (mean_row,) = [line.split()[1:] for line in run_command(command, data_root, tmp_path).splitlines()
+                   if line.split()[:1] == ["mean"]]  # evaluate.py's means: nll, entropy, expected entropy, mi
+    assert chromium.find_element(By.CSS_SELECTOR, "#uncertainty-out p.means").text == \
+        "means over the tokens: nll {}, entropy {}, expected entropy {}, mi {} nats (the command's mean row)".format(
+            *mean_row)
     ActionChains(chromium).move_to_element(spans[5]).click().perform()
     rows = chromium.find_elements(By.CSS_SELECTOR, "#uncertainty-panel tr.topk-row")
     top = answer["top"][5]

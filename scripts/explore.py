@@ -48,9 +48,8 @@ class ClientGone(Exception):
     """The browser closed the connection: nothing more to compute for it."""
 
 
-LABELS = {"pin": "pinned mind", "k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed",
-          "seed": "seed",
-          "passes": "passes M", "sigma": "σ", "temperature": "temperature"}  # the page's names of the fields
+LABELS = {"k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed", "seed": "seed",
+          "passes": "passes M", "sigma": "σ", "temperature": "temperature", "pin": "pinned mind"}  # the page's names
 
 
 def shown(value):

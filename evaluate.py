@@ -77,6 +77,7 @@ top_k = 0  # 0 = no top-k filtering
 ngram = 4  # n of distinct-n
 # tokens: one text scored token by token over --mc_samples passes
 text = ""  # the text, or FILE:path to read it from a UTF-8 file; its first token is the context of the others
+top_tokens = 0  # --task=tokens: also each position's N most likely tokens under p̄ and each pass's probability of them
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
@@ -474,6 +475,11 @@ def run_tokens(checkpoints):
         encode, decode = tokendata.tokenizer(checkpoint["meta"])
         ids = encode(body)
         values = sampling.token_uncertainty(model, ids, mc_samples, generator, autocast, onednn, dtype)
+        if top_tokens:  # the same passes again: the generator and the global RNG as load_net left them
+            torch.manual_seed(seed)
+            with autocast:
+                values["top"] = sampling.top_predictions(model, ids, mc_samples, torch.Generator(device).manual_seed(
+                    seed), decode, top_tokens, onednn, dtype)
         results[path] = {"tokens": [decode([t]) for t in ids[1:]], **values}
     return {"text": body, "mc_samples": mc_samples}, results
 
@@ -517,7 +523,7 @@ if __name__ == "__main__":
     configurator.require(config, positive=("batch_size", "mc_samples", "ece_bins", "minds", "num_prompts",
                                            "max_new_tokens", "ngram"),
                          non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k",
-                                       "seed"),
+                                       "top_tokens", "seed"),
                          choices={"task": ("lm", "mc", "population", "tokens"), "dtype": tuple(common.DTYPES),
                                   "mixture": ("auto", "token", "sequence")},
                          within={"cvar_alpha": "(0, 1]"})

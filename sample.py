@@ -3,6 +3,7 @@
     python sample.py --out_dir=out --start="K>" --num_samples=8
     python sample.py --out_dir=out --latents=shared --latent_seed=3        # one Z for the whole group (Free Fig. 3)
     python sample.py --out_dir=out-det/ckpt.pt --model_type=btrans --sigma=0.05 --minds=8   # a det model as B-Trans minds
+    python sample.py --out_dir=out --start="K>" --num_samples=8 --summary=True   # how much a shared draw carries
     python sample.py --out_dir=out-smollm2 --chat=True --start="Name three colours."   # an Instruct model, as trained
 """
 
@@ -26,8 +27,14 @@ latents = "independent"  # 'independent' (a draw per sample), 'shared' (one draw
 prompt_latents = "encoder"  # Free: the prompt's Z from the 'encoder' on the prompt (§3.2), or the uniform 'prior' as well
 latent_seed = -1  # seeds the latents alone (-1: use seed), so the same minds / Z can be kept while tokens vary
 minds = 0  # B-Trans: K minds for one prompt (sets num_samples=K with independent latents)
+pin_mind = -1  # with independent latents: every sample gets draw i of the num_samples draws (mind i), tokens afresh
+summary = False  # sample --groups groups sharing a draw (latent seeds latent_seed, +1, ...), then num_samples with a
+# draw each, all with --seed's token draws, and print how much the draw carries (the explorer's Groups numbers)
+groups = 2  # shared-draw groups of num_samples each, for --summary
 reference = ""  # text whose encoder posterior gives Z for --latents=posterior
-show_latents = False  # Free, with pinned latents (shared, posterior): also print each sample's Z, H bits per token
+show_latents = False  # Free, with pinned latents (shared, posterior): also print each sample's Z, H bits per token,
+# and with posterior the KL in bits of each position's Z from the encoder reading --reference
+z = ""  # Free, with pinned latents: the first positions' Z as --show_latents prints them, in place of the drawn ones
 onednn = True  # CPU, float32 or bfloat16: matmuls through weights laid out for them (cpu.inference_linears: oneDNN's,
 # or for one sample on one thread a matrix-vector layout): faster, float rounding apart
 compile = False  # torch.compile the one-token decode step (gpt-fast's decode_one_token); the prefill stays eager
@@ -51,6 +58,10 @@ configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      choices={"latents": sampling.LATENTS,
                               "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
 common.check_device(device)
+if pin_mind >= 0 and latents != "independent":
+    common.die(f"--pin_mind={pin_mind} picks one of the independent draws: drop --latents={latents}")
+if summary and (latents != "independent" or minds or pin_mind >= 0 or groups < 1):
+    common.die("--summary draws its own groups (--groups >= 1 of them): drop --latents, --minds and --pin_mind")
 if latent_seed < -1:
     common.die(f"--latent_seed must be >= 0, or -1 to use --seed; got {latent_seed}")
 if start.startswith("FILE:"):
@@ -72,15 +83,29 @@ if minds:
     num_samples, latents = minds, "independent"
 
 reference_ids = encode(reference or start) if latents == "posterior" else None
-out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=latent_seed,
-                              latents=latents, prompt_latents=prompt_latents, reference=reference_ids,
-                              temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile)
+if z and model.latent_kind != "code":
+    common.die(f"--z sets the Free Transformer's codes; this model's latents are {model.latent_kind!r}")
+codes = sampling.parse_bits(z, model.config.latent_bits) if z else None
 # A chat answer ends at the end-of-turn token (generation_config.json's eos_token_id): what follows it is cut.
 stop = tokendata.hf_json(checkpoint["meta"], "generation_config.json").get("eos_token_id") if chat else None
 stop = set(stop if isinstance(stop, list) else [stop])
-for i, row in enumerate(out.tolist()):
-    end = next((t + 1 for t in range(out.size(1) - max_new_tokens, len(row)) if row[t] in stop), len(row))
-    print(decode(row[:end]))
-    if show_latents and model.latent_kind == "code":  # Z_t of every token, H bits each, in the order of the tokens
-        print("Z:", " ".join(sampling.code_bits(pinned[i, :len(row)].tolist(), model.config.latent_bits)))
-    print("---------------")
+blocks = [("shared", (seed if latent_seed < 0 else latent_seed) + g) for g in range(groups)] if summary else []
+blocks += [(latents, latent_seed)]  # the samples asked for, last
+rows = []
+for how, block_seed in blocks:
+    out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=block_seed,
+                                  latents=how, prompt_latents=prompt_latents, reference=reference_ids,
+                                  temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile,
+                                  pin=pin_mind, codes=codes)
+    rows.append(out.tolist())
+    for i, row in enumerate(rows[-1]):
+        end = next((t + 1 for t in range(out.size(1) - max_new_tokens, len(row)) if row[t] in stop), len(row))
+        print(decode(row[:end]))
+        if show_latents and model.latent_kind == "code":  # Z_t of every token, H bits each, in the order of the tokens
+            print("Z:", " ".join(sampling.code_bits(pinned[i, :len(row)].tolist(), model.config.latent_bits)))
+        print("---------------")
+if show_latents and latents == "posterior":
+    print("KL bits:", " ".join(f"{kl:.3f}" for kl in sampling.posterior_kl_bits(model, reference_ids)))
+if summary:
+    print("\n".join(sampling.summary_lines(sampling.group_summary(
+        rows[:-1], rows[-1], len(encode(start)), decode, checkpoint.get("config", {}).get("dataset")))))

@@ -8,7 +8,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanolatent import common, cpu, models
+import numpy as np
+
+from nanolatent import common, cpu, models, tasks
 
 LATENTS = ("independent", "shared", "posterior")
 
@@ -18,15 +20,18 @@ def check_length(ids, block_size, what="the prompt", hint=""):
         common.die(f"{what} has {len(ids)} tokens, more than the context (block_size={block_size}){hint}")
 
 
-def pin_latents(model, prompt, how, generator, prompt_latents="encoder", reference=None):
+def pin_latents(model, prompt, how, generator, prompt_latents="encoder", reference=None, pin=-1):
     """The latents of num_samples = prompt.size(0) sequences: 'independent' a draw each, 'shared' one draw for all
     (one prompt-Z draw and one sequence of per-token codes for the Free Transformer), 'posterior' the codes the
     Free Transformer's encoder infers from `reference` (1, T) token ids. Free: the prompt's Z from the encoder on the
-    prompt (§3.2), or with prompt_latents='prior' from the uniform prior as well. None: the model has none."""
+    prompt (§3.2), or with prompt_latents='prior' from the uniform prior as well. None: the model has none.
+    pin >= 0 with 'independent': every sequence gets draw number `pin` of the num_samples draws (one B-Trans mind
+    kept while its tokens are drawn afresh)."""
     n = prompt.size(0)
     consistent_with = prompt[:1] if prompt_latents == "encoder" else None
     if how == "independent":
-        return model.sample_latents(n, generator, prompt=consistent_with)
+        drawn = model.sample_latents(n, generator, prompt=consistent_with)
+        return drawn if pin < 0 or drawn is None else models.repeat_latents(drawn[pin:pin + 1], n)
     if how == "shared":
         return models.repeat_latents(model.sample_latents(1, generator, prompt=consistent_with), n)
     if model.latent_kind != "code":
@@ -38,12 +43,13 @@ def pin_latents(model, prompt, how, generator, prompt_latents="encoder", referen
 @torch.no_grad()
 def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, latents="independent",
            prompt_latents="encoder", reference=None, temperature=0.8, top_k=0, dtype="float32", onednn=True,
-           compile=False, on_token=None):
+           compile=False, on_token=None, pin=-1, codes=None):
     """num_samples continuations of the prompt `ids` (token ids): (tokens (num_samples, T + max_new_tokens), the
     pinned latents or None). The tokens are drawn from a generator seeded by `seed`, the latents from one seeded by
     latent_seed (-1: seed), so either can be held while the other varies. reference: token ids for 'posterior'.
     on_token(tokens (num_samples, 1)) sees each new token but the last as it is fed back (the explorer streams them);
-    it changes no draw, and an exception it raises ends the generation."""
+    it changes no draw, and an exception it raises ends the generation. pin: see pin_latents. codes (Free): Z of the
+    first len(codes) positions, ints, in place of the drawn ones (a bit flipped to see what it changes)."""
     device = model.tok_emb.weight.device
     torch.manual_seed(seed)
     token_generator = torch.Generator(device).manual_seed(seed)
@@ -53,7 +59,15 @@ def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, lat
     if latents == "posterior":
         check_length(reference, model.config.block_size, "the --reference", ": the encoder reads it whole; shorten it")
         reference = torch.tensor([reference], dtype=torch.long, device=device)  # (1, T_ref)
-    pinned = pin_latents(model, prompt, latents, latent_generator, prompt_latents, reference)
+    if not -1 <= pin < num_samples:
+        common.die(f"--pin_mind={pin} names no draw: 0..{num_samples - 1}, or -1 for a draw each")
+    pinned = pin_latents(model, prompt, latents, latent_generator, prompt_latents, reference, pin)
+    if codes:
+        if model.latent_kind != "code" or latents == "independent":
+            common.die("--z sets the Free Transformer's codes of pinned latents: a free run with --latents=shared or "
+                       "posterior")
+        check_length(codes, model.config.block_size, "--z", ": give at most one code per position")
+        pinned[:, :len(codes)] = torch.tensor(codes, device=device)
     # The decode step compiled once for every position: the position is an int that changes at each step (dynamic).
     step = (common.first_call(torch.compile(model.forward, dynamic=True), "compiling the decode step") if compile
             else None)
@@ -77,6 +91,22 @@ def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, lat
 def code_bits(codes, n_bits):
     """Free Transformer codes as strings of their H bits, most significant first: [int] -> ['01101001', ...]."""
     return [format(int(c), f"0{n_bits}b") for c in codes]
+
+
+def parse_bits(text, n_bits):
+    """--z's codes: H-bit strings separated by spaces (as code_bits writes them), most significant first -> [int]."""
+    words = text.split()
+    if not all(len(w) == n_bits and set(w) <= {"0", "1"} for w in words):
+        bad = next(w for w in words if len(w) != n_bits or not set(w) <= {"0", "1"})
+        common.die(f"--z takes {n_bits}-bit codes of 0s and 1s separated by spaces, got {bad[:20]!r}")
+    return [int(w, 2) for w in words]
+
+
+@torch.no_grad()
+def posterior_kl_bits(model, ids):
+    """Free Eq. 4 per position: KL(Q(Z_t | S) || uniform) of the encoder reading the text `ids`, in bits."""
+    bit_logits = model.encoder_logits(torch.tensor([ids], device=model.tok_emb.weight.device))  # (1, T, H)
+    return (models.import_model("free").kl_per_token(bit_logits)[0] / math.log(2)).tolist()
 
 
 def entropy(p):
@@ -117,3 +147,87 @@ def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullc
     mean_h = h_first + sum_dh / M  # (T,)
     return {"nll": (-(lse_y - math.log(M))).tolist(), "entropy": h_bar.tolist(), "expected_entropy": mean_h.tolist(),
             "mi": (h_bar - mean_h).tolist(), "passes": M}
+
+
+@torch.no_grad()
+def top_predictions(model, ids, n_passes, generator, decode, k=5, onednn=True, dtype="float32"):
+    """What the passes predict at each position of one text: the k tokens most likely under p̄ (the mean over M
+    passes with fresh latents, drawn from `generator` as token_uncertainty draws them), p̄ of each, each pass's p_m of
+    each (M, k) and their spread, the standard deviation of p_m over the passes (0 for a det model's one pass).
+    -> [{"tokens", "mean", "passes", "spread"}] per predicted position."""
+    x = torch.tensor([ids[:-1]], dtype=torch.long, device=model.tok_emb.weight.device)  # (1, T)
+    y = torch.tensor([ids[1:]], dtype=torch.long, device=x.device)  # (1, T): targets, as token_uncertainty's
+    M = 1 if model.latent_kind == "none" else n_passes
+    drawn = [None if model.latent_kind == "none" else model.sample_latents(1, generator) for _ in range(M)]
+    products = cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
+    with products:
+        probs = lambda latents: F.softmax(model(x, y, latents=latents)[0][0].float(), dim=-1)  # (T, V)
+        # The passes run twice (p̄, then each p_m at p̄'s top k, rather than M full distributions held): the second
+        # time from the same global RNG state, which a B-Trans forward with noise_mode='token' draws from.
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            p_bar = sum(probs(latents) for latents in drawn) / M  # (T, V)
+        mean, top = p_bar.topk(min(k, p_bar.size(-1)), dim=-1)  # (T, k)
+        passes = torch.stack([probs(latents).gather(1, top) for latents in drawn], dim=1)  # (T, M, k)
+    spread = passes.std(dim=1, unbiased=False)  # (T, k)
+    return [{"tokens": [decode([t]) for t in top[t].tolist()], "mean": mean[t].tolist(), "passes": passes[t].tolist(),
+             "spread": spread[t].tolist()} for t in range(x.size(1))]
+
+
+def agreement(rows):
+    """Per position, the share of pairs of rows (equal-length token lists) that hold the same token there: 1 where all
+    agree, 1/K-ish where K rows each hold another. [[int]] (K >= 2 rows) -> [float] per position."""
+    k = len(rows)
+    return [float(sum(c * (c - 1) for c in np.unique(column, return_counts=True)[1]) / (k * (k - 1)))
+            for column in zip(*rows)]
+
+
+def letter_spread(groups):
+    """The synthetic task's measure (docs/reproductions.md, Free §4.1): the standard deviation of the target's start
+    position over the well-formed continuations of each group, averaged over groups with at least 2 of them (None
+    where none has). [[str]] -> (spread, well-formed count)."""
+    spreads, formed = [], 0
+    for texts in groups:
+        starts = [t.index(tasks.letters_answer(t)) for t in texts if tasks.letters_answer(t)]
+        formed += len(starts)
+        if len(starts) >= 2:
+            spreads.append(float(np.std(starts)))
+    return (float(np.mean(spreads)) if spreads else None), formed
+
+
+def group_summary(shared, independent, prompt_length, decode, dataset=None):
+    """How much one draw of the latents carries (the explorer's Groups numbers, sample.py --summary): shared, a list
+    of G blocks of K rows (token ids, prompt first) each sharing one draw; independent, K rows with a draw each; every
+    block drawn with the same token seed. Agreement (see agreement) of pairs within a shared block, averaged over the
+    blocks, against pairs of the independent block, per new position and in the mean; on the synthetic task also
+    letter_spread of the continuations; identical: every block equals the independent one, row for row (the latents
+    change nothing). A measure with nothing to average (K = 1: no pairs) is None."""
+    new = lambda rows: [r[prompt_length:] for r in rows]
+    k = len(independent)
+    within = np.mean([agreement(new(g)) for g in shared], axis=0).tolist() if k >= 2 else []
+    across = agreement(new(independent)) if k >= 2 else []
+    summary = {"k": k, "groups": len(shared), "within": within, "across": across,
+               "within_mean": float(np.mean(within)) if within else None,
+               "across_mean": float(np.mean(across)) if across else None,
+               "identical": all(g == independent for g in shared)}
+    if dataset == "synthetic":
+        text = lambda rows: [decode(r) for r in new(rows)]
+        summary["spread_shared"], summary["formed_shared"] = letter_spread([text(g) for g in shared])
+        summary["spread_independent"], summary["formed_independent"] = letter_spread([text(independent)])
+    return summary
+
+
+def summary_lines(s):
+    """group_summary as sample.py --summary prints it and the explorer shows it, line for line."""
+    per = lambda values: " ".join(f"{v:.2f}" for v in values) or "none: K = 1 makes no pairs"
+    f = lambda value, digits: "n/a" if value is None else f"{value:.{digits}f}"
+    lines = [f"agreement of pairs sharing a draw: {f(s['within_mean'], 4)} (mean over {s['groups']} groups of "
+             f"{s['k']}; per new position: {per(s['within'])})",
+             f"agreement of pairs with a draw each: {f(s['across_mean'], 4)} (per new position: {per(s['across'])})"]
+    if "spread_shared" in s:
+        lines.append(f"target start spread (std, well-formed only): sharing a draw {f(s['spread_shared'], 2)} "
+                     f"({s['formed_shared']} of {s['groups'] * s['k']} well-formed), a draw each "
+                     f"{f(s['spread_independent'], 2)} ({s['formed_independent']} of {s['k']})")
+    if s["identical"]:
+        lines.append("warning: every group is identical to the samples with a draw each: the latents change "
+                     "nothing in this run")
+    return lines

@@ -1,6 +1,7 @@
-"""A local page that shows what the latents do: groups of samples sharing one draw against a draw each, B-Trans minds,
-per-token uncertainty and the Free Transformer's Z, each with the sample.py or evaluate.py command that prints the
-same texts and numbers.
+"""A local page that shows what the latents do, and how much: groups of samples sharing one draw against a draw each
+(with their agreement per position), B-Trans minds beside the mean model, per-token uncertainty with each pass's top
+tokens, and the Free Transformer's Z with its KL per position, each with the sample.py or evaluate.py command that
+prints the same texts and numbers.
 
     python -m scripts.explore --out_dir=out --port=8000      # then open http://127.0.0.1:8000
 
@@ -8,6 +9,8 @@ Python's http.server on 127.0.0.1 only, and one HTML file beside this one (plain
 internet). Every number comes from sampling.py, the functions sample.py and evaluate.py call; the server writes no
 file. A request is a JSON object of the page's fields; the answer streams as JSON lines: the tokens so far while a
 generation runs, then each block of samples or the scores, or one {"error": ...} line, which the log also prints.
+One view computes at a time: a request meanwhile is answered "busy" (503) at once, and a request that is malformed
+or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
 """
 
 import http.server
@@ -18,6 +21,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 import configurator
@@ -30,10 +34,13 @@ stream_every = 0.2  # seconds between two lines of a generation's tokens so far 
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals())
 MAX_SAMPLES, MAX_GROUPS, MAX_PASSES = 64, 16, 64  # per request: a page answers in seconds, not hours
+TOP_TOKENS = 5  # Uncertainty's panel: the most likely tokens of p̄ at a position, with each pass's probability of them
+READ_TIMEOUT = 3  # seconds a client may take to send its request: a body shorter than its Content-Length ends there
+SHOWN = 40  # characters of a bad value an error echoes (a 5,000-digit seed is not echoed whole)
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")
 ANSWER_PARSERS = {"synthetic": tasks.letters_answer, "arith": tasks.arith_answer}  # a dataset's answer, if it has one
 
-compute = threading.Lock()  # one model computation at a time; the page and its file are served meanwhile
+compute = threading.Lock()  # one model computation at a time; another request meanwhile is answered "busy"
 loaded = {}  # (run, model type, overrides) -> (model, checkpoint without its weights): the last few asked for
 
 
@@ -42,7 +49,13 @@ class ClientGone(Exception):
 
 
 LABELS = {"k": "K", "groups": "G", "max_new_tokens": "new tokens", "latent_seed": "latent seed", "seed": "seed",
-          "passes": "passes M", "sigma": "σ", "temperature": "temperature"}  # the page's names of the fields
+          "passes": "passes M", "sigma": "σ", "temperature": "temperature", "pin": "pinned mind"}  # the page's names
+
+
+def shown(value):
+    """A value as an error echoes it: its repr, cut to its first SHOWN characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text):,} characters)"
 
 
 def number(params, key, kind, low, high, why=""):
@@ -50,23 +63,25 @@ def number(params, key, kind, low, high, why=""):
     text = str(params.get(key, "")).strip()
     try:
         value = kind(text)
-    except ValueError:
-        common.die(f"{LABELS[key]} must be {'a whole number' if kind is int else 'a number'}, got {text!r}")
+    except ValueError:  # also a whole number of more than 4,300 digits (Python's limit)
+        common.die(f"{LABELS[key]} must be {'a whole number' if kind is int else 'a number'}, got {shown(text)}")
     if not low <= value <= high:  # NaN fails both comparisons
-        common.die(f"{LABELS[key]}={text} is outside {low}..{high}{why}")
+        common.die(f"{LABELS[key]}={text if len(text) <= SHOWN else shown(text)} is outside {low}..{high}{why}")
     return value
 
 
 def text(params, key, required=True):
     value = params.get(key, "")
     if not isinstance(value, str) or required and not value:
-        common.die(f"{key} must be {'a non-empty ' if required else 'a '}text, got {value!r}")
+        common.die(f"{key} must be {'a non-empty ' if required else 'a '}text, got {shown(value)}")
     return value
 
 
 def load(params, model_type=None, **overrides):
     """The run the request names (the page's run field) as a model in eval mode, into model_type when given."""
     run = text(params, "run")
+    if len(run) > 4096:  # longer than any path (PATH_MAX): not echoed whole by the messages that name the run
+        common.die(f"run must be the path of a run's folder or ckpt.pt, got {shown(run)}")
     path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
     key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:
@@ -77,6 +92,11 @@ def load(params, model_type=None, **overrides):
             loaded.pop(next(iter(loaded)))
         loaded[key] = model.eval(), checkpoint
     return loaded[key]
+
+
+def article(model_type):
+    """'an eve', 'a free': the model type with its article."""
+    return f"{'an' if model_type[0] in 'aeiou' else 'a'} {model_type}"
 
 
 def command(script, params, **args):
@@ -129,47 +149,66 @@ def view_groups(params, send):
     ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     blocks = [("shared", gen["latent_seed"] + g) for g in range(groups)] + [("independent", gen["latent_seed"])]
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": len(blocks)}
+    rows = []
     for b, (how, latent_seed) in enumerate(blocks):
         args = {**gen, "latent_seed": latent_seed}
         out, _ = sampling.sample(model, ids, k, latents=how, on_token=streamed(send, decode, b, ids), **args)
-        yield {"block": b, "latents": how, "latent_seed": latent_seed, "texts": [decode(r) for r in out.tolist()],
+        rows.append(out.tolist())
+        yield {"block": b, "latents": how, "latent_seed": latent_seed, "texts": [decode(r) for r in rows[-1]],
+               "tokens": [[decode([t]) for t in r] for r in rows[-1]], "prompt_tokens": len(ids),
                "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args)}
+    summary = sampling.group_summary(rows[:-1], rows[-1], len(ids), decode, checkpoint.get("config", {}).get("dataset"))
+    yield {"summary": summary, "lines": sampling.summary_lines(summary),
+           "command": command("sample.py", params, start=params["prompt"], num_samples=k, groups=groups, summary=True,
+                              **gen)}
 
 
 def view_minds(params, send):
     """K B-Trans minds for one prompt (a det run loads as B-Trans), each one's NLL per token under the mean model
-    (noise_mode='mean': mu, no eps) and its answer where the dataset has one."""
+    (noise_mode='mean': mu, no eps) and its answer where the dataset has one; beside each, the mean model's text with
+    the same token draws (σ = 0), so what differs is the mind's. pin: every sample with that one mind's draw."""
     _, checkpoint = load(params)
     if checkpoint["model_type"] not in ("det", "btrans"):
-        common.die(f"Minds shows B-Trans minds, from a det or btrans run; {params['run']} is a "
-                   f"{checkpoint['model_type']} run")
+        common.die(f"Minds shows B-Trans minds, from a det or btrans run; {params['run']} is "
+                   f"{article(checkpoint['model_type'])} run")
     sigma = number(params, "sigma", float, 0, 10)
     model, _ = load(params, "btrans", sigma=sigma)
     mean_net, _ = load(params, "btrans", noise_mode="mean")
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     k = number(params, "k", int, 1, MAX_SAMPLES, " minds")
+    pin = number(params, "pin", int, -1, k - 1, ": a mind of the K shown, or -1") if params.get("pin", "") != "" else -1
     gen = generation(params, model)
     ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
-    out, _ = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), **gen)
-    texts = [decode(r) for r in out.tolist()]
+    out, _ = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), pin=pin,
+                             **gen)
+    mean_out, _ = sampling.sample(mean_net, ids, k, latents="independent", **gen)
+    rows, mean_rows = out.tolist(), mean_out.tolist()
+    texts = [decode(r) for r in rows]
     answer = ANSWER_PARSERS.get(checkpoint.get("config", {}).get("dataset"))
-    answers = [answer(decode(r[len(ids):])) if answer else None for r in out.tolist()]
+    answers = [answer(decode(r[len(ids):])) if answer else None for r in rows]
     nll = []
-    for row in out.tolist():
+    for row in rows:
         torch.manual_seed(gen["seed"])
         scores = sampling.token_uncertainty(mean_net, row, 1, torch.Generator(device).manual_seed(gen["seed"]))
         nll.append(sum(scores["nll"]) / len(scores["nll"]))
-    yield {"block": 0, "texts": texts, "nll": nll, "answers": answers,
+    pinned = {"pin_mind": pin} if pin >= 0 else {}
+    yield {"block": 0, "texts": texts, "tokens": [[decode([t]) for t in r] for r in rows], "prompt_tokens": len(ids),
+           "mean_texts": [decode(r) for r in mean_rows], "mean_tokens": [[decode([t]) for t in r] for r in mean_rows],
+           "differ": [sum(a != b for a, b in zip(r, m)) for r, m in zip(rows, mean_rows)], "pin": pin, "nll": nll,
+           "nll_std": float(np.std(nll)), "nll_range": max(nll) - min(nll), "answers": answers,
            "majority": tasks.majority_answer(answers) if answer else None,
-           "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, start=params["prompt"],
-                              **gen),
+           "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, **pinned,
+                              start=params["prompt"], **gen),
+           "mean_command": command("sample.py", params, model_type="btrans", noise_mode="mean", num_samples=k,
+                                   start=params["prompt"], **gen),
            "nll_commands": [command("evaluate.py", params, task="tokens", model_type="btrans", noise_mode="mean",
                                     mc_samples=1, text=t) for t in texts]}
 
 
 def view_uncertainty(params, send):
-    """Each token of a text over M passes with fresh latents: nll, H(p̄), mean H(p_m) and the mutual information."""
+    """Each token of a text over M passes with fresh latents: nll, H(p̄), mean H(p_m) and the mutual information;
+    and at each position the top-k tokens of p̄ with each pass's probability of them."""
     model, checkpoint = load(params)
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     body = text(params, "text")
@@ -178,43 +217,54 @@ def view_uncertainty(params, send):
     ids = encode(body)
     torch.manual_seed(seed)  # as evaluate.py's load_net: the same draws
     scores = sampling.token_uncertainty(model, ids, passes, torch.Generator(device).manual_seed(seed))
+    torch.manual_seed(seed)
+    top = sampling.top_predictions(model, ids, passes, torch.Generator(device).manual_seed(seed), decode, TOP_TOKENS)
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "context": decode(ids[:1]),
-           "tokens": [decode([t]) for t in ids[1:]], **scores,
+           "tokens": [decode([t]) for t in ids[1:]], **scores, "top": top,
            "command": command("evaluate.py", params, task="tokens", text=body, mc_samples=passes, seed=seed,
-                              out_json="tokens.json")}
+                              top_tokens=TOP_TOKENS, out_json="tokens.json")}
 
 
 def view_z(params, send):
-    """The Free Transformer's Z, H bits per position, inferred by the encoder from a reference text or drawn once
-    (the prompt's from the encoder, the rest uniform), and the texts the same Z gives with the token draws of N
-    samples."""
+    """The Free Transformer's Z, H bits per position, inferred by the encoder from a reference text (with each
+    position's KL in bits) or drawn once (the prompt's from the encoder, the rest uniform), or as the page sends it
+    (a bit flipped), and the texts the same Z gives with the token draws of N samples."""
     model, checkpoint = load(params)
     if model.latent_kind != "code":
-        common.die(f"Z shows the Free Transformer's codes; {params['run']} is a {checkpoint['model_type']} run")
+        common.die(f"Z shows the Free Transformer's codes; {params['run']} is {article(checkpoint['model_type'])} run")
     encode, decode = tokendata.tokenizer(checkpoint["meta"])
     k = number(params, "k", int, 1, MAX_SAMPLES, " samples")
     reference = text(params, "reference", required=False)
+    z = text(params, "z", required=False)
+    codes = sampling.parse_bits(z, model.config.latent_bits) if z else None
     gen = generation(params, model)
     ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     how = "posterior" if reference else "shared"
+    reference_ids = encode(reference) if reference else None
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
-    out, pinned = sampling.sample(model, ids, k, latents=how, reference=encode(reference) if reference else None,
+    out, pinned = sampling.sample(model, ids, k, latents=how, reference=reference_ids, codes=codes,
                                   on_token=streamed(send, decode, 0, ids), **gen)
     rows = out.tolist()
     args = {"reference": reference} if reference else {}
     yield {"block": 0, "texts": [decode(r) for r in rows], "tokens": [[decode([t]) for t in r] for r in rows],
            "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), model.config.latent_bits),
-           "reference_tokens": [decode([t]) for t in encode(reference)] if reference else [],
+           "reference_tokens": [decode([t]) for t in reference_ids] if reference else [],
+           "kl_bits": [f"{kl:.3f}" for kl in sampling.posterior_kl_bits(model, reference_ids)] if reference else [],
            "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args,
-                              show_latents=True, **gen)}
+                              show_latents=True, **({"z": z} if z else {}), **gen)}
 
 
 VIEWS = {"/api/groups": view_groups, "/api/minds": view_minds, "/api/uncertainty": view_uncertainty,
          "/api/z": view_z}
 
 
+BUSY = "busy: the server computes one view at a time; ask again when the current one is done"
+
+
 class Page(http.server.BaseHTTPRequestHandler):
     """GET / is the page, GET /api/run what it opens with; POST /api/<view> computes a view."""
+
+    timeout = READ_TIMEOUT  # on the socket until the request is read: a client that stops sending is let go
 
     def local(self):
         """Only pages of this server may ask it (a page elsewhere could name 127.0.0.1 through DNS)."""
@@ -228,11 +278,14 @@ class Page(http.server.BaseHTTPRequestHandler):
 
     def reply(self, status, payload, kind="application/json"):
         body = payload if isinstance(payload, bytes) else (json.dumps(payload) + "\n").encode()
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nothing to say to it
+            pass
 
     def do_GET(self):
         if not self.local():
@@ -243,14 +296,14 @@ class Page(http.server.BaseHTTPRequestHandler):
         elif self.path == "/api/run":
             self.reply(200, {"run": out_dir, "model_type": opened["model_type"], "dataset": opened["dataset"]})
         else:
-            self.reply(404, {"error": f"no page {self.path}"})
+            self.reply(404, {"error": f"no page {shown(self.path)}"})
 
     def do_POST(self):
         if not self.local():
             return
         view = VIEWS.get(self.path)
         if view is None:
-            self.reply(404, {"error": f"no view {self.path}: one of {', '.join(VIEWS)}"})
+            self.reply(404, {"error": f"no view {shown(self.path)}: one of {', '.join(VIEWS)}"})
             return
         started = False
 
@@ -262,16 +315,12 @@ class Page(http.server.BaseHTTPRequestHandler):
                 raise ClientGone() from e
 
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > 2**20:
-                common.die(f"the request is {length:,} bytes: at most 1 MiB")
+            params = self.request_fields()
+            if not compute.acquire(blocking=False):  # a queue the page cannot see would look like a hang
+                print(f"error: {BUSY}", file=sys.stderr, flush=True)
+                self.reply(503, {"error": BUSY})
+                return
             try:
-                params = json.loads(self.rfile.read(length) or b"{}")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                common.die("the request is not JSON: the page sends its fields as a JSON object")
-            if not isinstance(params, dict):
-                common.die("the request is not a JSON object of the view's fields")
-            with compute:
                 events = view(params, send)
                 first = next(events)  # everything checked that can be before a token is drawn
                 self.send_response(200)
@@ -281,6 +330,8 @@ class Page(http.server.BaseHTTPRequestHandler):
                 send(first)
                 for event in events:
                     send(event)
+            finally:
+                compute.release()
         except common.Refused as e:  # die printed the message to the log already
             if started:
                 self.close_quietly(send, {"error": e.message})
@@ -296,6 +347,33 @@ class Page(http.server.BaseHTTPRequestHandler):
                 self.close_quietly(send, {"error": message})
             else:
                 self.reply(500, {"error": message})
+
+    def request_fields(self):
+        """The request's JSON object, read within READ_TIMEOUT seconds, or one message: a Content-Length that is
+        missing, not a positive whole number, over 1 MiB or longer than the body sent."""
+        given = self.headers.get("Content-Length", "")
+        try:
+            length = int(given)
+        except ValueError:
+            common.die(f"Content-Length must be a whole number of bytes, got {shown(given)}")
+        if not 0 < length <= 2**20:
+            common.die(f"Content-Length={length} is outside 1..{2**20} bytes: the page sends its fields as JSON")
+        body = b""
+        try:
+            while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
+                body += chunk
+        except TimeoutError:
+            pass
+        self.connection.settimeout(None)  # the request is read: a generation's answer may take minutes to stream
+        if len(body) < length:
+            common.die(f"the request's body ended after {len(body)} of its Content-Length {length} bytes")
+        try:
+            params = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            common.die("the request is not JSON: the page sends its fields as a JSON object")
+        if not isinstance(params, dict):
+            common.die("the request is not a JSON object of the view's fields")
+        return params
 
     def close_quietly(self, send, event):
         try:

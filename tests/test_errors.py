@@ -600,6 +600,12 @@ def test_to_hf_without_safetensors_names_the_package(run, data_root, tmp_path):
     (["--device=mps"], ("mps",)),
     (["--model_type=free", "--latents=posterior", "--reference=" + "_" * 80], ("--reference", "80", "block_size=66")),
     (["--max_new_tokens=70"], ("70", "block_size=66")),  # 2 prompt tokens + 70 > the context
+    (["--summary=True", "--latents=shared"], ("--summary", "--latents")),
+    (["--summary=True", "--groups=0"], ("--summary", "--groups")),
+    (["--pin_mind=4", "--num_samples=4"], ("--pin_mind=4", "0..3")),
+    (["--pin_mind=1", "--latents=shared"], ("--pin_mind=1", "--latents=shared")),
+    (["--model_type=free", "--latents=shared", "--z=0101"], ("--z", "0101")),
+    (["--z=01010101"], ("--z", "'none'")),
 ])
 def test_sample_mistake_is_one_line_naming_key_and_value(args, named, trained, data_root):
     assert_one_line_error(run_script("sample.py", f"--out_dir={trained}", "--start=K>", *args, data_dir=data_root,

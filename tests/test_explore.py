@@ -3,7 +3,9 @@ server (on 127.0.0.1, a free port) answers each view with exactly the texts and 
 evaluate.py command it shows, the page in headless Chromium shows them, and bad input is one message in the page and
 in the server's log, with the server still up and the run folders untouched."""
 
+import itertools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -12,7 +14,9 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import TINY, run_script, start_script, wait_for_line
 from nanolatent import tasks
@@ -23,11 +27,16 @@ TIMEOUT = 120  # seconds for any one request or wait; every request goes to 127.
 
 @pytest.fixture(scope="module")
 def runs(data_root, tmp_path_factory):
-    """Tiny det, EVE and Free runs on the synthetic task (a few seconds each)."""
+    """Tiny det, EVE and Free runs on the synthetic task (a few seconds each), and the Free run with its Z made to
+    change nothing (post_sampler, the only way Z enters the decoder, zeroed: §3.1's R = 0)."""
     root = tmp_path_factory.mktemp("explore")
     for model in ("det", "eve", "free"):
         run_script("train.py", f"--model_type={model}", f"--out_dir={root / model}", *TINY, "--max_iters=20",
                    "--eval_interval=20", data_dir=data_root)
+    checkpoint = torch.load(root / "free" / "ckpt.pt", map_location="cpu", weights_only=False)
+    checkpoint["model"]["post_sampler.weight"].zero_()
+    (root / "free_z_ignored").mkdir()
+    torch.save(checkpoint, root / "free_z_ignored" / "ckpt.pt")
     return root
 
 
@@ -77,7 +86,8 @@ def printed_samples(stdout):
 def run_files(runs):
     """Every file under the run folders with its size and modification time."""
     return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
-            for model in ("det", "eve", "free") for d, _, files in os.walk(runs / model) for f in files}
+            for model in ("det", "eve", "free", "free_z_ignored")
+            for d, _, files in os.walk(runs / model) for f in files}
 
 
 GROUP = dict(prompt="K>", k="4", groups="2", max_new_tokens="30", temperature="0.8", latent_seed="5", seed="11")
@@ -137,6 +147,99 @@ def test_z_shows_the_bits_and_texts_of_sample_py_show_latents(server, runs, data
     assert ["".join(row) for row in z["tokens"]] == z["texts"]
 
 
+def pair_agreement(texts):
+    """Per position, the share of pairs of equal-length texts with the same character there (counted pair by pair)."""
+    pairs = list(itertools.combinations(texts, 2))
+    return [sum(a[i] == b[i] for a, b in pairs) / len(pairs) for i in range(len(texts[0]))]
+
+
+def summary_of(events):
+    (summary,) = [e for e in events if "summary" in e]
+    return summary
+
+
+def test_groups_agreement_is_sample_py_summary_and_counts_pairs(server, runs, data_root, tmp_path):
+    status, events = post(server, "groups", run=str(runs / "eve"), **dict(GROUP, groups="3", max_new_tokens="40"))
+    summary, blocks = summary_of(events), [e for e in events if "block" in e]
+    stdout = run_command(summary["command"], data_root, tmp_path)
+    # the samples, block after block (the shared groups, then a draw each), then exactly the page's lines
+    assert printed_samples(stdout) == [t + "\n" for b in blocks for t in b["texts"]]
+    assert stdout.split("---------------\n")[-1].splitlines() == summary["lines"]
+    new = lambda block: [t[len("K>"):] for t in block["texts"]]  # one character a token on this task
+    within = np.mean([pair_agreement(new(b)) for b in blocks[:-1]], axis=0)
+    across = pair_agreement(new(blocks[-1]))
+    assert np.allclose(summary["summary"]["within"], within, rtol=0, atol=1e-12)
+    assert np.allclose(summary["summary"]["across"], across, rtol=0, atol=1e-12)
+    assert math.isclose(summary["summary"]["within_mean"], np.mean(within), abs_tol=1e-12)
+    # the reproduction's spread: std of the target's start over the well-formed samples
+    starts = [t.index(tasks.letters_answer(t)) for t in new(blocks[-1]) if tasks.letters_answer(t)]
+    assert summary["summary"]["formed_independent"] == len(starts)
+    assert summary["summary"]["spread_independent"] == (float(np.std(starts)) if len(starts) >= 2 else None)
+    assert not summary["summary"]["identical"] and not any(line.startswith("warning") for line in summary["lines"])
+
+
+@pytest.mark.parametrize("run", ["det", "free_z_ignored"])
+def test_groups_flag_a_run_whose_latents_change_nothing(server, runs, data_root, tmp_path, run):
+    status, events = post(server, "groups", run=str(runs / run), **GROUP)
+    summary, blocks = summary_of(events), [e for e in events if "block" in e]
+    assert status == 200 and all(b["texts"] == blocks[-1]["texts"] for b in blocks)
+    assert summary["summary"]["identical"] and summary["summary"]["within"] == summary["summary"]["across"]
+    assert summary["lines"][-1].startswith("warning: every group is identical")
+    assert run_command(summary["command"], data_root, tmp_path).splitlines()[-1] == summary["lines"][-1]
+
+
+def test_uncertainty_top_tokens_are_evaluate_py_s_each_pass_and_their_mean(server, runs, data_root, tmp_path):
+    text = "K>___KKKKKKKK___!__"
+    for run, passes in (("eve", 6), ("det", 1)):
+        status, events = post(server, "uncertainty", run=str(runs / run), text=text, passes="6", seed="21")
+        (scores,) = events
+        assert status == 200 and len(scores["top"]) == len(text) - 1 and "--top_tokens=5" in scores["command"]
+        run_command(scores["command"], data_root, tmp_path)
+        with open(tmp_path / "tokens.json") as f:
+            assert json.load(f)["results"][str(runs / run)]["top"] == scores["top"]
+        for token, nll, top in zip(scores["tokens"], scores["nll"], scores["top"]):
+            p = np.array(top["passes"])  # (M, k)
+            assert p.shape == (passes, 5) and np.allclose(p.mean(0), top["mean"], atol=1e-6)
+            assert np.allclose(p.std(0), top["spread"], atol=1e-6) and top["mean"] == sorted(top["mean"])[::-1]
+            if token in top["tokens"]:  # p̄ of the text's token is evaluate.py's exp(-nll)
+                assert math.isclose(-math.log(top["mean"][top["tokens"].index(token)]), nll, abs_tol=1e-4)
+        spread = max(max(top["spread"]) for top in scores["top"])
+        assert spread > 0 if run == "eve" else spread == 0
+
+
+def test_minds_mean_model_rows_spread_and_pinned_mind(server, runs, data_root, tmp_path):
+    fields = dict(run=str(runs / "det"), prompt="K>", k="3", sigma="0.3", max_new_tokens="30", temperature="1.0",
+                  latent_seed="2", seed="7")
+    minds = post(server, "minds", **fields)[1][-1]
+    assert printed_samples(run_command(minds["mean_command"], data_root, tmp_path)) == \
+        [t + "\n" for t in minds["mean_texts"]]
+    assert minds["differ"] == [sum(a != b for a, b in zip(t, m)) for t, m in zip(minds["texts"], minds["mean_texts"])]
+    assert minds["nll_std"] == float(np.std(minds["nll"]))
+    assert minds["nll_range"] == max(minds["nll"]) - min(minds["nll"])
+    # greedy: a pinned mind writes its own text in every row, the text it wrote among the K
+    greedy = post(server, "minds", **dict(fields, temperature="0"))[1][-1]
+    pinned = post(server, "minds", **dict(fields, temperature="0", pin="1", seed="8"))[1][-1]
+    assert pinned["pin"] == 1 and pinned["texts"] == [greedy["texts"][1]] * 3
+    assert "--pin_mind=1" in pinned["command"]
+    assert printed_samples(run_command(pinned["command"], data_root, tmp_path)) == [t + "\n" for t in pinned["texts"]]
+
+
+def test_z_kl_per_position_and_a_flipped_bit_are_sample_py_s(server, runs, data_root, tmp_path):
+    reference = "K>____KKKKKKKK_______"
+    fields = dict(run=str(runs / "free"), prompt="K>", reference=reference, k="2", max_new_tokens="20",
+                  temperature="0.8", latent_seed="4", seed="9")
+    z = post(server, "z", **fields)[1][-1]
+    stdout = run_command(z["command"], data_root, tmp_path)
+    assert stdout.splitlines()[-1] == "KL bits: " + " ".join(z["kl_bits"]) and len(z["kl_bits"]) == len(reference)
+    assert all(0 <= float(kl) <= 8 for kl in z["kl_bits"])  # KL from the uniform prior over 2^8 codes
+    bits = z["bits"][:]
+    bits[3] = bits[3][:2] + "10"[int(bits[3][2])] + bits[3][3:]
+    flipped = post(server, "z", **fields, z=" ".join(bits))[1][-1]
+    assert flipped["bits"] == bits and f"--z={' '.join(bits)}" in shlex.split(flipped["command"])
+    assert printed_samples(run_command(flipped["command"], data_root, tmp_path)) == \
+        [f"{t}\nZ: {' '.join(bits)}\n" for t in flipped["texts"]]
+
+
 BAD = [  # (view, fields, what the message names)
     ("groups", dict(GROUP, run="no/such/run"), "no checkpoint at no/such/run"),
     ("groups", dict(GROUP, prompt="K>" + "_" * 70), "the prompt has 72 tokens, more than the context"),
@@ -185,6 +288,67 @@ def test_a_browser_closing_mid_generation_stops_it_and_the_server_goes_on(server
     assert status == 200 and len(events[0]["nll"]) == 3
 
 
+def raw(server, request, wait=None):
+    """Send raw request bytes to the server and read its answer to the end: (seconds taken, status code, the body's
+    lines). wait: a socket the server is busy with meanwhile, closed after."""
+    host, port = server[0].split(":")
+    started = time.time()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    return time.time() - started, int(head.split()[1]), body.decode().splitlines()
+
+
+def headers(server, length):
+    return (f"POST /api/uncertainty HTTP/1.1\r\nHost: {server[0]}\r\n"
+            + (f"Content-Length: {length}\r\n" if length is not None else "") + "\r\n").encode()
+
+
+FIELDS = json.dumps(dict(text="K>__", passes="2", seed="1")).encode()
+
+
+@pytest.mark.parametrize("length, body, phrase", [
+    ("-1", FIELDS, "Content-Length=-1 is outside 1..1048576"),
+    ("-5", FIELDS, "Content-Length=-5 is outside"),
+    ("0", b"", "Content-Length=0 is outside"),
+    ("abc", FIELDS, "Content-Length must be a whole number of bytes, got 'abc'"),
+    (None, FIELDS, "Content-Length must be a whole number of bytes, got ''"),
+    ("100", b'{"text": "K>_', "the request's body ended after 13 of its Content-Length 100 bytes"),
+])
+def test_a_bad_content_length_is_one_line_400_within_seconds(server, length, body, phrase):
+    seconds, status, lines = raw(server, headers(server, length) + body)
+    assert seconds < 5 and status == 400 and len(lines) == 1 and phrase in json.loads(lines[0])["error"], lines
+
+
+@pytest.mark.parametrize("field, value", [("seed", "9" * 5000), ("run", "x" * 5000), ("prompt", ["K>"] * 2000)],
+                         ids=["seed", "run", "prompt"])
+def test_a_huge_value_is_echoed_as_a_short_prefix(server, runs, field, value):
+    status, events = post(server, "groups", **{**GROUP, "run": str(runs / "free"), field: value})
+    assert status == 400 and len(events[0]["error"]) < 120 and "characters)" in events[0]["error"], events
+
+
+def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, runs):
+    host, port = server[0].split(":")
+    body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
+        received = b""
+        while b'"partial": 0' not in received:  # the first generation is under way
+            received += s.recv(65536)
+        fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
+        started = time.time()
+        status, events = post(server, "uncertainty", **fields)
+        assert time.time() - started < 5 and status == 503 and len(events) == 1
+        assert events[0]["error"].startswith("busy:")
+    deadline = time.time() + TIMEOUT  # the closed connection ends the generation; then the server computes again
+    while post(server, "uncertainty", **fields)[0] == 503:
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
 def test_only_pages_of_the_server_itself_may_ask_it(server):
     request = urllib.request.Request(f"http://{server[0]}/api/run", headers={"Origin": "http://example.com"})
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -206,8 +370,11 @@ def chromium():
         options.add_argument(flag)
     profile = __import__("tempfile").mkdtemp(prefix="chromium-")
     options.add_argument(f"--user-data-dir={profile}")
+    options.add_experimental_option("prefs", {"download.default_directory": os.path.join(profile, "downloads"),
+                                              "download.prompt_for_download": False})
     browser = webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver_path), options=options)
     browser.set_page_load_timeout(TIMEOUT)
+    browser.downloads = os.path.join(profile, "downloads")  # where "export JSON" saves
     yield browser
     browser.quit()
     shutil.rmtree(profile, ignore_errors=True)
@@ -263,3 +430,165 @@ def test_the_page_in_chromium_shows_sample_py_groups_and_evaluate_py_token_value
     for key in ("nll", "entropy", "expected_entropy", "mi"):
         assert [float(s.get_attribute(f"data-{key}")) for s in spans] == expected[key]
     assert max(expected["mi"]) > 0  # EVE's noise moves the predictions
+
+
+def page(chromium, server):
+    """(wait, fill, go) for driving the page: fill sets text fields by id, go clicks a view's button and waits for
+    "done" or a message."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(chromium, TIMEOUT)
+
+    def fill(fields):
+        for key, value in fields.items():
+            box = chromium.find_element(By.ID, key)
+            box.clear()
+            box.send_keys(value)
+
+    def go(view):
+        chromium.find_element(By.ID, f"{view}-go").click()
+        wait.until(lambda b: b.find_element(By.ID, "status").text == "done" or b.find_element(By.ID, "message").text)
+        assert chromium.find_element(By.ID, "message").text == ""
+    return wait, fill, go
+
+
+def test_the_page_in_chromium_shows_the_groups_numbers_of_sample_py_summary_and_the_warning(server, runs, chromium,
+                                                                                             data_root, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value") == str(runs / "free"))
+    assert chromium.find_element(By.ID, "runinfo").text == "a free run, trained on synthetic"
+    fill({"run": str(runs / "eve"), "groups-k": "4", "groups-groups": "2", "groups-max_new_tokens": "30",
+          "groups-latent_seed": "5", "groups-seed": "11"})
+    ActionChains(chromium).double_click(chromium.find_element(By.ID, "groups-go")).perform()  # one request
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "done")
+    assert chromium.find_element(By.ID, "message").text == "" and chromium.find_element(By.ID, "runinfo").text == \
+        "an eve run"
+    lines = chromium.find_element(By.CSS_SELECTOR, "#groups-out pre.summary").get_property("textContent")
+    command = chromium.find_elements(By.CSS_SELECTOR, "#groups-out pre.command")[-1].get_property("textContent")
+    assert "--summary=True" in command
+    assert run_command(command, data_root, tmp_path).split("---------------\n")[-1] == lines + "\n"
+    # marked: the new tokens that differ from their block's most common one at that position
+    for block in chromium.find_elements(By.CSS_SELECTOR, "#groups-out .block"):
+        rows = [s.get_property("textContent")[len("K>"):] for s in block.find_elements(By.CSS_SELECTOR, ".sample")]
+        marked = [[(d.get_property("textContent"), d.location["x"]) for d in s.find_elements(By.CSS_SELECTOR, ".diff")]
+                  for s in block.find_elements(By.CSS_SELECTOR, ".sample")]
+        counts = [sum(c for c in [sum(r[i] != m for m in [max(set(col), key=col.count)]) for r in rows])
+                  for i, col in enumerate(map(list, zip(*rows)))]
+        assert sum(map(len, marked)) == sum(counts)
+    assert not chromium.find_elements(By.CSS_SELECTOR, "#groups-out .warning")
+    fill({"run": str(runs / "free_z_ignored")})
+    go("groups")
+    warning = chromium.find_element(By.CSS_SELECTOR, "#groups-out p.warning").text
+    assert warning.startswith("warning: every group is identical to the samples with a draw each")
+
+
+def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_tokens(server, runs, chromium,
+                                                                                     data_root, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=uncertainty]").click()
+    fill({"run": str(runs / "eve"), "uncertainty-text": "K>___KKKKKKKK___!__", "uncertainty-passes": "4",
+          "uncertainty-seed": "21"})
+    go("uncertainty")
+    answer = chromium.execute_script("return answers.uncertainty.answer[0]")
+    for scale in ("0.1", "0.001"):
+        Select(chromium.find_element(By.ID, "uncertainty-scale")).select_by_value(scale)
+        spans = chromium.find_elements(By.CSS_SELECTOR, "#uncertainty-out .tok")
+        alphas = [float(s.value_of_css_property("background-color").split(",")[-1].rstrip(")")) if
+                  s.value_of_css_property("background-color").startswith("rgba") else 1.0 for s in spans]
+        assert np.allclose(alphas, [min(abs(v) / float(scale), 1) for v in answer["mi"]], atol=0.01)
+    command = chromium.find_element(By.CSS_SELECTOR, "#uncertainty-out pre.command").get_property("textContent")
+    (mean_row,) = [line.split()[1:] for line in run_command(command, data_root, tmp_path).splitlines()
+                   if line.split()[:1] == ["mean"]]  # evaluate.py's means: nll, entropy, expected entropy, mi
+    assert chromium.find_element(By.CSS_SELECTOR, "#uncertainty-out p.means").text == \
+        "means over the tokens: nll {}, entropy {}, expected entropy {}, mi {} nats (the command's mean row)".format(
+            *mean_row)
+    ActionChains(chromium).move_to_element(spans[5]).click().perform()
+    rows = chromium.find_elements(By.CSS_SELECTOR, "#uncertainty-panel tr.topk-row")
+    top = answer["top"][5]
+    assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows] == [json.dumps(t) for t in top["tokens"]]
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == [f"{p:.4f}" for p in top["mean"]]
+    assert [[c.text for c in r.find_elements(By.TAG_NAME, "td")[3:]] for r in rows] == \
+        [[f"{p:.4f}" for p in ps] for ps in zip(*top["passes"])]  # (M, k) -> a row per token
+
+
+def test_the_page_in_chromium_pins_a_mind_beside_the_mean_model(server, runs, chromium, data_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=minds]").click()
+    fill({"run": str(runs / "det"), "minds-k": "3", "minds-sigma": "0.3", "minds-max_new_tokens": "30",
+          "minds-temperature": "0", "minds-latent_seed": "2", "minds-seed": "7"})
+    go("minds")
+    texts = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, "tr.mind .sample")]
+    means = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, ".mean-text")]
+    command = chromium.find_elements(By.CSS_SELECTOR, "#minds-out pre.command")[1].get_property("textContent")
+    assert "--noise_mode=mean" in command
+    assert printed_samples(run_command(command, data_root, tmp_path)) == [t + "\n" for t in means]
+    nll = [float(c.get_attribute("data-value")) for c in chromium.find_elements(By.CSS_SELECTOR, "td.nll")]
+    assert f"std {np.std(nll):.4f}, range {max(nll) - min(nll):.4f} nats" in \
+        chromium.find_element(By.CSS_SELECTOR, "p.spread").text
+    chromium.find_elements(By.CSS_SELECTOR, "button.pin")[2].click()
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#minds-out p.warning"))
+    pinned = [s.get_property("textContent") for s in chromium.find_elements(By.CSS_SELECTOR, "tr.mind .sample")]
+    assert pinned == [texts[2]] * 3  # greedy: mind 2's text in every row
+    command = chromium.find_elements(By.CSS_SELECTOR, "#minds-out pre.command")[0].get_property("textContent")
+    assert printed_samples(run_command(command, data_root, tmp_path)) == [t + "\n" for t in pinned]
+
+
+def test_the_page_in_chromium_flips_a_bit_of_z_and_keeps_its_state_in_the_url(server, runs, chromium, data_root,
+                                                                              tmp_path):
+    from selenium.webdriver.common.by import By
+
+    wait, fill, go = page(chromium, server)
+    chromium.get(f"http://{server[0]}/")
+    wait.until(lambda b: b.find_element(By.ID, "run").get_attribute("value"))
+    chromium.find_element(By.CSS_SELECTOR, "nav button[data-view=z]").click()
+    fill({"run": str(runs / "free"), "z-reference": "K>____KKKKKKKK_______", "z-k": "2", "z-max_new_tokens": "20",
+          "z-latent_seed": "4", "z-seed": "9"})
+    go("z")
+    kl = [c.text for c in chromium.find_elements(By.CSS_SELECTOR, "tr.klrow td.kl")]
+    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    assert run_command(command, data_root, tmp_path).splitlines()[-1] == "KL bits: " + " ".join(kl)
+    bits = chromium.execute_script("return answers.z.answer[1].bits")
+    chromium.find_element(By.CSS_SELECTOR, "td.flip[data-position='3'][data-bit='2']").click()
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#z-out p.warning")
+               and b.find_element(By.ID, "status").text == "done")
+    flipped = chromium.execute_script("return answers.z.answer[1].bits")
+    assert [i for i, (a, b) in enumerate(zip(bits, flipped)) if a != b] == [3] and \
+        [i for i, (a, b) in enumerate(zip(bits[3], flipped[3])) if a != b] == [2]
+    texts = [r.get_attribute("data-text") for r in chromium.find_elements(By.CSS_SELECTOR, "tr.zsample")]
+    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    assert printed_samples(run_command(command, data_root, tmp_path)) == \
+        [f"{t}\nZ: {' '.join(flipped)}\n" for t in texts]
+    # the URL holds the view and its fields: opened afresh, it computes the same view again
+    url = chromium.current_url
+    assert "view=z" in url and "z=" in url
+    chromium.get("about:blank")
+    chromium.get(url)
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "done")
+    assert [r.get_attribute("data-text") for r in chromium.find_elements(By.CSS_SELECTOR, "tr.zsample")] == texts
+    # export: the answer shown, with its request, as a JSON file
+    chromium.find_element(By.CSS_SELECTOR, "button.export[data-view=z]").click()
+    path = os.path.join(chromium.downloads, "nanolatent-z.json")
+    deadline = time.time() + TIMEOUT
+    while not os.path.exists(path):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)
+    with open(path) as f:
+        exported = json.load(f)
+    assert exported["view"] == "z" and exported["request"]["z"] == " ".join(flipped)
+    assert exported["answer"][1]["texts"] == texts and exported["answer"][1]["bits"] == flipped

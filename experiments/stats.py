@@ -54,8 +54,8 @@ def bootstrap(paper_items, other_items, resamples=RESAMPLES, seed=0):
 def widest(effect, interval):
     """The effect with the wider of its t interval and another (the bootstrap's), as the rules' verdict takes it."""
     if interval is None or effect["lo"] is not None and effect["hi"] - effect["lo"] >= interval[1] - interval[0]:
-        return effect
-    return {**effect, "lo": interval[0], "hi": interval[1]}
+        return {**effect, "source": "t"}
+    return {**effect, "lo": interval[0], "hi": interval[1], "source": "bootstrap"}
 
 
 def ngram_baselines(train, val, starts, T, vocab_size):
@@ -100,8 +100,10 @@ def verdict(effect, regime_reached=True, tested=True, structural_zero=False):
     return "direction only" if all(d > 0 for d in effect["diffs"]) else "not reproduced"
 
 
-def interval(effect, digits=3):
-    """'+0.12 [+0.05, +0.19]': the mean paired difference and its interval (the mean alone for one seed)."""
+def interval(effect):
+    """'+0.120 [+0.050, +0.190]': the mean paired difference and its interval (the mean alone for one seed); one
+    decimal where the interval reaches 1 or more."""
+    digits = 1 if max(abs(v) for v in (effect["mean"], effect["lo"] or 0, effect["hi"] or 0)) >= 1 else 3
     if effect["lo"] is None:
         return f"{effect['mean']:+.{digits}f} (one seed)"
     return f"{effect['mean']:+.{digits}f} [{effect['lo']:+.{digits}f}, {effect['hi']:+.{digits}f}]"

@@ -48,14 +48,14 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
                data_dir=data)
     with open(results) as f:
         result = json.load(f)
-    assert result["protocol"]["dropout"] == 0.1 and result["protocol"]["epochs"] == 2
-    assert sorted(result["runs"]) == ["det-s1", "dropout-s1", "eve-s1"]
+    assert result["protocol"]["arms"] == ["det", "dropout0.1", "eve"] and result["protocol"]["epochs"] == 2
+    assert sorted(result["runs"]) == ["det-s1", "dropout0.1-s1", "eve-s1"]
     for name, run in result["runs"].items():
         assert len(run["val_ce_per_epoch"]) == len(run["train_ce_per_epoch"]) == 2
         assert run["turned"] == (run["val_ce_per_epoch"][0] < run["val_ce_per_epoch"][1])
         assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
         assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
-    assert set(result["mean_std"]) == {"det", "dropout", "eve"}
+    assert set(result["mean_std"]) == {"det", "dropout0.1", "eve"}
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None

@@ -53,6 +53,7 @@ embedding_std = 0.05  # per-entry std of the frozen matrix (see above)
 mc_samples = 8  # M
 eval_tokens = 16384  # test tokens evaluate.py scores (0: all 86,899, GPU)
 extra = ""  # more train.py arguments, space-separated (the width, dtype, compile for a GPU run)
+parallel = 1  # evaluate.py processes at once (one thread each with OMP_NUM_THREADS=1)
 train_only = False  # train the runs and stop: processes training other seeds or arms at once, one evaluates after
 figure = "assets/eve_paper_protocol.png"
 results = "assets/eve_paper_protocol.json"
@@ -89,14 +90,31 @@ for (m, s), out in runs.items():
 if train_only:
     raise SystemExit(f"trained {len(runs)} runs in {runs_dir}; evaluate them without --train_only")
 
+# evaluate.py once per (passes, run), `parallel` processes at a time, the M-pass ones first (the longest); each
+# M's results are merged into one JSON in evaluate.py's own form, in the runs' order
+tasks = [(passes, out) for passes in (mc_samples, 1) for out in runs.values()]
+part = lambda passes, out: results.replace(".json", f"_m{passes}.{os.path.basename(out)}.json")
+running, codes = [], []
+for passes, out in tasks:
+    if len(running) == parallel:
+        codes.append(running.pop(0).wait())
+    running.append(subprocess.Popen([sys.executable, "evaluate.py", f"--out_dir={out}", f"--mc_samples={passes}",
+                                     f"--max_tokens={eval_tokens}", f"--seq_len={block_size}", f"--device={device}",
+                                     f"--out_json={part(passes, out)}"], stdout=subprocess.DEVNULL))
+if any(codes + [process.wait() for process in running]):
+    common.die("evaluate.py failed: see its error above")
 evals = {}
 for passes in (1, mc_samples):
-    path = results.replace(".json", f"_m{passes}.json")
-    subprocess.run([sys.executable, "evaluate.py", f"--out_dir={','.join(runs.values())}", f"--mc_samples={passes}",
-                    f"--max_tokens={eval_tokens}", f"--seq_len={block_size}", f"--device={device}",
-                    f"--out_json={path}"], check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        evals[passes] = json.load(f)["results"]
+    merged = None
+    for out in runs.values():
+        with open(part(passes, out)) as f:
+            record = json.load(f)
+        merged = merged or {**record, "results": {}}
+        merged["results"].update(record["results"])
+        os.remove(part(passes, out))
+    with open(results.replace(".json", f"_m{passes}.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    evals[passes] = merged["results"]
 
 curves, train_curves, selected, weights, trainable = {}, {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():

@@ -43,7 +43,7 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
     results = tmp_path / "eve.json"
     run_script(sys.executable, "-m", "experiments.eve_paper_protocol", "--dataset=wp_tiny", "--embeddings=trained",
                "--seeds=1,", "--epochs=2", "--batch_size=24", "--block_size=32", "--n_embd=32", "--eval_tokens=64",
-               "--mc_samples=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
+               "--mc_samples=2", "--parallel=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
                f"--figure={tmp_path / 'eve.png'}", "--extra=--n_head=2 --n_kv_head=1 --eval_iters=1 --warmup_iters=1",
                data_dir=data)
     with open(results) as f:

@@ -19,10 +19,12 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 MARGIN = 0.2  # rule 3's nats
 
 
-def readme_rows():
+def readme_cells(measured):
+    """The cells of the README's row whose 'we measured' cell is `measured` (claims repeat: "the same, SmolLM2-135M")."""
     with open(f"{ROOT}/README.md", encoding="utf-8") as f:
         lines = results.readme_table(f.read()).splitlines()[2:]
-    return {line.split(" | ")[0][2:]: [c.strip() for c in line.strip("| \n").split(" | ")] for line in lines}
+    (line,) = [line for line in lines if line.split(" | ")[2] == measured]
+    return [c.strip() for c in line.strip("| \n").split(" | ")]
 
 
 def rules(n, mean, lo, hi, diffs, reached, tested, structural):
@@ -102,11 +104,7 @@ def test_readme_table_is_the_functions_output():
 
 @pytest.mark.parametrize("row", results.rows(), ids=lambda row: row["claim"])
 def test_each_rows_interval_regime_and_verdict_recomputed(row):
-    cells = readme_rows()[row["claim"]] if sum(r["claim"] == row["claim"] for r in results.rows()) == 1 else None
-    if cells is None:  # "the same, SmolLM2-135M" twice: find it by its measured cell
-        with open(f"{ROOT}/README.md", encoding="utf-8") as f:
-            line = next(line for line in results.readme_table(f.read()).splitlines() if row["measured"] in line)
-        cells = [c.strip() for c in line.strip("| \n").split(" | ")]
+    cells = readme_cells(row["measured"])
     claim, paper, measured, n_cell, interval_cell, regime_cell, verdict_cell, study = cells
     d = [p - o for p, o in zip(row["paper_arm"], row["other"])]
     n, mean = len(d), sum(d) / len(d)

@@ -114,7 +114,7 @@ for ax, sigma in zip(axes[0], sigmas):
     for key in [("temperature", 0.0)] + [(arm, sigma) for arm in (*wrapped, "greedy minds")]:
         c = curves[key]
         ax.plot(all_k, c.mean(0), label=label(*key))
-        ax.fill_between(all_k, c.mean(0) - c.std(0), c.mean(0) + c.std(0), alpha=0.2)
+        ax.fill_between(all_k, c.mean(0) - c.std(0, ddof=int(len(c) > 1)), c.mean(0) + c.std(0, ddof=int(len(c) > 1)), alpha=0.2)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k (samples per problem)")
     ax.set_title(f"σ = {sigma:g} ({sigma_scale}); mean ± std of {len(seeds)} seeds", fontsize=9)

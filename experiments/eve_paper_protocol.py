@@ -40,8 +40,7 @@ from experiments import smollm2_embedding
 from experiments import study
 from nanolatent import ckpt, common, records, tokendata
 
-arms = ("det", "dropout", "eve")  # names of ARMS below: det, det with residual dropout, EVE
-dropout = 0.1  # the dropout arm's Config.dropout (nanoGPT's resid_dropout on each block's two branches)
+arms = ("det", "dropout0.1", "eve")  # det, det with residual dropout at the rate its name ends with, EVE
 dataset = "wp_sample_cpu"  # or wp_sample (500 stories, the whole GPT-2 vocabulary: a GPU run)
 runs_dir = "out-eve-matched"  # one folder per (model, seed)
 seeds = (1, 2, 3)
@@ -54,13 +53,20 @@ embedding_std = 0.05  # per-entry std of the frozen matrix (see above)
 mc_samples = 8  # M
 eval_tokens = 16384  # test tokens evaluate.py scores (0: all 86,899, GPU)
 extra = ""  # more train.py arguments, space-separated (the width, dtype, compile for a GPU run)
+parallel = 1  # evaluate.py processes at once (one thread each with OMP_NUM_THREADS=1)
+train_only = False  # train the runs and stop: processes training other seeds or arms at once, one evaluates after
 figure = "assets/eve_paper_protocol.png"
 results = "assets/eve_paper_protocol.json"
 device = "cpu"
 configurator.apply(globals())
 configurator.require(globals(), choices={"embeddings": ("smollm2", "trained")})
-ARMS = {"det": ["config/det_wp_sample.py"], "dropout": ["config/det_wp_sample.py", f"--dropout={dropout}"],
-        "eve": ["config/eve_wp_sample.py"]}  # train.py arguments of each arm: the same but for the feed-forward
+# train.py arguments of each arm: the same but for the feed-forward; dropout<rate> is det with Config.dropout = rate
+# (nanoGPT's resid_dropout on each block's two branches)
+ARMS = {"det": ["config/det_wp_sample.py"], "eve": ["config/eve_wp_sample.py"],
+        **{m: ["config/det_wp_sample.py", f"--dropout={m[7:]}"] for m in arms if m.startswith("dropout")}}
+unknown = [m for m in arms if m not in ARMS or m.startswith("dropout") and not m[7:].replace(".", "", 1).isdigit()]
+if unknown:
+    common.die(f"--arms: {', '.join(unknown)} unknown; give det, eve or dropout<rate> (dropout0.1)")
 
 
 meta = tokendata.load_meta(dataset)
@@ -81,15 +87,34 @@ for (m, s), out in common.progress(list(runs.items()), desc="runs trained"):
                           f"--block_size={block_size}", f"--n_embd={n_embd}", f"--max_iters={epochs * epoch_iters}",
                           f"--lr_decay_iters={epochs * epoch_iters}", f"--eval_interval={epoch_iters}",
                           f"--device={device}", "--compile=False", *frozen, *extra.split())
+if train_only:
+    raise SystemExit(f"trained {len(runs)} runs in {runs_dir}; evaluate them without --train_only")
 
+# evaluate.py once per (passes, run), `parallel` processes at a time, the M-pass ones first (the longest); each
+# M's results are merged into one JSON in evaluate.py's own form, in the runs' order
+tasks = [(passes, out) for passes in (mc_samples, 1) for out in runs.values()]
+part = lambda passes, out: results.replace(".json", f"_m{passes}.{os.path.basename(out)}.json")
+running, codes = [], []
+for passes, out in tasks:
+    if len(running) == parallel:
+        codes.append(running.pop(0).wait())
+    running.append(subprocess.Popen([sys.executable, "evaluate.py", f"--out_dir={out}", f"--mc_samples={passes}",
+                                     f"--max_tokens={eval_tokens}", f"--seq_len={block_size}", f"--device={device}",
+                                     f"--out_json={part(passes, out)}"], stdout=subprocess.DEVNULL))
+if any(codes + [process.wait() for process in running]):
+    common.die("evaluate.py failed: see its error above")
 evals = {}
 for passes in (1, mc_samples):
-    path = results.replace(".json", f"_m{passes}.json")
-    subprocess.run([sys.executable, "evaluate.py", f"--out_dir={','.join(runs.values())}", f"--mc_samples={passes}",
-                    f"--max_tokens={eval_tokens}", f"--seq_len={block_size}", f"--device={device}",
-                    f"--out_json={path}"], check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        evals[passes] = json.load(f)["results"]
+    merged = None
+    for out in runs.values():
+        with open(part(passes, out)) as f:
+            record = json.load(f)
+        merged = merged or {**record, "results": {}}
+        merged["results"].update(record["results"])
+        os.remove(part(passes, out))
+    with open(results.replace(".json", f"_m{passes}.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    evals[passes] = merged["results"]
 
 curves, train_curves, selected, weights, trainable = {}, {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():
@@ -112,7 +137,7 @@ n_epochs = min(len(c) for c in curves.values())
 summary = {
     "protocol": {"dataset": dataset, "train_tokens": meta["train_tokens"], "vocab_size": meta["vocab_size"],
                  "epochs": epochs, "steps_per_epoch": epoch_iters, "batch_size": batch_size, "block_size": block_size,
-                 "n_embd": n_embd, "embeddings": embeddings, "dropout": dropout, "extra": extra,
+                 "n_embd": n_embd, "embeddings": embeddings, "arms": list(arms), "extra": extra,
                  "embedding_std": embedding_std if frozen else None,
                  "smollm2_ids_found": found if frozen else None, "pca_variance_kept": kept if frozen else None,
                  "seeds": list(seeds), "mc_samples": mc_samples, "test_tokens": tokens, "select_by": "ce",
@@ -125,7 +150,8 @@ summary = {
                                                 if k.startswith(("stats/kl_", "stats/mu2_"))},  # EVE's, M passes
                            **{f"{name} (M={passes})": evals[passes][runs[m, s]][key] for name, passes, key in columns}}
              for (m, s) in runs},
-    "mean_std": {m: {name: [float(np.mean(v)), float(np.std(v))] for name, passes, key in columns
+    "mean_std": {m: {name: [float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0]
+                     for name, passes, key in columns
                      for v in [[evals[passes][runs[m, s]][key] for s in seeds]]} for m in arms},
     "val_ce_per_epoch_mean": {m: np.mean([curves[m, s][:n_epochs] for s in seeds], axis=0).tolist() for m in arms},
 }

@@ -221,7 +221,7 @@ def analyse(name, seed, evals, refs_text):
 def spread(values):
     """mean ± std over seeds (ddof 0, as study.intervals_apart calls differences)."""
     values = [v for v in values if v == v]
-    return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if values else "-"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=len(values) > 1):.3f}" if values else "-"
 
 
 study.train_all_missing({run_dir(m, s): [config_file(m), f"--seed={s}", f"--device={device}", *train_args.split()]
@@ -285,7 +285,7 @@ plt = common.pyplot("the tables are above; the figure")
 fig, axes = plt.subplots(2, 2, figsize=(12, 9))
 frees = [m for m in by_model if m != "det"]
 x = [KAPPA_BITS[m[1:]] for m in frees]
-mean_std = lambda values: (np.mean(values), np.std(values))
+mean_std = lambda values: (np.mean(values), np.std(values, ddof=len(values) > 1))  # std over seeds, ddof 1
 ax = axes[0, 0]
 if "det" in by_model:
     mu, sd = mean_std([r["ce"] for r in by_model["det"]])

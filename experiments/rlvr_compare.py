@@ -136,7 +136,7 @@ if study.one_seed_note(seeds):
     print(f"\n{study.one_seed_note(seeds)}")
 
 data = os.path.splitext(figure)[0] + ".json"  # the table's numbers per seed and the reward curves, beside the figure
-spread = lambda values: [float(np.mean(values)), float(np.std(values))]
+spread = lambda values: [float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0]
 changes = {mode: {f"{name} {side}": spread([r[f"{name} {side}"] for r in rows]) for name, _ in columns
                   for side in ("before", "after")} | {f"{name} change": spread(
                       [r[f"{name} after"] - r[f"{name} before"] for r in rows]) for name, _ in columns}

@@ -63,12 +63,12 @@ def earlier_runs(path, settings, key):
 
 def intervals_apart(a, b):
     """+1 when the mean ± std interval of the values a (one per seed) lies wholly above b's, -1 wholly below, 0 when
-    the two overlap: the only differences the experiments' tables call (std with ddof = 0, as they print it). Also 0
+    the two overlap: the differences the studies' own tables mark (std with ddof = 1, as they print it). Also 0
     when either side has fewer than two seeds: its std is 0 by construction, not a measured spread, and any two
     distinct points would be 'apart'."""
     if min(len(a), len(b)) < 2:
         return 0
-    (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v))) for v in (a, b))
+    (ma, sa), (mb, sb) = ((float(np.mean(v)), float(np.std(v, ddof=1))) for v in (a, b))
     return int(ma - sa > mb + sb) - int(ma + sa < mb - sb)
 
 
@@ -76,7 +76,7 @@ def mean_std(values, digits=3, sign=""):
     """'mean ± std' of the values (one per seed) for a table; the mean alone for one seed, whose std of 0 says
     nothing. sign='+' prints the mean's sign (a change)."""
     mean = f"{float(np.mean(values)):{sign}.{digits}f}"
-    return mean if len(values) < 2 else f"{mean} ± {float(np.std(values)):.{digits}f}"
+    return mean if len(values) < 2 else f"{mean} ± {float(np.std(values, ddof=1)):.{digits}f}"
 
 
 def one_seed_note(seeds):

@@ -36,10 +36,10 @@ def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
 
 
 def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
-    # [0.30, 0.32] (mean 0.31, std 0.01) against [0.27, 0.29] (0.28 ± 0.01): 0.30 > 0.29, apart
+    # [0.30, 0.32] (mean 0.31, std 0.014) against [0.27, 0.29] (0.28 ± 0.014): 0.296 > 0.294, apart
     assert study.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
     assert study.intervals_apart([0.27, 0.29], [0.30, 0.32]) == -1
-    # 0.31 ± 0.01 against 0.30 ± 0.01: the intervals share [0.30, 0.31], no call, either way round
+    # 0.31 ± 0.014 against 0.30 ± 0.014: the intervals overlap, no call, either way round
     assert study.intervals_apart([0.30, 0.32], [0.29, 0.31]) == 0
     assert study.intervals_apart([0.29, 0.31], [0.30, 0.32]) == 0
     assert study.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
@@ -49,7 +49,7 @@ def test_one_seed_calls_no_difference_and_prints_no_spread():
     """A single seed's std is 0 by construction: its 'interval' is a point, and two distinct points are not evidence
     of a difference. No call, no ± in the cell, and a line saying why."""
     assert study.intervals_apart([0.9], [0.1]) == 0 and study.intervals_apart([0.9, 0.9], [0.1]) == 0
-    assert study.mean_std([0.25]) == "0.250" and study.mean_std([0.2, 0.3]) == "0.250 ± 0.050"
+    assert study.mean_std([0.25]) == "0.250" and study.mean_std([0.2, 0.3]) == "0.250 ± 0.071"
     assert study.mean_std([0.05], sign="+") == "+0.050"
     assert "no interval test" in study.one_seed_note((1,)) and study.one_seed_note((1, 2)) == ""
 

@@ -1,38 +1,168 @@
-"""The README's results table is experiments/results.py's output, and every row's verdict follows the rules of
-docs/reproductions.md from its JSON: no 'reproduces' from overlapping intervals or fewer than three seeds, no claim
-from fewer seeds than three without the row saying so."""
+"""The README's results table is experiments/results.py's output, and every row's statistics hold when recomputed here
+from its per-seed values with lines of this file's own (statistics.stdev, a printed t table, the rules of
+docs/reproductions.md written out again): a wrong statistic in experiments/stats.py fails these tests."""
 
+import json
+import math
+import os
 import re
+import statistics
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
-from experiments import results
+from experiments import results, stats
+
+# Student t's 97.5th percentiles, df = 1..10: NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+MARGIN = 0.2  # rule 3's nats
 
 
-def test_verdict_rules_in_order():
-    assert results.verdict(None, 3, 1, 1) == "not tested"
-    assert results.verdict(False, 3, 1, 1) == "not at this scale"
-    assert results.verdict(True, 3, 1, 1) == "reproduces"
-    assert results.verdict(True, 2, 1, 1) == "direction only"  # apart, but two seeds
-    assert results.verdict(True, 3, 1, 0) == "direction only"  # the paper's direction, intervals overlapping
-    assert results.verdict(True, 3, -1, 0) == "not reproduced"
-    assert results.verdict(True, 3, -1, -1) == "not reproduced"
-    assert results.verdict(True, 3, 0, 0) == "not reproduced"  # no difference at all
+def readme_cells(measured):
+    """The cells of the README's row whose 'we measured' cell is `measured` (claims repeat: "the same, SmolLM2-135M")."""
+    with open(f"{ROOT}/README.md", encoding="utf-8") as f:
+        lines = results.readme_table(f.read()).splitlines()[2:]
+    (line,) = [line for line in lines if line.split(" | ")[2] == measured]
+    return [c.strip() for c in line.strip("| \n").split(" | ")]
+
+
+def rules(n, mean, lo, hi, diffs, reached, tested, structural):
+    """The verdict words of docs/reproductions.md, written out again."""
+    if not tested:
+        return "not tested"
+    if structural:
+        return "not judged"
+    if not reached:
+        return "not at this scale"
+    if n > 1 and lo > 0:
+        return "reproduces"
+    if n > 1 and hi < 0:
+        return "not reproduced"
+    if n < 5:
+        return "pilot"
+    return "direction only" if min(diffs) > 0 else "not reproduced"
+
+
+def close(printed, value):
+    """printed (a number as the table rounds it) equals value to its last printed digit."""
+    digits = len(printed.split(".")[1])
+    return abs(float(printed) - value) <= 0.5 * 10 ** -digits + 1e-9
+
+
+def test_t_quantile_matches_the_printed_table():
+    for df, t in T975.items():
+        assert stats.t_quantile(0.975, df) == pytest.approx(t, abs=6e-4)
+
+
+def test_ngram_baselines_equal_counting_by_hand():
+    train, val, V, T = [0, 1, 2, 1, 0, 1, 2, 2, 0], [1, 2, 0, 1, 1, 2, 0, 0, 2], 5, 3
+    starts = [0, 3]  # targets val[1:4], val[4:7]
+    uni, bi = {}, {}
+    for a in train:
+        uni[a] = uni.get(a, 0) + 1
+    for a, b in zip(train, train[1:]):
+        bi[a, b] = bi.get((a, b), 0) + 1
+    pairs = [(val[j - 1], val[j]) for s in starts for j in range(s + 1, s + T + 1)]
+    want_uni = -sum(math.log((uni.get(b, 0) + 1) / (len(train) + V)) for a, b in pairs) / len(pairs)
+    want_bi = -sum(math.log((bi.get((a, b), 0) + 1) / (sum(c for (x, _), c in bi.items() if x == a) + V))
+                   for a, b in pairs) / len(pairs)
+    unigram, bigram, tokens = stats.ngram_baselines(train, val, starts, T, V)
+    assert tokens == 6 and unigram == pytest.approx(want_uni, rel=1e-12) and bigram == pytest.approx(want_bi, rel=1e-12)
+
+
+def test_bootstrap_resamples_the_same_items_in_both_arms():
+    rng = np.random.default_rng(0)
+    other = rng.normal(size=(3, 50))
+    assert stats.bootstrap(other + 0.5, other) == pytest.approx((0.5, 0.5))  # paired items: no spread at all
+    lo, hi = stats.bootstrap(other + rng.normal(0.5, 1.0, size=(3, 50)), other)
+    assert lo < 0.5 < hi and hi - lo > 0.2
+
+
+@pytest.mark.parametrize("diffs, reached, tested, structural, want", [
+    ([0.3, 0.2, 0.25], True, True, False, "reproduces"),
+    ([-0.3, -0.2, -0.25], True, True, False, "not reproduced"),
+    ([0.3, -0.2, 0.25], True, True, False, "pilot"),  # 3 seeds, the interval holds 0: run to 5
+    ([0.3, 0.01, 0.25, 0.02, 0.6], True, True, False, "direction only"),  # every seed the paper's way, around 0
+    ([0.3, -0.2, 0.25, -0.1, 0.02], True, True, False, "not reproduced"),  # 5 seeds disagreeing
+    ([0.3, 0.2, 0.25], False, True, False, "not at this scale"),
+    ([0.3, 0.2, 0.25], True, False, False, "not tested"),
+    ([0.3, 0.2, 0.25], True, True, True, "not judged"),
+    ([0.3], True, True, False, "pilot"),
+])
+def test_verdict_follows_the_rules(diffs, reached, tested, structural, want):
+    effect = stats.paired(diffs, [0.0] * len(diffs))
+    assert stats.verdict(effect, reached, tested, structural) == want
 
 
 def test_readme_table_is_the_functions_output():
     with open(f"{ROOT}/README.md", encoding="utf-8") as f:
         assert results.readme_table(f.read()) == results.table()
+    with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
+        assert results.between(f.read(), results.SETTINGS_BEGIN, results.SETTINGS_END) == results.eve_settings_table()
 
 
-@pytest.mark.parametrize("row", results.rows(), ids=lambda row: row[0])
-def test_each_row_follows_the_rules_and_says_its_seeds(row):
-    claim, paper, measured, verdict, study, (regime, seeds, direction, apart) = row
-    assert verdict == results.verdict(regime, seeds, direction, apart)
-    if verdict == "reproduces":  # intervals apart in the paper's direction, over at least three seeds
-        assert seeds >= 3 and apart == 1 and direction == 1
-    if seeds < 3:  # a claim from fewer seeds says how many
-        assert re.search(r"one seed|\b[12] seeds", measured), measured
-    visible = re.sub(r"\]\([^)]*\)", "]", f"| {claim} | {paper} | {measured} | {verdict} | {study} |")
+@pytest.mark.parametrize("row", results.rows(), ids=lambda row: row["claim"])
+def test_each_rows_interval_regime_and_verdict_recomputed(row):
+    cells = readme_cells(row["measured"])
+    claim, paper, measured, n_cell, interval_cell, regime_cell, verdict_cell, study = cells
+    d = [p - o for p, o in zip(row["paper_arm"], row["other"])]
+    n, mean = len(d), sum(d) / len(d)
+    assert n_cell == str(n) and n == len(row["other"])
+    numbers = re.findall(r"[+-]\d+\.\d+", interval_cell)
+    assert close(numbers[0], mean)
+    lo = hi = None
+    if n > 1:
+        half = T975[n - 1] * statistics.stdev(d) / math.sqrt(n)
+        lo, hi = mean - half, mean + half
+        if "(bootstrap)" in interval_cell:  # the bootstrap's interval shown: it must be the wider one
+            assert row["bootstrap"][1] - row["bootstrap"][0] > hi - lo
+            lo, hi = row["bootstrap"]
+        elif "(t ≥ boot.)" in interval_cell:
+            assert row["bootstrap"][1] - row["bootstrap"][0] <= hi - lo
+        assert close(numbers[1], lo) and close(numbers[2], hi), (interval_cell, lo, hi)
+    else:
+        assert "one seed" in interval_cell
+    regime = row["regime"]
+    if "ces" in regime:  # a language model: every arm at least MARGIN below the better add-one baseline
+        reached = max(regime["ces"]) <= min(regime["unigram"], regime["bigram"]) - MARGIN
+        turned = re.search(r"turned (\d+)/(\d+)", regime_cell)
+        if turned:
+            reached = reached and 2 * int(turned[1]) > int(turned[2])
+        assert regime_cell.startswith("yes" if reached else "no") and regime["reached"] == reached
+        assert close(re.search(r"unigram (\d+\.\d+)", regime_cell)[1], regime["unigram"])
+    want = rules(n, mean, lo, hi, d, regime["reached"], row["tested"], row["structural"])
+    assert verdict_cell == want
+    visible = re.sub(r"\]\([^)]*\)", "]", "| " + " | ".join(cells) + " |")
     assert len(visible) <= 200, visible  # the table stays readable; numbers are one link away
+
+
+def test_eve_rows_take_their_per_seed_values_from_evaluates_json():
+    prefix = "eve_primary" if results.exists("eve_primary.json") else "eve_study"
+    with open(os.path.join(ROOT, "assets", f"{prefix}_m1.json")) as f:
+        nll = {name.rsplit("/", 1)[1]: r["nll"] for name, r in json.load(f)["results"].items()}
+    seeds = sorted(int(k.split("-s")[1]) for k in nll if k.startswith("eve-"))
+    seeds = [s for s in seeds if f"det-s{s}" in nll]
+    row = results.judged(results.eve_ce())
+    assert row["paper_arm"] == [-nll[f"eve-s{s}"] for s in seeds] and row["other"] == [-nll[f"det-s{s}"] for s in seeds]
+
+
+def test_regime_baselines_recount_on_the_prepared_data():
+    """assets/regime_baselines.json against a count made here, where the study's data is prepared."""
+    with open(os.path.join(ROOT, "assets", "regime_baselines.json")) as f:
+        table = json.load(f)
+    entry = table["eve_paper_protocol_m1.json"]
+    folder = os.path.join(os.environ.get("NANOLATENT_DATA") or os.path.join(ROOT, "data"), entry["dataset"])
+    if not os.path.exists(os.path.join(folder, "val.bin")):
+        pytest.skip(f"{folder} is not prepared (docs/reproductions.md, EVE's matched protocol, says how)")
+    train, val = (np.fromfile(os.path.join(folder, f"{s}.bin"), dtype=np.uint16).tolist() for s in ("train", "val"))
+    counts = {}
+    for w in train:
+        counts[w] = counts.get(w, 0) + 1
+    with open(os.path.join(folder, "meta.json")) as f:
+        V = json.load(f)["vocab_size"]
+    T = entry["seq_len"]
+    targets = [val[s + j] for s in range(0, T * entry["windows"], T) for j in range(1, T + 1)]
+    assert len(targets) == entry["tokens"]
+    unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for w in targets) / len(targets)
+    assert entry["unigram"] == pytest.approx(unigram, rel=1e-9)

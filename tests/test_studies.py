@@ -48,19 +48,19 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
     results = tmp_path / "eve.json"
     run_script(sys.executable, "-m", "experiments.eve_paper_protocol", "--dataset=wp_tiny", "--embeddings=trained",
                "--seeds=1,", "--epochs=2", "--batch_size=24", "--block_size=32", "--n_embd=32", "--eval_tokens=64",
-               "--mc_samples=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
+               "--mc_samples=2", "--parallel=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
                f"--figure={tmp_path / 'eve.png'}", "--extra=--n_head=2 --n_kv_head=1 --eval_iters=1 --warmup_iters=1",
                data_dir=data)
     with open(results) as f:
         result = json.load(f)
-    assert result["protocol"]["dropout"] == 0.1 and result["protocol"]["epochs"] == 2
-    assert sorted(result["runs"]) == ["det-s1", "dropout-s1", "eve-s1"]
+    assert result["protocol"]["arms"] == ["det", "dropout0.1", "eve"] and result["protocol"]["epochs"] == 2
+    assert sorted(result["runs"]) == ["det-s1", "dropout0.1-s1", "eve-s1"]
     for name, run in result["runs"].items():
         assert len(run["val_ce_per_epoch"]) == len(run["train_ce_per_epoch"]) == 2
         assert run["turned"] == (run["val_ce_per_epoch"][0] < run["val_ce_per_epoch"][1])
         assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
         assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
-    assert set(result["mean_std"]) == {"det", "dropout", "eve"}
+    assert set(result["mean_std"]) == {"det", "dropout0.1", "eve"}
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None

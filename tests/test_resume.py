@@ -4,6 +4,7 @@ steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -303,7 +304,6 @@ def saved_run(data_root, tmp_path_factory):
 
 
 def copy_run(saved_run, tmp_path):
-    import shutil
     out_dir = tmp_path / "copy"
     shutil.copytree(saved_run[0], out_dir, symlinks=True)
     return out_dir
@@ -333,7 +333,6 @@ def test_auto_resumes_from_the_newest_whole_save_when_the_newest_is_damaged(dama
 @pytest.mark.slow
 def test_auto_relinks_ckpt_pt_when_the_best_save_was_deleted_by_hand(saved_run, data_root, tmp_path):
     """learning_rate=min_lr=0: the val loss never improves on step 0's, so the best save is iter 0, kept beside the newest."""
-    import shutil
     out_dir, args = tmp_path / "run", [*saved_run[1], "--learning_rate=0", "--min_lr=0"]
     train_det(data_root, out_dir, *args)
     assert os.path.realpath(out_dir / "ckpt.pt") == str(out_dir / ckpt.CHECKPOINTS / "iter_0000000" / "ckpt.pt")
@@ -350,7 +349,6 @@ def test_auto_relinks_ckpt_pt_when_the_best_save_was_deleted_by_hand(saved_run, 
 def test_a_run_saved_as_a_single_ckpt_pt_resumes(init_from, saved_run, data_root, tmp_path):
     """The layout before checkpoints/: a plain out_dir/ckpt.pt. It becomes checkpoints/iter_N/ (its bytes unchanged),
     linked by ckpt.pt, and the run goes on from it as the uninterrupted run did."""
-    import shutil
     out_dir = tmp_path / "old"
     os.makedirs(out_dir)
     shutil.copyfile(saved_run[0] / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt", out_dir / "ckpt.pt")

@@ -20,7 +20,6 @@ the script and of the processes it starts.
 import ast
 import dataclasses
 import difflib
-import importlib
 import io
 import math
 import os
@@ -28,7 +27,7 @@ import sys
 import tokenize
 import types
 
-from nanolatent import common
+from nanolatent import common, models
 
 TYPES = (int, float, bool, str, tuple)  # what a default may be
 
@@ -240,14 +239,12 @@ def usage(namespace, argv, positional):
         elif arg.endswith(".py") and os.path.isfile(arg) and "model_type" in namespace["_config_defaults"]:
             model_type = read_config_file(arg).get("model_type", model_type)
     if model_type:
-        from nanolatent import models
         module = models.import_model(model_type)
         fields = {f.name: f.default for f in dataclasses.fields(module.Config) if f.init}
         out += ["", f"model_{model_type}.py's Config fields, set like the settings above (--{next(iter(fields))}=...):",
                 ""]
         out += settings(module.__file__, fields, scope="Config")
     elif "model_type" in namespace["_config_defaults"]:
-        from nanolatent import models
         out += ["", f"--model_type=X --help also lists model_X.py's Config fields (X: {', '.join(models.MODEL_TYPES)})"]
     return "\n".join(out)
 

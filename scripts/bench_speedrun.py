@@ -19,7 +19,9 @@ and the time ratio ours / nanoGPT's. Extra flags for either arm: --nanogpt_args=
 --ours_args="--max_iters=200".
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -106,7 +108,8 @@ def nanogpt_loss(run_dir, copy, x, y):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     checkpoint = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
-    model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
+    with contextlib.redirect_stdout(io.StringIO()):  # its "number of parameters" line
+        model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
     model.eval()
     return whole_split_loss(lambda a, b: model(a, b)[0], x, y)

@@ -2,12 +2,12 @@
 
     python -m scripts.bench_eve --repeats=9 --threads=1,2 --pieces=True   # bench.py's default size
 
-Step: det and eve as bench.py builds them (cpu.training_kernels, eve_bank.fused_banks, freed memory kept, fused
-AdamW), a training step of
-each in turns in one process: median ms, eve / det, MiB autograd keeps for backward (each storage once, parameters
-left out) and peak resident MiB of three steps in a fresh process (bench.py's measure). Pieces: one block's neuron
-bank as VariationalMLP.forward computes it (det's SwiGLU for contrast), forward and backward ms in turns and the MiB
-of new tensors each keeps for backward. BENCHMARKS.md has our CPU's tables."""
+Step: det and eve as bench.py builds them (cpu.training_kernels, eve_bank.fused_banks, freed memory kept, fused AdamW)
+and eve_plain (model_eve.py's own bank, not fused), a training step of each in turns in one process: median ms, eve /
+det, MiB autograd keeps for backward (each storage once, parameters left out) and peak resident MiB of three steps in a
+fresh process (bench.py's measure). Pieces: one block's neuron bank as VariationalMLP.forward computes it (det's SwiGLU
+for contrast), forward and backward ms in turns and the MiB of new tensors each keeps for backward. BENCHMARKS.md has
+our CPU's tables."""
 
 import resource
 import statistics
@@ -30,7 +30,7 @@ pieces = True  # also the piece table
 peak = ""  # internal: train this model three steps in this process and print its peak resident MiB
 config, _ = configurator.apply(globals())
 cpu.keep_freed_memory()
-MODELS = {"det": model_det, "eve": model_eve}
+MODELS = {"det": model_det, "eve": model_eve, "eve_plain": model_eve}  # eve_plain: model_eve.py's bank, not fused
 SIZES = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab_size=vocab_size,
              block_size=block_size)
 x = torch.randint(0, vocab_size, (batch_size, block_size), generator=torch.Generator().manual_seed(0))
@@ -38,7 +38,8 @@ x = torch.randint(0, vocab_size, (batch_size, block_size), generator=torch.Gener
 
 def build(name):
     torch.manual_seed(0)
-    model = eve_bank.fused_banks(cpu.training_kernels(MODELS[name].Model(MODELS[name].Config(**SIZES))))
+    model = cpu.training_kernels(MODELS[name].Model(MODELS[name].Config(**SIZES)))
+    model = model if name == "eve_plain" else eve_bank.fused_banks(model)
     return model, model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), "cpu")
 
 
@@ -82,7 +83,9 @@ def step_table():
     models = {name: build(name) for name in MODELS}
     kept = {name: kept_mib(lambda: m(x, x)[1], list(m.parameters()))[1] for name, (m, _) in models.items()}
     print(f"training step, L={n_layer} d={n_embd} T={block_size} B={batch_size}, median of {repeats} in turns")
-    print("threads | det ms | eve ms | eve / det | det kept MiB | eve kept MiB | det peak MiB | eve peak MiB")
+    columns = [f"{name} ms" for name in MODELS] + ["eve / det", "eve_plain / det"]
+    columns += [f"{name} kept MiB" for name in MODELS] + [f"{name} peak MiB" for name in MODELS]
+    print("threads | " + " | ".join(columns))
     for n in threads:
         torch.set_num_threads(n)
         times = {name: [] for name in models}
@@ -90,9 +93,11 @@ def step_table():
         for _ in range(repeats):
             for name, m in models.items():
                 times[name].append(ms(lambda: train_step(*m)))
-        det, eve = (statistics.median(times[name]) for name in MODELS)
-        print(f"{n} | {det:.0f} | {eve:.0f} | {eve / det:.2f} | {kept['det']:.0f} | {kept['eve']:.0f} | "
-              f"{peaks['det']:.0f} | {peaks['eve']:.0f}")
+        med = {name: statistics.median(times[name]) for name in MODELS}
+        row = [f"{med[name]:.0f}" for name in MODELS]
+        row += [f"{med[name] / med['det']:.2f}" for name in ("eve", "eve_plain")]
+        row += [f"{kept[name]:.0f}" for name in MODELS] + [f"{peaks[name]:.0f}" for name in MODELS]
+        print(f"{n} | " + " | ".join(row))
 
 
 def piece_table():

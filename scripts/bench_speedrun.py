@@ -199,9 +199,11 @@ def main():
 if __name__ == "__main__":
     config, _ = configurator.apply(globals())
     configurator.require(config, positive=("seeds", "threads"))
+    if not nanogpt:
+        common.die("--nanogpt is required: git clone https://github.com/karpathy/nanoGPT and pass --nanogpt=<its folder>")
     missing = [name for name in NANOGPT_FILES if not os.path.isfile(os.path.join(nanogpt, name))]
-    if not nanogpt or missing:
-        common.die(f"--nanogpt={nanogpt or '(not given)'} is not a nanoGPT checkout (it lacks {', '.join(missing)}): "
+    if missing:
+        common.die(f"--nanogpt={nanogpt} is not a nanoGPT checkout (it lacks {', '.join(missing)}): "
                    f"git clone https://github.com/karpathy/nanoGPT and pass --nanogpt=<its folder>")
     if not os.path.isfile(input):
         common.die(f"--input={input or '(not given)'} is not a file: pass Tiny Shakespeare's input.txt")

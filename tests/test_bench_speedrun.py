@@ -63,3 +63,15 @@ def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens
     assert [r["seed"] for r in result["runs"] if r["arm"] == "ours"] == [1337, 1338]
     assert lines[-len(bench_speedrun.table(result["runs"])):] == bench_speedrun.table(result["runs"])
     assert all(2.5 < r["val_loss"] < math.log(65) + 0.5 for r in result["runs"])  # 4 steps: far from trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,named", [([], "--nanogpt"), (["--nanogpt=."], "lacks model.py"),
+                                        ([f"--nanogpt={NANOGPT}", "--input=nowhere.txt"], "--input=nowhere.txt")])
+def test_a_missing_checkout_or_text_is_one_line_and_exit_2_before_anything_runs(args, named, tmp_path):
+    if NANOGPT in " ".join(args) and not os.path.isfile(os.path.join(NANOGPT, "train.py")):
+        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT}")
+    proc = run_script("-m", "scripts.bench_speedrun", *args, f"--work_dir={tmp_path / 'work'}", data_dir=tmp_path,
+                      check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and named in proc.stderr
+    assert not (tmp_path / "work").exists()

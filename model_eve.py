@@ -198,7 +198,10 @@ class VariationalMLP(nn.Module):
         self.mem_gain = nn.Parameter(torch.full((D,), math.atanh(config.mem_gain_init))) if memory else None
         self.register_buffer("mu2_ema", torch.full((N,), config.mu2_target))  # §3.3 control: each neuron's mu^2 EMA
         self.register_buffer("beta_unit", torch.full((N,), config.kl_beta))  # its KL weight (the beta controller)
-        self.stash = None  # (2, N) detached [KL_u, mu2_u] of the last training forward, for update_controllers
+        # (2, N) detached [KL_u, mu2_u], the mean over the training forwards since the last update_controllers (a
+        # step's micro-batches; under activation checkpointing each one twice, which leaves the mean as it is), and
+        # how many forwards that mean holds: a step measures its whole batch, on one process as on several
+        self.stash = self.stash_forwards = None
         self.prior_cache = None  # a PriorCache while generate() runs
 
     def forward(self, u, eps, start_pos=0, with_aux=False):
@@ -220,8 +223,13 @@ class VariationalMLP(nn.Module):
         aux = {"kl_u": kl.view(N, dz).sum(-1),  # (N,) KL of each neuron, summed over its dims, mean over tokens
                "mu2_u": means["mu2"].view(N, dz).mean(-1),  # (N,) §3.3 latent energy mu^2 = mean_j mu_q,j^2 over tokens
                "ar": means["ar"].mean() if cfg.ar_prior else y.new_zeros(()), "sigma": means["sigma_q"].detach().mean()}
-        if self.training:  # for update_controllers: the last training forward's per-unit measurements
-            self.stash = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach()  # (2, N)
+        if self.training:  # for update_controllers: the per-unit measurements, averaged over the step's forwards
+            measured = torch.stack([aux["kl_u"], aux["mu2_u"]]).detach()  # (2, N)
+            if self.stash is None:
+                self.stash, self.stash_forwards = measured, measured.new_ones(())  # a tensor count: one graph
+            else:
+                self.stash_forwards = self.stash_forwards + 1
+                self.stash = self.stash + (measured - self.stash) / self.stash_forwards  # the running mean
         return out, aux
 
     def bank(self, m, r, eps, mu_p=None):
@@ -492,9 +500,10 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def update_controllers(self, all_reduce=None):
-        """§3.3 control after each optimizer step, from the KL_u and mu2_u each block stashed in its last training
-        forward (all_reduce averages them over processes: every rank updates alike): mu2_ema, an EMA of each neuron's
-        mu^2; beta_control: a unit's beta times or divided by 1 + beta_rate while its KL is above or below kl_band;
+        """§3.3 control after each optimizer step, from the KL_u and mu2_u each block measured over the step's training
+        forwards (all_reduce averages them over processes: every rank updates alike, as one process would): mu2_ema,
+        an EMA of each neuron's mu^2; beta_control: a unit's beta times or divided by 1 + beta_rate while its KL is
+        above or below kl_band;
         homeostat: from homeostat_warmup on, every homeostat_every steps, each neuron's w_mu rows (and EMA) scaled by
         sqrt(mu2_target / EMA) within [1/(1+m), 1+m] (posterior_memory: h carries sigma_q eps too; the EMA corrects)."""
         cfg = self.config
@@ -508,7 +517,7 @@ class Model(nn.Module):
         since = step - cfg.homeostat_warmup
         rescale = cfg.homeostat and since >= 0 and since % cfg.homeostat_every == 0
         for m, (kl_u, mu2_u) in zip(mlps, measured):
-            m.stash = None
+            m.stash = m.stash_forwards = None
             m.mu2_ema.copy_(mu2_u) if step == 0 else m.mu2_ema.lerp_(mu2_u, 1.0 - cfg.homeostat_ema)
             if cfg.beta_control:
                 up, down = kl_u > cfg.kl_band[1], kl_u < cfg.kl_band[0]

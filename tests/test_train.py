@@ -103,12 +103,13 @@ def test_sample_is_reproducible_with_a_seed(data_root, tmp_path):
 def test_a_stochastic_model_trains_to_the_same_weights_on_one_and_two_processes(model_type, data_root, tmp_path):
     """The model's noise is seeded by the micro-batch's index in the step, as its batch is, not by the process: two
     DDP processes with one micro-batch each train as one process with both (as det does above). B-Trans with noise in
-    training (its default trains on the mean shift, §5); EVE without its homeostat: its controllers measure each process's last micro-batch (model_eve.update_controllers), which differ."""
+    training (its default trains on the mean shift, §5); EVE with its controllers, which measure the step's whole batch
+    (model_eve.update_controllers)."""
     args = [f"--model_type={model_type}", *TINY, "--max_iters=3", "--eval_interval=3", "--gradient_accumulation_steps=2",
-            *{"eve": ["--homeostat=False"], "btrans": ["--train_noise_mode=sequence"]}.get(model_type, [])]
+            *{"eve": ["--homeostat_warmup=1", "--homeostat_every=1"], "btrans": ["--train_noise_mode=sequence"]}.get(
+                model_type, [])]
     run_script("train.py", f"--out_dir={tmp_path / 'single'}", *args, data_dir=data_root)
     run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path / 'ddp'}", *args,
                data_dir=data_root)
     a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
-    measured = [k for k in a if k.endswith("mu2_ema")]  # EVE's EMA of the measurements: the last micro-batch's
-    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k not in measured)
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -90,12 +90,14 @@ for (m, s), out in common.progress(list(runs.items()), desc="runs trained"):
 if train_only:
     raise SystemExit(f"trained {len(runs)} runs in {runs_dir}; evaluate them without --train_only")
 
-# evaluate.py once per (passes, run), `parallel` processes at a time, the M-pass ones first (the longest); each
-# M's results are merged into one JSON in evaluate.py's own form, in the runs' order
+# evaluate.py once per (passes, run), `parallel` processes at a time, the M-pass ones first (the longest), each into
+# its own JSON; each M's results are then merged into one JSON in evaluate.py's own form, in the runs' order
 tasks = [(passes, out) for passes in (mc_samples, 1) for out in runs.values()]
 part = lambda passes, out: results.replace(".json", f"_m{passes}.{os.path.basename(out)}.json")
 running, codes = [], []
 for passes, out in tasks:
+    if os.path.exists(part(passes, out)):  # evaluated by an invocation that stopped before merging: kept
+        continue
     if len(running) == parallel:
         codes.append(running.pop(0).wait())
     running.append(subprocess.Popen([sys.executable, "evaluate.py", f"--out_dir={out}", f"--mc_samples={passes}",

@@ -91,6 +91,8 @@ def verdict(effect, regime_reached=True, tested=True, structural_zero=False):
     if not regime_reached:
         return "not at this scale"
     n, lo, hi = effect["n"], effect["lo"], effect["hi"]
+    if n < 3:  # three seeds make a pilot: fewer give no verdict, whatever their interval
+        return "pilot"
     if lo is not None and lo > 0:
         return "reproduces"
     if hi is not None and hi < 0:

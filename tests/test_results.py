@@ -35,9 +35,11 @@ def rules(n, mean, lo, hi, diffs, reached, tested, structural):
         return "not judged"
     if not reached:
         return "not at this scale"
-    if n > 1 and lo > 0:
+    if n < 3:
+        return "pilot"
+    if lo > 0:
         return "reproduces"
-    if n > 1 and hi < 0:
+    if hi < 0:
         return "not reproduced"
     if n < 5:
         return "pilot"
@@ -89,6 +91,7 @@ def test_bootstrap_resamples_the_same_items_in_both_arms():
     ([0.3, 0.2, 0.25], True, False, False, "not tested"),
     ([0.3, 0.2, 0.25], True, True, True, "not judged"),
     ([0.3], True, True, False, "pilot"),
+    ([0.2, 0.21], True, True, False, "pilot"),  # 2 seeds: an interval that excludes 0 is still no verdict
 ])
 def test_verdict_follows_the_rules(diffs, reached, tested, structural, want):
     effect = stats.paired(diffs, [0.0] * len(diffs))

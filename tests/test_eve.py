@@ -32,6 +32,19 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def kv_decode(model, idx, latents, P):
+    """Logits (B, T - P + 1, V) of a KV-cache decode of idx (B, T): the prompt idx[:, :P] at once (its last position),
+    then one token a step, with the latents pinned."""
+    B, T = idx.shape
+    model.setup_kv_cache(B, T)
+    try:
+        steps = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
+        steps += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
+    finally:
+        model.clear_kv_cache()
+    return torch.cat(steps, dim=1)
+
+
 def record_priors(model, monkeypatch):
     """Record each block's AR prior mean mu_p (B, T, D) at every forward: the scans the bank runs, by block."""
     records, current, scan = [[] for _ in model.blocks], [], model_eve.scan
@@ -163,14 +176,7 @@ def test_kv_cache_decode_in_reduced_precision_gives_float32s_logits_to_its_round
     idx = tokens(B=B, T=T)
 
     def decode():
-        latents = model.sample_latents(B, gen(0))
-        model.setup_kv_cache(B, T)
-        try:
-            steps = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
-            steps += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
-        finally:
-            model.clear_kv_cache()
-        return torch.cat(steps, dim=1).float()
+        return kv_decode(model, idx, model.sample_latents(B, gen(0)), P).float()
 
     reference = decode()
     for p in model.parameters():  # as sample.py casts them
@@ -185,13 +191,7 @@ def test_kv_cache_matches_full_forward_with_pinned_latents():
     B, T, P = 2, 20, 6
     idx, latents = tokens(B=B, T=T), model.sample_latents(B, gen(0))
     full = model(idx, targets=idx, latents=latents)[0]  # (B, T, V)
-    model.setup_kv_cache(B, T)
-    try:
-        cached = [model(idx[:, :P], latents=latents, start_pos=0)[0]]  # the prompt's last position
-        cached += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
-    finally:
-        model.clear_kv_cache()
-    assert torch.allclose(torch.cat(cached, dim=1), full[:, P - 1:], atol=1e-5)
+    assert torch.allclose(kv_decode(model, idx, latents, P), full[:, P - 1:], atol=1e-5)
 
 
 def test_generate_with_same_latents_is_reproducible_and_equals_greedy_full_forwards():

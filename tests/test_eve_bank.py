@@ -7,7 +7,8 @@ import torch
 
 import model_eve
 from nanolatent import eve_bank
-from test_eve import BANKS, SMALL, gen, make, make_with_memory, sequential_scan, tokens, with_clipped_logvar
+from test_eve import (BANKS, SMALL, gen, kv_decode, make, make_with_memory, sequential_scan, tokens,
+                      with_clipped_logvar)
 
 
 def fused_copy(model):
@@ -99,15 +100,7 @@ def test_fused_bank_at_a_decode_step_equals_the_plain_bank_values_next_memory_an
         assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-12)
     B, T, P = 2, 20, 6  # whole decodes through the KV cache and PriorCache: the same logits at every step
     idx, latents = tokens(B=B, T=T), plain.sample_latents(B, gen(0))
-    decoded = []
-    for model in (plain, fused):
-        model.setup_kv_cache(B, T)
-        try:
-            steps = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
-            steps += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
-        finally:
-            model.clear_kv_cache()
-        decoded.append(torch.cat(steps, dim=1))
+    decoded = [kv_decode(model, idx, latents, P) for model in (plain, fused)]
     assert torch.allclose(decoded[1], decoded[0], rtol=1e-10, atol=1e-12)
     assert torch.allclose(decoded[0], plain(idx, targets=idx, latents=latents)[0][:, P - 1:], atol=1e-10)
 

@@ -460,13 +460,7 @@ def test_posterior_memory_cached_decode_equals_the_full_forward_with_pinned_eps(
     B, T, P = 2, 20, 6
     idx, latents = tokens(B=B, T=T), model.sample_latents(B, gen(0))
     full = model(idx, targets=idx, latents=latents)[0]  # (B, T, V)
-    model.setup_kv_cache(B, T)
-    try:
-        cached = [model(idx[:, :P], latents=latents, start_pos=0)[0]]
-        cached += [model(idx[:, t:t + 1], latents=latents, start_pos=t)[0] for t in range(P, T)]
-    finally:
-        model.clear_kv_cache()
-    assert torch.allclose(torch.cat(cached, dim=1), full[:, P - 1:], atol=1e-5)
+    assert torch.allclose(kv_decode(model, idx, latents, P), full[:, P - 1:], atol=1e-5)
     out = model.generate(idx[:, :P], 10, temperature=0, latents=latents)
     seq = idx[:, :P]
     for _ in range(10):  # no cache: the whole sequence at every step

@@ -274,7 +274,8 @@ if checkpoint is not None:
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
     freeze_embeddings = checkpoint["config"]["freeze_embeddings"]  # the optimizer's saved groups were made with it
-    optimizer = config["optimizer"] = checkpoint["config"]["optimizer"]  # and its state is this optimizer's
+    # and its state is this optimizer's (a run saved before --optimizer existed trained with AdamW)
+    optimizer = config["optimizer"] = checkpoint["config"].get("optimizer", "adamw")
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "

@@ -2,6 +2,7 @@
 train.py's runs with it: resumed, under DDP, refused under FSDP."""
 
 import copy
+import os
 import re
 import sys
 
@@ -100,6 +101,24 @@ def test_a_resumed_muon_run_equals_the_uninterrupted_run_bit_for_bit(data_root, 
     assert a["config"]["optimizer"] == b["config"]["optimizer"] == "muon"
     momentum = [s["momentum_buffer"] for s in b["optimizer"]["muon"]["state"].values()]
     assert len(momentum) == 7 * 2 and all(m.abs().sum() > 0 for m in momentum)
+
+
+@pytest.mark.slow
+def test_a_run_saved_before_the_optimizer_setting_resumes_with_adamw(data_root, tmp_path):
+    """A checkpoint whose config has no "optimizer" (written before the setting existed) continues as the
+    uninterrupted AdamW run."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ["--max_iters=8", "--eval_interval=4", "--always_save_checkpoint=True"]
+    train_det(data_root, full, *args)
+    train_det(data_root, part, "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True")
+    saved = os.path.realpath(part / "ckpt.pt")
+    checkpoint = torch.load(saved, weights_only=True)
+    del checkpoint["config"]["optimizer"]
+    torch.save(checkpoint, saved)
+    train_det(data_root, part, *args, "--init_from=resume")
+    loss = lambda out: [(r["iter"], r["loss"]) for r in records(out) if "loss" in r]
+    assert loss(part) == loss(full) and len(loss(full)) == 8
+    assert torch.load(part / "ckpt.pt", weights_only=True)["config"]["optimizer"] == "adamw"
 
 
 @pytest.mark.slow

@@ -273,7 +273,8 @@ if checkpoint is not None:
         common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                    f"--max_iters to train on, or --eval_only=True to evaluate it")
     model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
-    freeze_embeddings = checkpoint["config"]["freeze_embeddings"]  # the optimizer's saved groups were made with it
+    # the optimizer's saved groups were made with it; saved again as it was, for the next resume
+    freeze_embeddings = config["freeze_embeddings"] = checkpoint["config"]["freeze_embeddings"]
     # and its state is this optimizer's (a run saved before --optimizer existed trained with AdamW)
     optimizer = config["optimizer"] = checkpoint["config"].get("optimizer", "adamw")
 model_config.setdefault("vocab_size", meta["vocab_size"])

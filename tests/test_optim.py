@@ -122,6 +122,22 @@ def test_a_run_saved_before_the_optimizer_setting_resumes_with_adamw(data_root, 
 
 
 @pytest.mark.slow
+def test_frozen_embeddings_stay_frozen_over_two_resumes(data_root, tmp_path):
+    """The run's freeze_embeddings is saved again at every resume, so a second resume builds the optimizer the
+    checkpoint's state was made for: the same run as the uninterrupted one."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ["--eval_interval=2", "--always_save_checkpoint=True"]
+    train_det(data_root, full, "--max_iters=6", *args, "--freeze_embeddings=True")
+    train_det(data_root, part, "--max_iters=2", *args, "--freeze_embeddings=True")
+    for end in (4, 6):
+        train_det(data_root, part, f"--max_iters={end}", *args, "--init_from=resume")
+    loss = lambda out: [(r["iter"], r["loss"]) for r in records(out) if "loss" in r]
+    assert loss(part) == loss(full) and len(loss(full)) == 6
+    a, b = (torch.load(p / "ckpt.pt", weights_only=True) for p in (full, part))
+    assert b["config"]["freeze_embeddings"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+@pytest.mark.slow
 def test_two_process_ddp_with_muon_gives_the_weights_of_one_process_with_the_same_micro_batches(data_root, tmp_path):
     args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2",
             "--optimizer=muon"]

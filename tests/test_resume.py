@@ -420,7 +420,8 @@ def test_the_documented_restart_recipe_reconnects_after_a_worker_is_killed(data_
     finally:
         kill_job(job(proc.pid) if proc.poll() is None else [])
     text = log_file.read_text()
-    assert re.search(rf"resuming from {re.escape(str(out_dir / ckpt.CHECKPOINTS))}/iter_\d+ at iter [23]", text)
+    # the last save before the kill lands: at step 2 or 3, or (an idle machine runs a step in 10 ms) 4 or 6
+    assert re.search(rf"resuming from {re.escape(str(out_dir / ckpt.CHECKPOINTS))}/iter_\d+ at iter [2-6]", text)
     assert ckpt.finished(out_dir) and text.count("done. Sample from") == 1
 
 

@@ -17,11 +17,9 @@ Plan a run without running it (parameters, FLOPs, expected tokens/s and memory p
     python train.py config/free_8b.py --dry_run=True --dry_run_world_size=8 --activation_checkpointing=True
 """
 
-import datetime
 import gc
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -30,16 +28,13 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from nanolatent import ckpt, common, cpu, eve_bank, models, optim, plan, records, tokendata
+from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -143,40 +138,9 @@ if dry_run:  # plan the run: the model is built on the meta device (shapes, no m
     raise SystemExit(0)
 
 
-def lost_peer(kind, error, traceback):
-    """sys.excepthook of a process of a job: a collective that failed because another process died (gloo and NCCL
-    see the connection drop) or hung past dist_timeout is one line, not a traceback per process; any other error
-    keeps its traceback."""
-    text = re.sub(r"^\[[^]]*\] ", "", (str(error).strip().splitlines() or [""])[0])  # gloo's "[pair.cc:537] "
-    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and re.search(
-            r"gloo|NCCL|c10d|ProcessGroup|Connection (reset|closed)|[Tt]imed out|[Tt]imeout", str(error))):
-        print(f"error: process {rank} lost the job's other processes ({text[:150]}): one died, or hung longer than "
-              f"dist_timeout={dist_timeout} s; the same command with --init_from=auto goes on from the last "
-              f"checkpoint", file=sys.stderr, flush=True)
-        os._exit(1)  # no teardown: destroying the process group would wait on the dead process
-    sys.__excepthook__(kind, error, traceback)
-
-
-ddp = int(os.environ.get("RANK", -1)) != -1
-if ddp:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if device.startswith("cuda"):
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-        # NCCL: an error or a timeout tears the process down instead of leaving it hanging, and the flight recorder
-        # dumps each process's last collectives on a timeout (to /tmp/nccl_trace_rank_N); a user's settings win
-        for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
-                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
-            os.environ.setdefault(key, value)
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=dist_timeout),
-                            device_id=torch.device(device) if device.startswith("cuda") else None)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    sys.excepthook = lost_peer
-    check_world_size(world_size)
-    gradient_accumulation_steps //= world_size
-else:
-    rank, world_size = 0, 1
+ddp, rank, world_size, local_rank, device = distributed.init(device, dist_timeout)
+check_world_size(world_size)
+gradient_accumulation_steps //= world_size
 if fsdp and not ddp:
     common.die("fsdp=True shards the model across processes: run under torchrun "
                "(torchrun --standalone --nproc_per_node=N train.py ...)")
@@ -199,43 +163,8 @@ if wandb_log and master:
     except ImportError:
         common.die("wandb_log=True needs the wandb package: pip install wandb (or run with --wandb_log=False)")
 
-# out_dir: one writer at a time, and a trained run is never replaced without being asked to. --eval_only writes
-# nothing, so it takes no lock: it reads a run that is training, or one on a read-only disk.
-# Every save is a folder out_dir/checkpoints/iter_N/ (save_checkpoint); out_dir/ckpt.pt (ckpt_meta.pt under FSDP, the
-# tensors beside it) links to the best one's file: what sample.py, evaluate.py and --eval_only read. A resume reads
-# the newest folder.
-pointer = "ckpt_meta.pt" if fsdp else "ckpt.pt"
-ckpt_file = os.path.join(out_dir, pointer)
-start_dir = None  # the checkpoint folder this run starts from, if any
-if init_from == "auto" and overwrite and not eval_only:  # each restart (torchrun, a requeue) would replace the run
-    common.die("init_from=auto resumes the run in out_dir and overwrite=True replaces it: to start afresh, give "
-               "--init_from=scratch --overwrite=True (once, not in the command that restarts)")
-if master:
-    if eval_only:  # --eval_only evaluates the checkpoint, never a fresh model
-        ckpt.refuse_file_out_dir(out_dir)  # a writer gets the same line from lock_out_dir
-        if not os.path.exists(ckpt_file):
-            common.die(f"eval_only reads {ckpt_file}, which does not exist: train first, or point --out_dir at a run")
-        start_dir = os.path.dirname(os.path.realpath(ckpt_file))
-    else:
-        ckpt.lock_out_dir(out_dir, "train.py")
-        if init_from != "scratch":
-            ckpt.adopt_single_file(out_dir)
-        saved = ckpt.resumable_steps(out_dir) if init_from != "scratch" else ckpt.saved_steps(out_dir)
-        if init_from == "resume" and not saved:
-            common.die(f"init_from=resume continues the run in {out_dir}, which holds no checkpoint "
-                       f"({ckpt.CHECKPOINTS}/iter_N): train first, or give --init_from=auto to start when it has none")
-        if init_from != "scratch" and saved:
-            start_dir = saved[max(saved)]
-        else:
-            ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
-            ckpt.prune(out_dir, keep=0)  # --overwrite=True: the old run's saves must not be resumed later
-if ddp:  # every process reads rank 0's choice, so out_dir must be on storage that every node sees
-    start_dir = [start_dir]
-    dist.broadcast_object_list(start_dir, src=0)
-    start_dir = start_dir[0]
-    if start_dir is not None and not os.path.isdir(start_dir):
-        common.die(f"process {rank} does not see {start_dir}, which rank 0 resumes from: out_dir must be on storage "
-                   f"that every node sees (a shared filesystem), for DDP and FSDP")
+saver = saves.Saves(out_dir, fsdp, ddp, rank, keep_checkpoints)  # out_dir/checkpoints/iter_N/, the best linked
+start_dir = saver.start(init_from, overwrite, eval_only)  # the save this run starts from, if any (out_dir locked)
 resume = start_dir is not None
 
 # data: a token stream per split, read through memmaps (one file, or the shards of prepare.py fineweb_edu)
@@ -295,24 +224,7 @@ plan.check_memory(model_type, model_config, batch_size, device, dtype, fsdp, wor
 torch.manual_seed(seed)  # the same initial weights on every process (DDP also broadcasts them from rank 0)
 model = models.build_model(model_type, model_config).to(device)
 if init_embeddings and checkpoint is None:  # a resumed run has them in its checkpoint
-    if not os.path.isfile(init_embeddings):
-        what = "is a folder" if os.path.isdir(init_embeddings) else "does not exist"
-        common.die(f"init_embeddings={init_embeddings} {what}: give a .npy of shape (vocab_size, n_embd)")
-    try:
-        array = np.load(init_embeddings)  # allow_pickle=False: a file that is not an array is refused, never run
-    except (ValueError, OSError, EOFError) as e:
-        common.die(f"init_embeddings={init_embeddings} is not a .npy array ({str(e).splitlines()[0][:120]}): give "
-                   f"one of shape (vocab_size, n_embd), written by numpy.save")
-    if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":  # an .npz archive, strings, objects
-        common.die(f"init_embeddings={init_embeddings} holds "
-                   f"{'a .npz archive' if not isinstance(array, np.ndarray) else f'an array of {array.dtype}'}, not "
-                   f"numbers: give a .npy of shape (vocab_size, n_embd), written by numpy.save")
-    embedding = torch.from_numpy(array)
-    if embedding.shape != model.tok_emb.weight.shape:
-        common.die(f"init_embeddings={init_embeddings} holds a {tuple(embedding.shape)} matrix, the model's embedding "
-                   f"is {tuple(model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
-    with torch.no_grad():
-        model.tok_emb.weight.copy_(embedding)
+    models.load_embeddings(model, init_embeddings)
 model.tok_emb.weight.requires_grad_(not freeze_embeddings)  # before configure_optimizers, which skips it then
 model_config = models.config_dict(model.config)
 eve_bank.fused_banks(model)  # EVE's neurons with their backward written out (eve_bank.py; other models: no change)
@@ -342,107 +254,23 @@ else:
     train_model = torch.compile(model) if compile else model
     if ddp:
         train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+# the first step compiles (a minute or more on a CPU): a progress line says so where one is shown (common.phase)
+step_forward = common.first_call(train_model, "first training step (torch.compile compiles it)") if compile \
+    else train_model
 optimizer = optim.build(optimizer, model, weight_decay, learning_rate, muon_lr, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
 def save_checkpoint(selected):
-    """Save step iter_num as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed once
-    whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume the
-    newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run); under FSDP every process
-    writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0 ckpt_meta.pt (the
-    rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the keep_checkpoints newest
-    folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just before its
-    evaluation) is only linked."""
-    global selected_iter, saved_iter
-    folder = os.path.join(out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
-    if selected:
-        selected_iter = iter_num
-    written = saved_iter != iter_num
-    if written:
-        tmp = f"{folder}.tmp"
-        info = {"model_type": model_type, "model_config": model_config, "config": config, "meta": meta,
-                "iter_num": iter_num, "best_val_loss": best_val_loss, "selected_iter": selected_iter}
-        if master:
-            os.makedirs(tmp, exist_ok=True)
-        if fsdp:
-            dist.barrier()  # the folder exists before any process writes into it
-            # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
-            # zero gradients (its step count would then differ from the uninterrupted run's): the weights alone.
-            state = {"model": get_model_state_dict(model)} if not optimizer.state else \
-                dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            dcp.save(state, checkpoint_id=tmp)
-        if master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
-            tensors = {} if fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            ckpt.save_checkpoint({**tensors, **info}, os.path.join(tmp, pointer))
-            os.replace(tmp, folder)
-        saved_iter = iter_num
-    if master:
-        if selected:
-            ckpt.point(out_dir, pointer, os.path.join(folder, pointer))
-        ckpt.prune(out_dir, keep_checkpoints, pointer)
-        if written:
-            print(f"saved checkpoint {folder}" + (f" ({ckpt_file} links to it)" if selected else ""))
+    info = {"model_type": model_type, "model_config": model_config, "config": config, "meta": meta,
+            "iter_num": iter_num, "best_val_loss": best_val_loss}
+    saver.save(model, optimizer, info, selected)
 
 
-def names_for_ids(optimizer_state):
-    """optimizer.state_dict() keyed by the parameters' names instead of their indices in the groups, as set_state_dict
-    takes it: configure_optimizers lists the same parameters in the same order, sharded or not."""
-    names = {p: name for name, p in model.named_parameters()}
-    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
-    name_of = dict(zip(ids, (names[p] for group in optimizer.param_groups for p in group["params"])))
-    return {"state": {name_of[i]: value for i, value in optimizer_state["state"].items()},
-            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                             for group in optimizer_state["param_groups"]]}
-
-
-def load_checkpoint():
-    """The weights and AdamW state of `checkpoint`: a full save's (ckpt.pt), or the shards of an FSDP save's folder
-    (torch.distributed.checkpoint), whatever world size wrote them (DCP reshards). A save of the other parallel mode
-    is converted, and says so: FSDP's shards load as full tensors under DDP (DCP gathers them), and under FSDP each
-    process takes its shards of a full save's tensors (set_state_dict with full_state_dict=True)."""
-    sharded = "model" not in checkpoint  # ckpt_meta.pt: the tensors are the folder's shards
-    if master and sharded != fsdp:
-        print(f"resuming {'an FSDP (sharded)' if sharded else 'a full (DDP or one-process)'} save under "
-              f"{'FSDP' if fsdp else 'DDP' if ddp else 'one process'}: "
-              + ("torch.distributed.checkpoint gathers its shards into full tensors" if sharded else
-                 "each process keeps its shards of its full tensors (set_state_dict, full_state_dict=True)"))
-    if not sharded and not fsdp:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        return
-    if not sharded:
-        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"],
-                       optim_state_dict=names_for_ids(checkpoint["optimizer"]),
-                       options=StateDictOptions(full_state_dict=True))
-        return
-    saved = dcp.FileSystemReader(start_dir).read_metadata().state_dict_metadata
-    if not any(key.startswith("optimizer.") for key in saved):  # saved before the first update (save_checkpoint)
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=start_dir)
-        set_model_state_dict(model, state["model"])
-        return
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=start_dir)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-iter_num, best_val_loss, selected_iter = 0, float("inf"), None
+iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
-    load_checkpoint()
-    iter_num, best_val_loss, selected_iter = (checkpoint[k] for k in ("iter_num", "best_val_loss", "selected_iter"))
+    iter_num, best_val_loss = saver.load(model, optimizer, checkpoint, start_dir, eval_only)
     del checkpoint
-    if master and not eval_only:  # what a save killed after its commit left undone: the link, the deletions
-        saved = ckpt.saved_steps(out_dir)
-        if selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
-            print(f"the best save (iter {selected_iter}) is gone: {out_dir}'s link goes to iter {iter_num}'s, resumed")
-            selected_iter = iter_num
-        target = ckpt.run_file(saved[selected_iter])  # linked by its own name: ckpt.pt, or ckpt_meta.pt (FSDP)
-        link = os.path.join(out_dir, os.path.basename(target))
-        if os.path.realpath(link) != os.path.realpath(target):
-            ckpt.point(out_dir, os.path.basename(target), target)
-        ckpt.prune(out_dir, keep_checkpoints, pointer)
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * model_config["block_size"]
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if master:
@@ -468,15 +296,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def all_reduce_mean(values):
-    """{name: float} averaged over processes (every process evaluates its own batches)."""
-    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    if ddp:
-        dist.all_reduce(tensor)
-        tensor /= world_size
-    return dict(zip(values, tensor.tolist()))
-
-
 @torch.no_grad()
 def estimate_loss():
     """Mean loss and stats on eval_iters fixed batches per split. For stochastic models also the CE with latents
@@ -487,7 +306,7 @@ def estimate_loss():
     for split in ("train", "val"):
         sums = {}
         for k in range(eval_iters):
-            if stop_requested():  # Ctrl-C during an evaluation: the weights are a whole step's, save them now
+            if distributed.stop_requested(stop, ddp, device):  # Ctrl-C during an evaluation: the weights are a whole step's, save them now
                 train_model.train()
                 return None
             X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
@@ -503,7 +322,7 @@ def estimate_loss():
                     values["ce_prior"] = model(X, Y, latents=latents)[2]["ce"]
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / eval_iters
-        out.update({f"{split}_{name}": value for name, value in all_reduce_mean(sums).items()})
+        out.update({f"{split}_{name}": value for name, value in distributed.all_reduce_mean(sums, ddp, device).items()})
     train_model.train()
     return out
 
@@ -515,34 +334,12 @@ def log_record(record):
         wandb.log(record, step=record["iter"])
 
 
-def duration(seconds):
-    minutes, s = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
-
-
-def fit(parts, width=120):
-    """Join the parts of a log line, dropping from the end of the optional ones until the line fits `width`."""
-    head, optional, tail = parts
-    while optional and len(" ".join([head, *optional, tail])) > width:
-        optional = optional[:-1]
-    return " ".join([head, *optional, tail])
-
-
-def stop_requested():
-    """Whether a process got SIGINT or SIGTERM; under torchrun all of them agree, so they save the same step."""
-    if not ddp:
-        return bool(stop)
-    flag = torch.tensor(float(bool(stop)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
-
-
 def save_and_stop():
     """Save the weights of the iter_num whole steps done (unless that checkpoint is written already), say how to go
     on, and exit with 128 + the signal's number, as a shell reports a process a signal ended. The checkpoint then
     holds the latest weights, which need not be the best so far (best_val_loss keeps that figure)."""
     signum = stop.signum or signal.SIGTERM  # under torchrun, a process the signal missed stops with the rest
-    if not eval_only and iter_num > start_iter and saved_iter != iter_num:
+    if not eval_only and iter_num > start_iter and saver.saved_iter != iter_num:
         save_checkpoint(selected=False)
     if master:
         if eval_only:
@@ -564,13 +361,12 @@ def save_and_stop():
 gc.freeze()
 nonfinite_total, nonfinite_streak = 0, 0
 start_iter, t_start = iter_num, time.time()
-saved_iter = iter_num if resume else None  # the step of the checkpoint in out_dir written by this run or resumed
 t_paced = None  # the end of the first step: the pace for the ETA leaves out its compilation and first evaluation
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # --optimizer=muon: the matrices' groups at muon_lr's scale
-    if stop_requested():
+    if distributed.stop_requested(stop, ddp, device):
         save_and_stop()
 
     if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
@@ -580,10 +376,10 @@ while True:
         if evals is None:
             save_and_stop()
         if master and eval_only:  # printed in full, logged nowhere: the run's records stay as they are
-            print(f"{ckpt_file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
+            print(f"{saver.file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
         elif master:
             shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
-            print(fit((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
+            print(common.fit_line((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
         value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
@@ -592,7 +388,7 @@ while True:
             save_checkpoint(selected=True)
     # On schedule whatever the val loss, and the last step: the same command run again finds the run complete.
     scheduled = checkpoint_interval and iter_num % checkpoint_interval == 0
-    if not eval_only and (scheduled or iter_num == max_iters) and saved_iter != iter_num:
+    if not eval_only and (scheduled or iter_num == max_iters) and saver.saved_iter != iter_num:
         save_checkpoint(selected=False)
     if eval_only or iter_num >= max_iters:
         break
@@ -612,7 +408,7 @@ while True:
         if ddp and not fsdp:
             train_model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with autocast:
-            _, loss, stats = train_model(X, Y)
+            _, loss, stats = step_forward(X, Y)
             loss = loss / gradient_accumulation_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach()
@@ -660,9 +456,9 @@ while True:
         speed = f"| {dt * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu else "")
         speed += f", peak {record['peak_mib']:,.0f} MiB" if "peak_mib" in record else ""
         skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
-        print(fit((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
+        print(common.fit_line((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
                    [f"{k} {float(v):.4f}" for k, v in stats.items()],
-                   f"{speed}{skipped} | {duration(elapsed)} elapsed, ETA {duration(eta)}")))
+                   f"{speed}{skipped} | {common.duration(elapsed)} elapsed, ETA {common.duration(eta)}")))
         log_record(record)
     iter_num += 1
 

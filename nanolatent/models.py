@@ -1,11 +1,14 @@
 """The four model files by their type string: import one, its Config's fields, typed values, a model built (also
-on the meta device: shapes, no memory), and what scripts ask of any of them (its blocks, latents shared)."""
+on the meta device: shapes, no memory), and what scripts ask of any of them (its blocks, latents shared, embeddings
+from a file)."""
 
 import dataclasses
 import functools
 import importlib
 import math
+import os
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -71,6 +74,29 @@ def meta_model(model_type, model_values):
     """build_model on the meta device, its values never drawn: shapes, parameter counts and FLOPs, no memory."""
     with torch.device("meta"):
         return build_model(model_type, model_values)
+
+
+def load_embeddings(model, path):
+    """Copy the (vocab_size, n_embd) matrix of the .npy at path into the model's token embedding (and so a head tied
+    to it): train.py's --init_embeddings. Anything else is one line saying what to give."""
+    if not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        die(f"init_embeddings={path} {what}: give a .npy of shape (vocab_size, n_embd)")
+    try:
+        array = np.load(path)  # allow_pickle=False: a file that is not an array is refused, never run
+    except (ValueError, OSError, EOFError) as e:
+        die(f"init_embeddings={path} is not a .npy array ({str(e).splitlines()[0][:120]}): give one of shape "
+            f"(vocab_size, n_embd), written by numpy.save")
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":  # an .npz archive, strings, objects
+        die(f"init_embeddings={path} holds "
+            f"{'a .npz archive' if not isinstance(array, np.ndarray) else f'an array of {array.dtype}'}, not "
+            f"numbers: give a .npy of shape (vocab_size, n_embd), written by numpy.save")
+    embedding = torch.from_numpy(array)
+    if embedding.shape != model.tok_emb.weight.shape:
+        die(f"init_embeddings={path} holds a {tuple(embedding.shape)} matrix, the model's embedding is "
+            f"{tuple(model.tok_emb.weight.shape)} (vocab_size, n_embd): match --n_embd and the dataset")
+    with torch.no_grad():
+        model.tok_emb.weight.copy_(embedding)
 
 
 def transformer_blocks(model):

@@ -33,7 +33,7 @@ import shutil
 import torch
 
 import configurator
-from nanolatent import ckpt, common, llama, models, tokendata
+from nanolatent import ckpt, common, llama, lock, models, tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
@@ -617,7 +617,7 @@ def main(argv=None):
         while not os.path.exists(os.path.dirname(made)):
             made = os.path.dirname(made)
         made = None if os.path.exists(made) else made
-        ckpt.lock_out_dir(out_dir, "scripts/convert.py")
+        lock.lock_out_dir(out_dir, "scripts/convert.py")
         imported = False
         try:
             ckpt.refuse_existing_run(out_dir, overwrite)
@@ -626,7 +626,7 @@ def main(argv=None):
         finally:  # main() may be called as a function: the lock goes with the call, not with the process
             if made and not imported:  # a refused import leaves no trace, not a folder holding a .lock
                 shutil.rmtree(made, ignore_errors=True)
-            ckpt.release_out_dir(out_dir)
+            lock.release_out_dir(out_dir)
     else:
         ckpt.refuse_nonempty_dir(dst, overwrite)
         export_hf(out_dir, dst)

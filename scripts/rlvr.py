@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import configurator
-from nanolatent import ckpt, common, cpu, grpo, models, records, tasks, tokendata
+from nanolatent import ckpt, common, cpu, grpo, lock, models, records, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
@@ -165,7 +165,7 @@ def main():
     # recorded in the checkpoint, where evaluate.py looks for a prepared dataset: a chat task's jsonl is none
     config["dataset"], config["chat_dataset"] = ("", data) if spec.chat else (data, "")
     max_new = max_new_tokens or spec.max_new_tokens
-    ckpt.lock_out_dir(out_dir, "scripts/rlvr.py")
+    lock.lock_out_dir(out_dir, "scripts/rlvr.py")
     ckpt_file = os.path.join(out_dir, "ckpt.pt")
     resume = init_from == "resume"
     rlvr_run = lambda: "ref_model" in ckpt.load_checkpoint(ckpt_file)  # memory-mapped: asking costs little

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-from nanolatent import ckpt
+from nanolatent import lock
 
 HOST = socket.gethostname()
 
@@ -28,7 +28,7 @@ def no_flock(monkeypatch):
 @pytest.fixture
 def out_dir(tmp_path):
     yield tmp_path / "run"
-    ckpt.release_out_dir(tmp_path / "run")  # a test that took the lock gives it back
+    lock.release_out_dir(tmp_path / "run")  # a test that took the lock gives it back
 
 
 SECOND_WRITER = """
@@ -36,14 +36,14 @@ import errno, fcntl, os, sys
 def flock(f, operation):
     raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 fcntl.flock = flock
-from nanolatent import ckpt
-ckpt.lock_out_dir(sys.argv[1], "rlvr.py")
+from nanolatent import lock
+lock.lock_out_dir(sys.argv[1], "rlvr.py")
 """
 
 
 @pytest.mark.slow  # starts two processes
 def test_without_flock_a_lock_file_names_the_writer_and_stops_a_second_one(no_flock, out_dir):
-    ckpt.lock_out_dir(out_dir, "train.py")
+    lock.lock_out_dir(out_dir, "train.py")
     held = out_dir / ".lock.held"
     assert held.read_text() == f"train.py (pid {os.getpid()} on {HOST})"
     proc = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(out_dir)], cwd=ROOT, capture_output=True,
@@ -51,7 +51,7 @@ def test_without_flock_a_lock_file_names_the_writer_and_stops_a_second_one(no_fl
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert f"is in use by train.py (pid {os.getpid()} on {HOST})" in proc.stderr and str(held) in proc.stderr
     assert held.read_text() == f"train.py (pid {os.getpid()} on {HOST})"  # the second writer left it alone
-    ckpt.release_out_dir(out_dir)
+    lock.release_out_dir(out_dir)
     assert not held.exists()
     proc = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(out_dir)], cwd=ROOT, capture_output=True,
                           text=True)
@@ -64,7 +64,7 @@ def test_a_lock_file_of_a_process_that_is_gone_is_taken_over(no_flock, out_dir, 
     dead.wait()
     os.makedirs(out_dir)
     (out_dir / ".lock.held").write_text(f"train.py (pid {dead.pid} on {HOST})")  # killed by kill -9
-    ckpt.lock_out_dir(out_dir, "train.py")
+    lock.lock_out_dir(out_dir, "train.py")
     assert f"took over the lock of train.py (pid {dead.pid} on {HOST}): that process is no longer running" in \
         capsys.readouterr().out
     assert (out_dir / ".lock.held").read_text() == f"train.py (pid {os.getpid()} on {HOST})"
@@ -77,19 +77,19 @@ def test_a_lock_file_of_another_host_is_stale_once_its_heartbeat_stops(silent_s,
     held.write_text("train.py (pid 4242 on node-17)")  # a job on another node: its pid says nothing here
     os.utime(held, (time.time() - silent_s,) * 2)
     if taken:
-        ckpt.lock_out_dir(out_dir, "train.py")
+        lock.lock_out_dir(out_dir, "train.py")
         assert "last touched 600 s ago" in capsys.readouterr().out
         assert held.read_text() == f"train.py (pid {os.getpid()} on {HOST})"
     else:
         with pytest.raises(SystemExit) as stop:
-            ckpt.lock_out_dir(out_dir, "train.py")
+            lock.lock_out_dir(out_dir, "train.py")
         assert stop.value.code == 2 and "is in use by train.py (pid 4242 on node-17)" in capsys.readouterr().err
         assert held.read_text() == "train.py (pid 4242 on node-17)"
 
 
 def test_the_holder_keeps_its_lock_file_fresh(no_flock, out_dir, monkeypatch):
-    monkeypatch.setattr(ckpt.HeldFile, "HEARTBEAT", 0.05)
-    ckpt.lock_out_dir(out_dir, "train.py")
+    monkeypatch.setattr(lock.HeldFile, "HEARTBEAT", 0.05)
+    lock.lock_out_dir(out_dir, "train.py")
     held = out_dir / ".lock.held"
     os.utime(held, (time.time() - 600,) * 2)
     time.sleep(0.5)
@@ -101,5 +101,5 @@ def test_another_flock_failure_is_one_line(monkeypatch, out_dir, capsys):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
     monkeypatch.setattr(fcntl, "flock", flock)
     with pytest.raises(SystemExit) as stop:
-        ckpt.lock_out_dir(out_dir, "train.py")
+        lock.lock_out_dir(out_dir, "train.py")
     assert stop.value.code == 2 and f"cannot lock out_dir {out_dir}: Input/output error" in capsys.readouterr().err

@@ -85,6 +85,17 @@ def test_sample_shows_its_loading_and_the_first_call_compilation(det_run, data_r
 
 
 @pytest.mark.slow
+def test_train_shows_its_first_compiled_step(data_root, tmp_path):
+    from conftest import TINY
+    args = ("train.py", "--model_type=det", *TINY, "--max_iters=2", "--eval_interval=2", "--compile=True")
+    proc = run_script(*args, f"--out_dir={tmp_path / 'shown'}", data_dir=data_root, env=EVERY_ITEM)
+    err, name = proc.stderr.splitlines(), "first training step (torch.compile compiles it)"
+    assert f"{name} ..." in err and sum(line.startswith(f"{name}: done in ") for line in err) == 1, proc.stderr
+    quiet = run_script(*args, f"--out_dir={tmp_path / 'quiet'}", data_dir=data_root)  # a log: no variable, no line
+    assert name not in quiet.stderr and "done. Sample from" in quiet.stdout
+
+
+@pytest.mark.slow
 def test_evaluate_shows_loading_and_its_batches(det_run, data_root):
     proc = run_script("evaluate.py", f"--out_dir={det_run}", "--max_tokens=600", "--batch_size=2", "--seq_len=64",
                       data_dir=data_root, env=EVERY_ITEM)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
-from nanolatent import ckpt
+from nanolatent import ckpt, lock
 
 MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
@@ -186,8 +186,8 @@ def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_fo
     ckpt.prune(tmp_path, 0)
     assert ckpt.saved_steps(tmp_path) == {}
     assert sorted(os.listdir(tmp_path / ckpt.CHECKPOINTS)) == ["iter_0000000.old", "iter_0000009.tmp"]
-    ckpt.lock_out_dir(tmp_path, "test")  # the next writer removes what killed writers left
-    ckpt.release_out_dir(tmp_path)
+    lock.lock_out_dir(tmp_path, "test")  # the next writer removes what killed writers left
+    lock.release_out_dir(tmp_path)
     assert os.listdir(tmp_path / ckpt.CHECKPOINTS) == []
 
 

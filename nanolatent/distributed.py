@@ -1,0 +1,66 @@
+"""train.py's processes under torchrun: the process group, one line when a peer is lost (not a traceback per process),
+and what every process decides together (a stop on a signal, the evaluation's averages)."""
+
+import datetime
+import functools
+import os
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def init(device, dist_timeout):
+    """(ddp, rank, world_size, local_rank, device): one process without torchrun's RANK; under it the process group,
+    each process on its own GPU, and sys.excepthook = lost_peer."""
+    if int(os.environ.get("RANK", -1)) == -1:
+        return False, 0, 1, None, device
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+        # NCCL: an error or a timeout tears the process down instead of leaving it hanging, and the flight recorder
+        # dumps each process's last collectives on a timeout (to /tmp/nccl_trace_rank_N); a user's settings win
+        for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=dist_timeout),
+                            device_id=torch.device(device) if device.startswith("cuda") else None)
+    rank = dist.get_rank()
+    sys.excepthook = functools.partial(lost_peer, rank=rank, dist_timeout=dist_timeout)
+    return True, rank, dist.get_world_size(), local_rank, device
+
+
+def lost_peer(kind, error, traceback, rank, dist_timeout):
+    """sys.excepthook of a process of a job: a collective that failed because another process died (gloo and NCCL
+    see the connection drop) or hung past dist_timeout is one line, not a traceback per process; any other error
+    keeps its traceback."""
+    text = re.sub(r"^\[[^]]*\] ", "", (str(error).strip().splitlines() or [""])[0])  # gloo's "[pair.cc:537] "
+    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and re.search(
+            r"gloo|NCCL|c10d|ProcessGroup|Connection (reset|closed)|[Tt]imed out|[Tt]imeout", str(error))):
+        print(f"error: process {rank} lost the job's other processes ({text[:150]}): one died, or hung longer than "
+              f"dist_timeout={dist_timeout} s; the same command with --init_from=auto goes on from the last "
+              f"checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: destroying the process group would wait on the dead process
+    sys.__excepthook__(kind, error, traceback)
+
+
+def stop_requested(stop, ddp, device):
+    """Whether a process got SIGINT or SIGTERM (common.Stop); under torchrun all of them agree, so they save the
+    same step."""
+    if not ddp:
+        return bool(stop)
+    flag = torch.tensor(float(bool(stop)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def all_reduce_mean(values, ddp, device):
+    """{name: float} averaged over processes (every process evaluates its own batches)."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if ddp:
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return dict(zip(values, tensor.tolist()))

@@ -1,0 +1,154 @@
+"""train.py's saves of a run, in one process or under DDP or FSDP: the save a run starts from, each step saved whole or
+not at all, a save loaded under any parallel mode, and what a save killed after its commit left undone."""
+
+import os
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from nanolatent import ckpt, lock
+from nanolatent.common import die
+
+
+class Saves:
+    """Every save is a folder out_dir/checkpoints/iter_N/; out_dir/ckpt.pt (ckpt_meta.pt under FSDP, the tensors
+    beside it) links to the best one's file: what sample.py, evaluate.py and --eval_only read. A resume reads the
+    newest folder. saved_iter: the step of the newest save, written by this run or resumed from; selected_iter: the
+    best one's."""
+
+    def __init__(self, out_dir, fsdp, ddp, rank, keep):
+        self.out_dir, self.fsdp, self.ddp, self.master, self.keep = out_dir, fsdp, ddp, rank == 0, keep
+        self.pointer = "ckpt_meta.pt" if fsdp else "ckpt.pt"
+        self.file = os.path.join(out_dir, self.pointer)
+        self.saved_iter = self.selected_iter = None
+
+    def start(self, init_from, overwrite, eval_only):
+        """The save folder the run starts from, or None for a fresh run: rank 0 decides, every process reads it. A
+        writer locks out_dir first: one writer at a time, and a trained run is never replaced without being asked
+        to. --eval_only writes nothing, so it takes no lock: it reads a run that is training, or one on a read-only
+        disk."""
+        out_dir, folder = self.out_dir, None
+        if init_from == "auto" and overwrite and not eval_only:  # each restart (torchrun, a requeue) would replace it
+            die("init_from=auto resumes the run in out_dir and overwrite=True replaces it: to start afresh, give "
+                "--init_from=scratch --overwrite=True (once, not in the command that restarts)")
+        if self.master and eval_only:  # --eval_only evaluates the checkpoint, never a fresh model
+            lock.refuse_file_out_dir(out_dir)  # a writer gets the same line from lock_out_dir
+            if not os.path.exists(self.file):
+                die(f"eval_only reads {self.file}, which does not exist: train first, or point --out_dir at a run")
+            folder = os.path.dirname(os.path.realpath(self.file))
+        elif self.master:
+            lock.lock_out_dir(out_dir, "train.py")
+            if init_from != "scratch":
+                ckpt.adopt_single_file(out_dir)
+            saved = ckpt.resumable_steps(out_dir) if init_from != "scratch" else ckpt.saved_steps(out_dir)
+            if init_from == "resume" and not saved:
+                die(f"init_from=resume continues the run in {out_dir}, which holds no checkpoint "
+                    f"({ckpt.CHECKPOINTS}/iter_N): train first, or give --init_from=auto to start when it has none")
+            if init_from != "scratch" and saved:
+                folder = saved[max(saved)]
+            else:
+                ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
+                ckpt.prune(out_dir, keep=0)  # --overwrite=True: the old run's saves must not be resumed later
+        if self.ddp:  # every process reads rank 0's choice, so out_dir must be on storage that every node sees
+            folder = [folder]
+            dist.broadcast_object_list(folder, src=0)
+            folder = folder[0]
+            if folder is not None and not os.path.isdir(folder):
+                die(f"process {dist.get_rank()} does not see {folder}, which rank 0 resumes from: out_dir must be on "
+                    f"storage that every node sees (a shared filesystem), for DDP and FSDP")
+        return folder
+
+    def save(self, model, optimizer, info, selected):
+        """Save step info["iter_num"] as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed
+        once whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume
+        the newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run: info); under FSDP every
+        process writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0
+        ckpt_meta.pt (the rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the `keep`
+        newest folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just
+        before its evaluation) is only linked."""
+        iter_num = info["iter_num"]
+        folder = os.path.join(self.out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
+        if selected:
+            self.selected_iter = iter_num
+        written = self.saved_iter != iter_num
+        if written:
+            tmp = f"{folder}.tmp"
+            if self.master:
+                os.makedirs(tmp, exist_ok=True)
+            if self.fsdp:
+                dist.barrier()  # the folder exists before any process writes into it
+                # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
+                # zero gradients (its step count would then differ from the uninterrupted run's): the weights alone.
+                state = {"model": get_model_state_dict(model)} if not optimizer.state else \
+                    dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+                dcp.save(state, checkpoint_id=tmp)
+            if self.master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
+                tensors = {} if self.fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                ckpt.save_checkpoint({**tensors, **info, "selected_iter": self.selected_iter},
+                                     os.path.join(tmp, self.pointer))
+                os.replace(tmp, folder)
+            self.saved_iter = iter_num
+        if self.master:
+            if selected:
+                ckpt.point(self.out_dir, self.pointer, os.path.join(folder, self.pointer))
+            ckpt.prune(self.out_dir, self.keep, self.pointer)
+            if written:
+                print(f"saved checkpoint {folder}" + (f" ({self.file} links to it)" if selected else ""))
+
+    def load(self, model, optimizer, checkpoint, folder, eval_only):
+        """Load the weights and AdamW state of `checkpoint`, the run file of `folder`: a full save's (ckpt.pt), or
+        the shards of an FSDP save (torch.distributed.checkpoint), whatever world size wrote them (DCP reshards). A
+        save of the other parallel mode is converted, and says so: FSDP's shards load as full tensors under DDP (DCP
+        gathers them), and under FSDP each process takes its shards of a full save's tensors (set_state_dict with
+        full_state_dict=True). Then, unless eval_only, what a save killed after its commit left undone: the best
+        save's link and the deletions. Returns (iter_num, best_val_loss)."""
+        sharded = "model" not in checkpoint  # ckpt_meta.pt: the tensors are the folder's shards
+        if self.master and sharded != self.fsdp:
+            print(f"resuming {'an FSDP (sharded)' if sharded else 'a full (DDP or one-process)'} save under "
+                  f"{'FSDP' if self.fsdp else 'DDP' if self.ddp else 'one process'}: "
+                  + ("torch.distributed.checkpoint gathers its shards into full tensors" if sharded else
+                     "each process keeps its shards of its full tensors (set_state_dict, full_state_dict=True)"))
+        if not sharded and not self.fsdp:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        elif not sharded:
+            set_state_dict(model, optimizer, model_state_dict=checkpoint["model"],
+                           optim_state_dict=names_for_ids(model, optimizer, checkpoint["optimizer"]),
+                           options=StateDictOptions(full_state_dict=True))
+        elif not any(key.startswith("optimizer.")  # saved before the first update (save)
+                     for key in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata):
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=folder)
+            set_model_state_dict(model, state["model"])
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=folder)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        iter_num, self.selected_iter = checkpoint["iter_num"], checkpoint["selected_iter"]
+        self.saved_iter = iter_num
+        if self.master and not eval_only:
+            saved = ckpt.saved_steps(self.out_dir)
+            if self.selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
+                print(f"the best save (iter {self.selected_iter}) is gone: {self.out_dir}'s link goes to iter "
+                      f"{iter_num}'s, resumed")
+                self.selected_iter = iter_num
+            target = ckpt.run_file(saved[self.selected_iter])  # linked by its own name: ckpt.pt, or ckpt_meta.pt
+            link = os.path.join(self.out_dir, os.path.basename(target))
+            if os.path.realpath(link) != os.path.realpath(target):
+                ckpt.point(self.out_dir, os.path.basename(target), target)
+            ckpt.prune(self.out_dir, self.keep, self.pointer)
+        return iter_num, checkpoint["best_val_loss"]
+
+
+def names_for_ids(model, optimizer, optimizer_state):
+    """optimizer.state_dict() keyed by the parameters' names instead of their indices in the groups, as set_state_dict
+    takes it: configure_optimizers lists the same parameters in the same order, sharded or not."""
+    names = {p: name for name, p in model.named_parameters()}
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    name_of = dict(zip(ids, (names[p] for group in optimizer.param_groups for p in group["params"])))
+    return {"state": {name_of[i]: value for i, value in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}

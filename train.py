@@ -306,7 +306,8 @@ def estimate_loss():
     for split in ("train", "val"):
         sums = {}
         for k in range(eval_iters):
-            if distributed.stop_requested(stop, ddp, device):  # Ctrl-C during an evaluation: the weights are a whole step's, save them now
+            # Ctrl-C during an evaluation: the weights are a whole step's, save them now
+            if distributed.stop_requested(stop, ddp, device):
                 train_model.train()
                 return None
             X, Y = get_batch(split, EVAL_BATCH, rank, k)  # the same eval batches at every evaluation
@@ -457,8 +458,8 @@ while True:
         speed += f", peak {record['peak_mib']:,.0f} MiB" if "peak_mib" in record else ""
         skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
         print(common.fit_line((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
-                   [f"{k} {float(v):.4f}" for k, v in stats.items()],
-                   f"{speed}{skipped} | {common.duration(elapsed)} elapsed, ETA {common.duration(eta)}")))
+                               [f"{k} {float(v):.4f}" for k, v in stats.items()],
+                               f"{speed}{skipped} | {common.duration(elapsed)} elapsed, ETA {common.duration(eta)}")))
         log_record(record)
     iter_num += 1
 

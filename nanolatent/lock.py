@@ -1,5 +1,5 @@
-"""An out_dir's one writer: an exclusive lock held for the life of the process (flock, or a heartbeat file where the
-filesystem has none), taken by every script that writes a run; what killed writers left there is removed on taking it."""
+"""An out_dir's one writer: an exclusive lock held for the life of the process (flock, or a heartbeat file where
+the filesystem has none), taken by every script that writes a run; what killed writers left is removed on taking it."""
 
 import atexit
 import contextlib

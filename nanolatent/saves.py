@@ -131,7 +131,7 @@ class Saves:
         self.saved_iter = iter_num
         if self.master and not eval_only:
             saved = ckpt.saved_steps(self.out_dir)
-            if self.selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed from stands in
+            if self.selected_iter not in saved:  # the best save's folder deleted by hand: the one resumed stands in
                 print(f"the best save (iter {self.selected_iter}) is gone: {self.out_dir}'s link goes to iter "
                       f"{iter_num}'s, resumed")
                 self.selected_iter = iter_num

@@ -192,20 +192,10 @@ def get_batch(split, *key):
 # model: fresh, or the checkpoint's architecture with the overrides that leave every saved tensor's shape unchanged
 # memory-mapped: tensors read on load; a save of the other parallel mode (ckpt.pt or FSDP's ckpt_meta.pt) is converted
 checkpoint = ckpt.load_checkpoint(ckpt.run_file(start_dir), device) if resume else None
-if checkpoint is not None:
-    if checkpoint["model_type"] != model_type:
-        common.die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with --model_type={checkpoint['model_type']}")
-    if checkpoint["meta"]["vocab_size"] != meta["vocab_size"]:
-        common.die(f"{out_dir} was trained on a vocabulary of {checkpoint['meta']['vocab_size']}, dataset {dataset!r} "
-                   f"has {meta['vocab_size']}: resume with the run's --dataset={checkpoint['config']['dataset']}")
-    if checkpoint["iter_num"] > max_iters and not eval_only:
-        common.die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
-                   f"--max_iters to train on, or --eval_only=True to evaluate it")
-    model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
-    # the optimizer's saved groups were made with it; saved again as it was, for the next resume
-    freeze_embeddings = config["freeze_embeddings"] = checkpoint["config"]["freeze_embeddings"]
-    # and its state is this optimizer's (a run saved before --optimizer existed trained with AdamW)
-    optimizer = config["optimizer"] = checkpoint["config"].get("optimizer", "adamw")
+if checkpoint is not None:  # the run's own architecture, optimizer and frozen embeddings, saved again as they were
+    model_config, freeze_embeddings, optimizer = saver.resumed_settings(checkpoint, model_type, model_config, dataset,
+                                                                        meta, max_iters, eval_only)
+    config.update(freeze_embeddings=freeze_embeddings, optimizer=optimizer)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
     common.die(f"vocab_size={model_config['vocab_size']} is below dataset {dataset!r}'s {meta['vocab_size']}: "

@@ -60,6 +60,24 @@ class Saves:
                     f"storage that every node sees (a shared filesystem), for DDP and FSDP")
         return folder
 
+    def resumed_settings(self, checkpoint, model_type, model_config, dataset, meta, max_iters, eval_only):
+        """(model_config, freeze_embeddings, optimizer) of the run `checkpoint` resumes: its architecture with the
+        overrides that leave every saved tensor's shape unchanged (ckpt.resume_config), and the optimizer and frozen
+        embeddings its saved optimizer state was made with (a run saved before --optimizer existed trained with
+        AdamW). A run of another model type or vocabulary, or past max_iters, is one line."""
+        out_dir, saved = self.out_dir, checkpoint["config"]
+        if checkpoint["model_type"] != model_type:
+            die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with "
+                f"--model_type={checkpoint['model_type']}")
+        if checkpoint["meta"]["vocab_size"] != meta["vocab_size"]:
+            die(f"{out_dir} was trained on a vocabulary of {checkpoint['meta']['vocab_size']}, dataset {dataset!r} "
+                f"has {meta['vocab_size']}: resume with the run's --dataset={saved['dataset']}")
+        if checkpoint["iter_num"] > max_iters and not eval_only:
+            die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
+                f"--max_iters to train on, or --eval_only=True to evaluate it")
+        model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
+        return model_config, saved["freeze_embeddings"], saved.get("optimizer", "adamw")
+
     def save(self, model, optimizer, info, selected):
         """Save step info["iter_num"] as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed
         once whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume

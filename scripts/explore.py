@@ -85,8 +85,9 @@ def load(params, model_type=None, **overrides):
     path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
     key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:
-        checkpoint = ckpt.load_checkpoint(run)
-        model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
+        with common.phase(f"loading {run}" + (f" as {model_type}" if model_type else "")):  # 10 s for SmolLM2-135M
+            checkpoint = ckpt.load_checkpoint(run)
+            model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
         checkpoint.pop("model")
         while len(loaded) >= 4:
             loaded.pop(next(iter(loaded)))
@@ -386,10 +387,10 @@ if __name__ == "__main__":
     common.check_device(device)
     if not 0 <= port <= 65535:
         common.die(f"--port must be 0..65535, got {port}")
-    with common.phase(f"opening {out_dir}"):
-        checkpoint = ckpt.load_checkpoint(out_dir)  # a missing or unreadable run: one line, before serving
+    # the run the page opens with, loaded before serving: a missing or unreadable run is one line, and the first view
+    # answers without the model's loading
+    _, checkpoint = load({"run": out_dir})
     opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
-    del checkpoint
     try:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
     except OSError as e:

@@ -461,6 +461,8 @@ def inputs_made_and_read(text):
             for words in shell_commands(span):
                 found += [(("folder" if w.endswith("/") or "." not in os.path.basename(w) else "file", w), "made",
                            " ".join(words)) for w in shell_made(words)]
+                if words[0] == "lm_eval":  # lm_eval itself: the exported folder it reads, its local tasks
+                    found += harness_inputs(words[1:], " ".join(words))
             for script, args in commands(span, lambda span: [span]):
                 found += command_inputs(script, args)
             found += [(("folder", run), "made", line) for run, what, line in runs_made_and_read_in(span)
@@ -508,10 +510,18 @@ def command_inputs(script, args):
     if script == "scripts.convert" and free[:1] == ["gguf"] and given.get("src"):
         found.append((("file", given["src"]), "read", line))
     if script == "scripts.harness":
-        option = lambda name: [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
-        found += [(("folder", p), "read", line) for p in option("--include_path")]
-        found += [(("folder", p), "made", line) for p in option("--output_path")]
+        found += harness_inputs(args, line)
     return found
+
+
+def harness_inputs(args, line):
+    """What lm_eval's command line (scripts.harness's or lm_eval's own) reads: --include_path, a --model hf export
+    (model_args pretrained=); and makes: --output_path."""
+    option = lambda name: [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+    found = [(("folder", p), "read", line) for p in option("--include_path")]
+    found += [(("folder", v), "read", line) for model_args in option("--model_args")
+              for k, _, v in (a.partition("=") for a in model_args.split(",")) if k == "pretrained"]
+    return found + [(("folder", p), "made", line) for p in option("--output_path")]
 
 
 def unmade_reads(entries):
@@ -559,6 +569,7 @@ python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json 
 python -m scripts.harness --model nanolatent --model_args out_dir=out-smollm2 --tasks hs_local --include_path my_tasks/
 python -m scripts.bench --peer=nanoGPT/model.py
 python -m experiments.eve_paper_protocol --dataset=wp25_cpu --rlvr_config=config/rlvr_arith.py
+lm_eval --model hf --model_args pretrained=hf-det,dtype=float32 --tasks my_mc --include_path my_tasks/
 ```
 """
     makes = """```sh
@@ -570,10 +581,11 @@ git clone https://github.com/karpathy/nanoGPT
 curl -L -o SmolLM2.gguf https://example.com/SmolLM2.gguf
 python -m experiments.btrans_passk_pretrained --json_out=x.json && python evaluate.py --out_dir=out-x --out_json=eval.json
 python prepare.py text --input=wp_train.jsonl --name=wp25_cpu && python prepare.py arith
+python -m scripts.convert to_hf --out_dir=out-smollm2 --dst=hf-det
 ```
 """
     unmade = [problem.split(" (")[0] for problem in unmade_reads(inputs_made_and_read(reads))]
     assert unmade == ["input.txt", "emb.npy", "data/arith", "data/shakespeare", "story.txt", "eval.json",
-                      "SmolLM2.gguf", "input.txt", "my_tasks", "nanoGPT/model.py", "data/wp25_cpu"]
+                      "SmolLM2.gguf", "input.txt", "my_tasks", "nanoGPT/model.py", "data/wp25_cpu", "my_tasks", "hf-det"]
     # made first, in any order: the shipped config file is read as it is; convert's run folder holds tokenizer.json
     assert unmade_reads(inputs_made_and_read(makes + reads)) == []

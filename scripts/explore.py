@@ -6,11 +6,12 @@ prints the same texts and numbers.
     python -m scripts.explore --out_dir=out --port=8000      # then open http://127.0.0.1:8000
 
 Python's http.server on 127.0.0.1 only, and one HTML file beside this one (plain JavaScript, nothing fetched from the
-internet). Every number comes from sampling.py, the functions sample.py and evaluate.py call; the server writes no
-file. A request is a JSON object of the page's fields; the answer streams as JSON lines: the tokens so far while a
-generation runs, then each block of samples or the scores, or one {"error": ...} line, which the log also prints.
-One view computes at a time: a request meanwhile is answered "busy" (503) at once, and a request that is malformed
-or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
+internet). The run it opens with is loaded before it serves; another run or model type on first use (the last four are
+kept), each under a progress line (common.phase). Every number comes from sampling.py, the functions sample.py and
+evaluate.py call; the server writes no file. A request is a JSON object of the page's fields; the answer streams as
+JSON lines: the tokens so far while a generation runs, then each block of samples or the scores, or one {"error": ...}
+line, which the log also prints. One view computes at a time: a request meanwhile is answered "busy" (503) at once,
+and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
 """
 
 import http.server

@@ -128,6 +128,13 @@ def test_the_explorer_shows_its_start_up_before_it_serves_and_each_model_it_load
             f"loading {det_run}", f"loading {det_run} as btrans", f"loading {det_run} as btrans"]
     finally:
         proc.terminate()
+    quiet = start_script("-m", "scripts.explore", f"--out_dir={det_run}", "--port=0", "--quiet", data_dir=data_root,
+                         out=tmp_path / "quiet.out", err=tmp_path / "quiet.err", env=EVERY_ITEM)
+    try:
+        wait_for_line(tmp_path / "quiet.out", "serving", quiet)
+        assert open(tmp_path / "quiet.err").read() == ""
+    finally:
+        quiet.terminate()
 
 
 @pytest.mark.slow

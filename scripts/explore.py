@@ -6,11 +6,12 @@ prints the same texts and numbers.
     python -m scripts.explore --out_dir=out --port=8000      # then open http://127.0.0.1:8000
 
 Python's http.server on 127.0.0.1 only, and one HTML file beside this one (plain JavaScript, nothing fetched from the
-internet). Every number comes from sampling.py, the functions sample.py and evaluate.py call; the server writes no
-file. A request is a JSON object of the page's fields; the answer streams as JSON lines: the tokens so far while a
-generation runs, then each block of samples or the scores, or one {"error": ...} line, which the log also prints.
-One view computes at a time: a request meanwhile is answered "busy" (503) at once, and a request that is malformed
-or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
+internet). The run it opens with is loaded before it serves; another run or model type on first use (the last four are
+kept), each under a progress line (common.phase). Every number comes from sampling.py, the functions sample.py and
+evaluate.py call; the server writes no file. A request is a JSON object of the page's fields; the answer streams as
+JSON lines: the tokens so far while a generation runs, then each block of samples or the scores, or one {"error": ...}
+line, which the log also prints. One view computes at a time: a request meanwhile is answered "busy" (503) at once,
+and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
 """
 
 import http.server
@@ -85,8 +86,9 @@ def load(params, model_type=None, **overrides):
     path = ckpt.checkpoint_path(run)  # a run trained again since is loaded again
     key = (run, os.path.getmtime(path) if os.path.exists(path) else None, model_type, tuple(sorted(overrides.items())))
     if key not in loaded:
-        checkpoint = ckpt.load_checkpoint(run)
-        model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
+        with common.phase(f"loading {run}" + (f" as {model_type}" if model_type else "")):  # 10 s for SmolLM2-135M
+            checkpoint = ckpt.load_checkpoint(run)
+            model, _ = ckpt.load_model(run, device, model_type, checkpoint=checkpoint, **overrides)
         checkpoint.pop("model")
         while len(loaded) >= 4:
             loaded.pop(next(iter(loaded)))
@@ -386,10 +388,10 @@ if __name__ == "__main__":
     common.check_device(device)
     if not 0 <= port <= 65535:
         common.die(f"--port must be 0..65535, got {port}")
-    with common.phase(f"opening {out_dir}"):
-        checkpoint = ckpt.load_checkpoint(out_dir)  # a missing or unreadable run: one line, before serving
+    # the run the page opens with, loaded before serving: a missing or unreadable run is one line, and the first view
+    # answers without the model's loading
+    _, checkpoint = load({"run": out_dir})
     opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
-    del checkpoint
     try:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
     except OSError as e:

@@ -1,10 +1,12 @@
 """The README and docs/ cannot drift from the code: every `python <script>.py ... --key=value` and
 `python -m scripts.<name> ...` or `python -m experiments.<name> ... --key=value` they show names a key the script
 accepts, every config file they pass exists, every sample.py line fits the context of the run a train.py line of the
-same page trains, and every local link and image resolves. Parsed, never run: the whole check takes well under a
-second."""
+same page trains, every run, file, folder and prepared dataset a command reads is made by an earlier command of the
+page (or shipped in the repo), and every local link and image resolves. Parsed, never run: the whole check takes well
+under a second."""
 
 import ast
+import functools
 import glob
 import os
 import re
@@ -340,3 +342,250 @@ def test_every_run_a_documented_command_reads_is_made_by_an_earlier_command_of_t
         elif run not in made and not run.startswith("$"):  # a shell variable: its loop lists the runs
             problems.append(f"{run} ({line[:100]})")
     assert not problems, f"{doc}: runs read before any command of the page makes them:\n" + "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the files, folders and prepared datasets a command reads: made by an earlier command of the same page
+
+REPO_FOLDERS = ("config", "assets", "docs", "scripts", "experiments", "nanolatent", "tests")  # read as shipped
+MADE_BY_FLAG = {  # (script or its prefix, flag) -> what the flag's path is: what the script writes there
+    ("evaluate.py", "out_json"): "file", ("evaluate.py", "out_items"): "file", ("scripts.plot", "out"): "file",
+    ("scripts.convert", "dst"): "folder", ("experiments.", "results"): "file", ("experiments.", "figure"): "file",
+    ("experiments.", "json_out"): "file", ("experiments.", "runs_dir"): "folder", ("scripts.bench_speedrun",
+                                                                                    "out_json"): "file"}
+READ_BY_FLAG = {  # the same for the paths a script reads
+    ("prepare.py", "input"): "file", ("prepare.py", "val_input"): "file", ("prepare.py", "bpe_file"): "file",
+    ("train.py", "init_embeddings"): "file", ("scripts.bench", "peer"): "file", ("scripts.bench_speedrun",
+                                                                                 "nanogpt"): "folder",
+    ("scripts.bench_speedrun", "input"): "file", ("scripts.bench_cpu", "src"): "folder",
+    ("experiments.", "rlvr_config"): "file"}
+
+
+def shell_commands(span):
+    """The words of each shell command of a code span (split at &&, ||, ;, |, quotes kept whole, comments dropped):
+    [] for prose that is not shell (an unbalanced quote)."""
+    lexer = shlex.shlex(span, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return []
+    found, words = [], []
+    for token in tokens + [";"]:
+        if token.strip(";&|"):
+            words.append(token)
+        elif words:
+            found.append(words)
+            words = []
+    return found
+
+
+def shell_made(words):
+    """The paths one shell command (its words) writes: curl -O/-o, wget, cp, git clone, mkdir, a > redirect, and the
+    file names a `python -c` snippet writes ('{...}' in an f-string name: any text there)."""
+    while words and re.match(r"\w+=", words[0]):  # VAR=value before the command
+        words = words[1:]
+    made, name = [], words[0] if words else ""
+    for i, word in enumerate(words):  # > file, >> file, >file
+        if word in (">", ">>") and i + 1 < len(words):
+            made.append(words[i + 1])
+        elif word.startswith(">") and len(word) > 1 and not word.startswith(">&"):
+            made.append(word.lstrip(">"))
+    args = [w for w in words[1:] if w not in (">", ">>") and not w.startswith(">")]
+    plain = [w for w in args if not w.startswith("-")]
+    if name == "curl":
+        if "-O" in args:
+            made += [w.rsplit("/", 1)[-1] for w in plain if "://" in w]
+        made += [args[i + 1] for i, w in enumerate(args[:-1]) if w in ("-o", "--output")]
+    elif name == "wget":
+        given = [args[i + 1] for i, w in enumerate(args[:-1]) if w == "-O"]
+        made += given or [w.rsplit("/", 1)[-1] for w in plain if "://" in w]
+    elif name == "cp" and len(plain) >= 2:
+        *sources, dst = plain
+        made += [os.path.join(dst, os.path.basename(s.rstrip("/"))) if dst in (".", "./") or dst.endswith("/")
+                 else dst for s in sources]
+    elif name == "git" and plain[:1] == ["clone"] and len(plain) >= 2:
+        made.append(plain[2] if len(plain) > 2 else plain[1].rstrip("/").rsplit("/", 1)[-1].removesuffix(".git"))
+    elif name == "mkdir":
+        made += plain
+    elif name in ("python", "python3") and args[:1] == ["-c"] and len(args) > 1:
+        made += re.findall(r"""['"]([\w{}./-]+\.(?:jsonl|json|txt|npy|bin))['"]""", args[1])
+        made += re.findall(r"""makedirs\(['"]([\w./-]+)['"]""", args[1])
+    return made
+
+
+def dataset_made(args):
+    """The dataset a prepare.py command writes: --name, else the source's own name (text: <input stem>_<tokenizer>)."""
+    given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+    source = next((a for a in args if not a.startswith("-")), "")
+    if given.get("name"):
+        return given["name"]
+    if source == "text":
+        tokenizer = given.get("tokenizer", "gpt2")
+        return f"{os.path.splitext(os.path.basename(given.get('input', '')))[0]}_" + \
+            (tokenizer if tokenizer in ("gpt2", "char") else "hf")
+    return source
+
+
+def datasets_read(script, args, given):
+    """The prepared datasets a command reads: train.py's (--dataset, else its config file's, else the default; a dry
+    run only where the config leaves vocab_size to the data), evaluate.py's and a study's --dataset (a study's
+    default too)."""
+    if script == "train.py" or (script.startswith("experiments.") and script != "experiments.results"):
+        path = "train.py" if script == "train.py" else script.replace(".", "/") + ".py"
+        if not os.path.isfile(os.path.join(ROOT, path)):  # no such study: the keys' check says so
+            return []
+        values = literal_defaults(parsed(path), {"dataset"})
+        for arg in args:
+            if arg.endswith(".py") and script == "train.py":
+                values.update(configurator.read_config_file(arg))
+        values.update(given)
+        if script == "train.py" and values.get("dry_run") in (True, "True") and "vocab_size" in values:
+            return []
+        return [values["dataset"]] if values.get("dataset") else []
+    if script == "evaluate.py" and given.get("dataset"):
+        return [given["dataset"]]
+    return []
+
+
+def inputs_made_and_read(text):
+    """[(what, 'made' or 'read', command)] of a page's (a markdown text's) commands in its order, what being ('file', path),
+    ('folder', path) or ('dataset', name): what shell commands and scripts write (see shell_made, dataset_made,
+    MADE_BY_FLAG; a run folder runs_made_and_read finds made is a folder made too) and what scripts read
+    (READ_BY_FLAG, datasets_read, --start=FILE: and --text=FILE:, prepare.py's --tokenizer file, --mc_file as a path,
+    scripts.plot's .json files, scripts.convert gguf --src, the harness's --include_path; its --output_path is made)."""
+    found, cwd = [], os.getcwd()
+    os.chdir(ROOT)  # config files are read as the commands, run from the repo root, read them
+    try:
+        for span in spans_in_order(text):
+            for words in shell_commands(span):
+                found += [(("folder" if w.endswith("/") or "." not in os.path.basename(w) else "file", w), "made",
+                           " ".join(words)) for w in shell_made(words)]
+                if words[0] == "lm_eval":  # lm_eval itself: the exported folder it reads, its local tasks
+                    found += harness_inputs(words[1:], " ".join(words))
+            for script, args in commands(span, lambda span: [span]):
+                found += command_inputs(script, args)
+            found += [(("folder", run), "made", line) for run, what, line in runs_made_and_read_in(span)
+                      if what == "made"]
+    finally:
+        os.chdir(cwd)
+    return found
+
+
+@functools.cache
+def parsed(path):
+    """A file of the repo as a syntax tree, parsed once."""
+    return ast.parse(read(path))
+
+
+def runs_made_and_read_in(span):
+    """runs_made_and_read's entries for one code span (run from the repo root)."""
+    path = lambda script: script if script.endswith(".py") else script.replace(".", "/") + ".py"
+    defaults = {script: literal_defaults(parsed(path(script)), {"out_dir"}).get("out_dir")
+                for script in ("train.py", "sample.py", "evaluate.py", "scripts.explore", "scripts.rlvr")}
+    return page_runs(commands(span, lambda span: [span]), defaults)
+
+
+def command_inputs(script, args):
+    """inputs_made_and_read's entries for one command."""
+    given = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+    free = [a for a in args if not a.startswith("-") and not a.endswith(".py")]
+    line = f"{script} {' '.join(args)}"
+    flagged = lambda table: [((kind, given[flag]), line) for (who, flag), kind in table.items()
+                             if (script == who or who.endswith(".") and script.startswith(who)) and given.get(flag)]
+    found = [(what, "made", line) for what, line in flagged(MADE_BY_FLAG)]
+    found += [(what, "read", line) for what, line in flagged(READ_BY_FLAG)]
+    if script == "prepare.py":
+        tokenizer = given.get("tokenizer", "")
+        if "/" in tokenizer or tokenizer.endswith(".json"):
+            found.append((("file", tokenizer), "read", line))
+        found.append((("dataset", dataset_made(args)), "made", line))
+    found += [(("dataset", name), "read", line) for name in datasets_read(script, args, given)]
+    found += [(("file", v[len("FILE:"):]), "read", line) for k, v in given.items()
+              if k in ("start", "text") and v.startswith("FILE:")]
+    if script == "evaluate.py" and ("/" in given.get("mc_file", "") or given.get("mc_file", "").endswith(".jsonl")):
+        found.append((("file", given["mc_file"]), "read", line))
+    if script == "scripts.plot":
+        found += [(("file", a), "read", line) for a in free if a.endswith(".json")]
+    if script == "scripts.convert" and free[:1] == ["gguf"] and given.get("src"):
+        found.append((("file", given["src"]), "read", line))
+    if script == "scripts.harness":
+        found += harness_inputs(args, line)
+    return found
+
+
+def harness_inputs(args, line):
+    """What lm_eval's command line (scripts.harness's or lm_eval's own) reads: --include_path, a --model hf export
+    (model_args pretrained=); and makes: --output_path."""
+    option = lambda name: [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+    found = [(("folder", p), "read", line) for p in option("--include_path")]
+    found += [(("folder", v), "read", line) for model_args in option("--model_args")
+              for k, _, v in (a.partition("=") for a in model_args.split(",")) if k == "pretrained"]
+    return found + [(("folder", p), "made", line) for p in option("--output_path")]
+
+
+def unmade_reads(entries):
+    """The reads of entries (inputs_made_and_read's) that nothing before them made: a file is made by itself or by a
+    folder above it made (a run folder holds its tokenizer.json); a file of the repo's own folders is shipped; a
+    dataset by prepare.py or by a made data/<name> folder; a path of a variable, a substitution, a placeholder or an
+    absolute path is the reader's own."""
+    made, problems = set(), []
+    for (kind, path), what, line in entries:
+        path = os.path.normpath(path) if kind != "dataset" else path
+        if what == "made":
+            made.add(("dataset", path) if kind == "dataset" else ("dataset", path[len("data/"):])
+                     if kind == "folder" and path.startswith("data/") else ("path", path))
+            continue
+        if re.match(r"[$<~/]|SUBSTITUTED", path) or "..." in path:
+            continue
+        if kind == "dataset":
+            if ("dataset", path) not in made:
+                problems.append(f"data/{path} ({line[:100]})")
+            continue
+        parents = [path] + [os.path.join(*path.split(os.sep)[:i]) for i in range(1, path.count(os.sep) + 1)]
+        patterns = [re.escape(p).replace(r"\{", "{").replace(r"\}", "}") for _, p in made if "{" in p]
+        if any(("path", p) in made for p in parents) or any(
+                re.fullmatch(re.sub(r"\{[^}]*\}", ".+", p), path) for p in patterns) or (
+                path.split(os.sep)[0] in REPO_FOLDERS and os.path.exists(os.path.join(ROOT, path))):
+            continue
+        problems.append(f"{path} ({line[:100]})")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_folder_and_dataset_a_documented_command_reads_is_made_by_an_earlier_command_of_the_page(doc):
+    problems = unmade_reads(inputs_made_and_read(read(doc)))
+    assert not problems, f"{doc}: read before any command of the page makes them:\n" + "\n".join(problems)
+
+
+def test_the_made_before_read_check_catches_each_kind_of_read_before_its_command_and_passes_the_page_in_order():
+    reads = """```sh
+python prepare.py text --input=input.txt --tokenizer=char --name=shakespeare_char
+python train.py config/det_arith.py --init_embeddings=emb.npy
+python evaluate.py --out_dir=out-det-shakespeare-char --dataset=shakespeare --text=FILE:story.txt
+python -m scripts.plot eval.json --out=curves.png
+python -m scripts.convert gguf --src=SmolLM2.gguf --out_dir=out-smollm2
+python prepare.py text --input=input.txt --tokenizer=out-smollm2/tokenizer.json --name=shakespeare_smollm2
+python -m scripts.harness --model nanolatent --model_args out_dir=out-smollm2 --tasks hs_local --include_path my_tasks/
+python -m scripts.bench --peer=nanoGPT/model.py
+python -m experiments.eve_paper_protocol --dataset=wp25_cpu --rlvr_config=config/rlvr_arith.py
+lm_eval --model hf --model_args pretrained=hf-det,dtype=float32 --tasks my_mc --include_path my_tasks/
+```
+"""
+    makes = """```sh
+curl -O https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt   # or: cp x .
+python -c "import numpy as np; np.save('emb.npy', np.zeros((65, 128)))"
+echo "ROMEO:" > story.txt && python prepare.py text --input=input.txt --name=shakespeare
+mkdir -p my_tasks && cp $NANOLATENT_LOCAL_DATA/wp/wp_sample_train.jsonl wp_train.jsonl
+git clone https://github.com/karpathy/nanoGPT
+curl -L -o SmolLM2.gguf https://example.com/SmolLM2.gguf
+python -m experiments.btrans_passk_pretrained --json_out=x.json && python evaluate.py --out_dir=out-x --out_json=eval.json
+python prepare.py text --input=wp_train.jsonl --name=wp25_cpu && python prepare.py arith
+python -m scripts.convert to_hf --out_dir=out-smollm2 --dst=hf-det
+```
+"""
+    unmade = [problem.split(" (")[0] for problem in unmade_reads(inputs_made_and_read(reads))]
+    assert unmade == ["input.txt", "emb.npy", "data/arith", "data/shakespeare", "story.txt", "eval.json",
+                      "SmolLM2.gguf", "input.txt", "my_tasks", "nanoGPT/model.py", "data/wp25_cpu", "my_tasks", "hf-det"]
+    # made first, in any order: the shipped config file is read as it is; convert's run folder holds tokenizer.json
+    assert unmade_reads(inputs_made_and_read(makes + reads)) == []

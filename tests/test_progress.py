@@ -2,9 +2,11 @@
 2-core CPU: quiet outside a terminal unless NANOLATENT_PROGRESS=S asks for a line every S seconds (0: every item, how
 these tests see them), off under --quiet; and a line in each phase's own output."""
 
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -115,16 +117,35 @@ def test_a_studys_grid_shows_its_runs(det_run, data_root, tmp_path, monkeypatch,
 
 
 @pytest.mark.slow
-def test_the_explorer_shows_its_start_up_before_it_serves(det_run, data_root, tmp_path):
+def test_the_explorer_shows_its_start_up_before_it_serves_and_each_model_it_loads(det_run, data_root, tmp_path):
+    """The start-up loads the run the page opens with (its first view then loads nothing); a view that needs the run
+    as another model type shows that loading too."""
     out, err = tmp_path / "out", tmp_path / "err"
     proc = start_script("-m", "scripts.explore", f"--out_dir={det_run}", "--port=0", data_dir=data_root, out=out,
                         err=err, env=EVERY_ITEM)
     try:
-        wait_for_line(out, "serving", proc)
+        url = wait_for_line(out, "serving", proc).split("http://")[1].split()[0]
         started = open(err).read().splitlines()
-        assert started[0] == f"opening {det_run} ..." and started[1].startswith(f"opening {det_run}: done in ")
+        assert started[0] == f"loading {det_run} ..." and started[1].startswith(f"loading {det_run}: done in ")
+        for view, fields in (("uncertainty", dict(text="K>__KKKKKKKK__", passes="1", seed="1")),
+                             ("minds", dict(prompt="K>", k="2", sigma="0.1", max_new_tokens="4", temperature="1",
+                                            latent_seed="1", seed="1"))):
+            request = urllib.request.Request(f"http://{url}/api/{view}", method="POST",
+                                             data=json.dumps({"run": str(det_run), **fields}).encode())
+            with urllib.request.urlopen(request, timeout=120) as response:
+                assert response.status == 200 and "error" not in response.read().decode()
+        loads = [line for line in open(err).read().splitlines() if line.startswith("loading ")]
+        assert [line.split(" ...")[0] for line in loads if line.endswith(" ...")] == [  # the mean model: σ = 0
+            f"loading {det_run}", f"loading {det_run} as btrans", f"loading {det_run} as btrans"]
     finally:
         proc.terminate()
+    quiet = start_script("-m", "scripts.explore", f"--out_dir={det_run}", "--port=0", "--quiet", data_dir=data_root,
+                         out=tmp_path / "quiet.out", err=tmp_path / "quiet.err", env=EVERY_ITEM)
+    try:
+        wait_for_line(tmp_path / "quiet.out", "serving", quiet)
+        assert open(tmp_path / "quiet.err").read() == ""
+    finally:
+        quiet.terminate()
 
 
 @pytest.mark.slow

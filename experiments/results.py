@@ -146,6 +146,32 @@ def eve_settings_table():
     return "\n".join(lines)
 
 
+def eve_arms_table():
+    """The primary setting arm by arm (det, det + dropout, EVE): CE and ECE, mean ± std (ddof 1) over the seeds every
+    arm has, the epoch each seed kept, and EVE − arm paired by seed with its 95% interval; below the settings table
+    in docs/reproductions.md."""
+    prefix, label, setting = eve_primary()
+    seeds = seeds_of(setting)
+    epochs = {name: r["selected_epoch"] for name, r in load(f"{prefix}.json")["runs"].items()}
+    lines = [f"Every arm of the setting that decides ({label}; seeds {', '.join(map(str, seeds))}):", "",
+             "| arm | CE (mean ± std) | CE, EVE − arm (95% interval) | ECE | ECE, EVE − arm | kept epochs |",
+             "|---|---|---|---|---|---|"]
+    for arm in sorted(setting["arms"], key=lambda a: (a == "eve", a)):  # det, dropout0.1, dropout0.2, eve
+        ce, ece = per_seed(setting, arm, "CE", seeds), per_seed(setting, arm, "ECE", seeds)
+        spread = lambda v: f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else f"{v[0]:.3f}"
+        versus = ["–", "–"] if arm == "eve" else [
+            stats.interval(stats.paired(per_seed(setting, "eve", key, seeds), values))
+            for key, values in (("CE", ce), ("ECE", ece))]
+        kept = ", ".join(str(epochs[f"{arm}-s{s}"]) for s in seeds)
+        lines.append(f"| {arm} | {spread(ce)} | {versus[0]} | {spread(ece)} | {versus[1]} | {kept} |")
+    return "\n".join(lines)
+
+
+def eve_tables():
+    """What docs/reproductions.md holds between its EVE settings markers."""
+    return f"{eve_settings_table()}\n\n{eve_arms_table()}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the rows, in the README's order
 
@@ -369,7 +395,7 @@ if __name__ == "__main__":
     configurator.apply(globals())
     print(table())
     print()
-    print(eve_settings_table())
+    print(eve_tables())
     if write:
         replace(os.path.join(ROOT, "README.md"), BEGIN, END, table())
-        replace(os.path.join(ROOT, REPRO), SETTINGS_BEGIN, SETTINGS_END, eve_settings_table())
+        replace(os.path.join(ROOT, REPRO), SETTINGS_BEGIN, SETTINGS_END, eve_tables())

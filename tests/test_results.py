@@ -102,7 +102,7 @@ def test_readme_table_is_the_functions_output():
     with open(f"{ROOT}/README.md", encoding="utf-8") as f:
         assert results.readme_table(f.read()) == results.table()
     with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
-        assert results.between(f.read(), results.SETTINGS_BEGIN, results.SETTINGS_END) == results.eve_settings_table()
+        assert results.between(f.read(), results.SETTINGS_BEGIN, results.SETTINGS_END) == results.eve_tables()
 
 
 @pytest.mark.parametrize("row", results.rows(), ids=lambda row: row["claim"])
@@ -169,3 +169,30 @@ def test_regime_baselines_recount_on_the_prepared_data():
     assert len(targets) == entry["tokens"]
     unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for w in targets) / len(targets)
     assert entry["unigram"] == pytest.approx(unigram, rel=1e-9)
+
+
+def test_eve_arms_table_recomputed_from_evaluates_json():
+    """The primary setting's arm-by-arm table: each arm's CE mean ± std and EVE − arm's paired interval, from
+    evaluate.py's one-pass JSON, with this file's own lines."""
+    prefix = "eve_primary" if results.exists("eve_primary.json") else "eve_study"
+    with open(os.path.join(ROOT, "assets", f"{prefix}_m1.json")) as f:
+        nll = {name.rsplit("/", 1)[1]: r["nll"] for name, r in json.load(f)["results"].items()}
+    arms = {}
+    for name, value in nll.items():
+        arm, seed = name.rsplit("-s", 1)
+        arms.setdefault(arm, {})[int(seed)] = value
+    seeds = sorted(set.intersection(*(set(v) for v in arms.values())))
+    lines = [line for line in results.eve_arms_table().splitlines() if line.startswith("| ") and "---" not in line]
+    assert sorted(line.split(" | ")[0][2:] for line in lines[1:]) == sorted(arms)
+    for line in lines[1:]:
+        arm, ce, versus = line[2:].split(" | ")[:3]
+        values = [arms[arm][s] for s in seeds]
+        m, sd = re.findall(r"\d+\.\d+", ce)
+        assert close(m, sum(values) / len(values)) and close(sd, statistics.stdev(values))
+        if arm == "eve":
+            assert versus == "–"
+            continue
+        d = [arms["eve"][s] - arms[arm][s] for s in seeds]
+        mean, half = sum(d) / len(d), T975[len(d) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+        printed = re.findall(r"[+-]\d+\.\d+", versus)
+        assert close(printed[0], mean) and close(printed[1], mean - half) and close(printed[2], mean + half)

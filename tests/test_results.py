@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LOCAL_DATA, ROOT, run_script
 from experiments import results, stats
 
 # Student t's 97.5th percentiles, df = 1..10: NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2
@@ -150,25 +150,37 @@ def test_eve_rows_take_their_per_seed_values_from_evaluates_json():
     assert row["paper_arm"] == [-nll[f"eve-s{s}"] for s in seeds] and row["other"] == [-nll[f"det-s{s}"] for s in seeds]
 
 
-def test_regime_baselines_recount_on_the_prepared_data():
-    """assets/regime_baselines.json against a count made here, where the study's data is prepared."""
+@pytest.mark.slow
+def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
+    """assets/regime_baselines.json against a count made here, on the WritingPrompts sample prepared afresh as
+    docs/reproductions.md prepares it, from the offline copy NANOLATENT_LOCAL_DATA points at."""
+    files = [os.path.join(LOCAL_DATA, "writingprompts", f"wp_sample_{split}.jsonl") for split in ("train", "test")]
+    if not all(os.path.exists(f) for f in files):
+        pytest.skip(f"no WritingPrompts sample under NANOLATENT_LOCAL_DATA={LOCAL_DATA} (its README names the files)")
+    run_script("prepare.py", "text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
+               "--max_docs=100", "--vocab=used", "--name=wp_sample_cpu", data_dir=tmp_path)
     with open(os.path.join(ROOT, "assets", "regime_baselines.json")) as f:
         table = json.load(f)
-    entry = table["eve_paper_protocol_m1.json"]
-    folder = os.path.join(os.environ.get("NANOLATENT_DATA") or os.path.join(ROOT, "data"), entry["dataset"])
-    if not os.path.exists(os.path.join(folder, "val.bin")):
-        pytest.skip(f"{folder} is not prepared (docs/reproductions.md, EVE's matched protocol, says how)")
-    train, val = (np.fromfile(os.path.join(folder, f"{s}.bin"), dtype=np.uint16).tolist() for s in ("train", "val"))
-    counts = {}
-    for w in train:
-        counts[w] = counts.get(w, 0) + 1
-    with open(os.path.join(folder, "meta.json")) as f:
+    folder = tmp_path / "wp_sample_cpu"
+    train, val = (np.fromfile(folder / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val"))
+    with open(folder / "meta.json") as f:
         V = json.load(f)["vocab_size"]
-    T = entry["seq_len"]
-    targets = [val[s + j] for s in range(0, T * entry["windows"], T) for j in range(1, T + 1)]
-    assert len(targets) == entry["tokens"]
-    unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for w in targets) / len(targets)
-    assert entry["unigram"] == pytest.approx(unigram, rel=1e-9)
+    counts, pairs, contexts = {}, {}, {}
+    for a, b in zip([None] + train[:-1], train):
+        counts[b] = counts.get(b, 0) + 1
+        if a is not None:
+            pairs[a, b] = pairs.get((a, b), 0) + 1
+            contexts[a] = contexts.get(a, 0) + 1
+    for name in ("eve_paper_protocol_m1.json", "eve_primary_m1.json"):
+        entry = table[name]
+        assert entry["dataset"] == "wp_sample_cpu" and entry["train_tokens"] == len(train)
+        T = entry["seq_len"]
+        windows = range(0, T * entry["windows"], T)
+        targets = [(val[s + j - 1], val[s + j]) for s in windows for j in range(1, T + 1)]
+        assert len(targets) == entry["tokens"]
+        unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for _, w in targets) / len(targets)
+        bigram = -sum(math.log((pairs.get((a, w), 0) + 1) / (contexts.get(a, 0) + V)) for a, w in targets) / len(targets)
+        assert entry["unigram"] == pytest.approx(unigram, rel=1e-9) and entry["bigram"] == pytest.approx(bigram, rel=1e-9)
 
 
 def test_eve_arms_table_recomputed_from_evaluates_json():

@@ -52,6 +52,7 @@ replot = False  # redraw the figure from `results`, measuring nothing
 SCORES = {"eve": ("mi", "flip", "one_minus_maxprob", "entropy"), "det": ("one_minus_maxprob", "entropy")}
 BASELINES = ("one_minus_maxprob", "entropy")  # det's, the bar EVE's MI is compared with
 OOD = ("tinystories", "shakespeare")
+LABELS = {"mi": "MI", "flip": "flip rate", "one_minus_maxprob": "1 - max p", "entropy": "entropy"}
 
 
 def auroc(scores, positive):
@@ -262,8 +263,8 @@ def plot(record):
             ax.bar(i, np.mean(values), color="tab:orange" if m == "eve" else "tab:blue", alpha=0.6)
             ax.plot([i] * len(values), values, "k.", ms=4)
         ax.axhline(0.5, color="gray", lw=0.8, ls="--")
-        ax.set_xticks(range(len(bars)), [f"{m.upper()} {k.replace('one_minus_maxprob', '1-max p')}" for m, k in bars],
-                      rotation=40, ha="right", fontsize=8)
+        ax.set_xticks(range(len(bars)), [f"{m.upper()} {LABELS[k]}" for m, k in bars], rotation=40, ha="right",
+                      fontsize=8)
         ax.set_title(title, fontsize=8)
     axes[0].set_ylabel("AUROC (0.5: chance)")
     fig.suptitle(f"EVE's uncertainty, primary setting, seeds {seeds_} (dots), mean (bars)", fontsize=9)

@@ -370,8 +370,8 @@ def grpo_smollm2():
                reward("minds"), reward("temperature"), tested=False)
 
 
-ROWS = [free_kappa, free_text, eve_ce, eve_mi, eve_ece, eve_layer_weights, eve_mi_errors, eve_mi_ood, btrans_diversity, btrans_competent,
-        passk_toy, passk_smollm2, grpo_toy, ttrl_toy, grpo_smollm2]
+ROWS = [free_kappa, free_text, eve_ce, eve_mi, eve_ece, eve_layer_weights, eve_mi_errors, eve_mi_ood, btrans_diversity,
+        btrans_competent, passk_toy, passk_smollm2, grpo_toy, ttrl_toy, grpo_smollm2]
 
 
 def judged(r):

@@ -208,3 +208,60 @@ def test_eve_arms_table_recomputed_from_evaluates_json():
         mean, half = sum(d) / len(d), T975[len(d) - 1] * statistics.stdev(d) / math.sqrt(len(d))
         printed = re.findall(r"[+-]\d+\.\d+", versus)
         assert close(printed[0], mean) and close(printed[1], mean - half) and close(printed[2], mean + half)
+
+
+def own_auroc(scores, positive):
+    """AUROC by the rank-sum formula, ranks counted here: 1 + the scores below + half the other scores equal."""
+    s, pos = np.asarray(scores, float), np.asarray(positive, bool)
+    ranks = 1 + (s[None, :] < s[:, None]).sum(1) + ((s[None, :] == s[:, None]).sum(1) - 1) / 2
+    n1, n0 = pos.sum(), (~pos).sum()
+    return (ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def test_the_studys_auroc_equals_a_rank_sum_counted_here():
+    from experiments import eve_uncertainty
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        scores, positive = rng.integers(0, 9, size=40), rng.random(40) < 0.4  # ties among 9 values
+        assert eve_uncertainty.auroc(scores, positive) == pytest.approx(own_auroc(scores, positive), abs=1e-12)
+
+
+def test_eve_uncertainty_rows_recomputed_from_the_json():
+    """The two §5 rows' per-seed values from assets/eve_uncertainty.json: the document AUROCs from the per-document
+    scores by the rank sum above, the mean over the out-of-domain texts, det's better baseline per seed; and each EVE
+    run's mean MI and error rate are evaluate.py's on the same windows (assets/eve_primary_m8.json, where it has the
+    run)."""
+    with open(os.path.join(ROOT, "assets", "eve_uncertainty.json")) as f:
+        record = json.load(f)
+    p, runs = record["protocol"], record["runs"]
+    seeds, texts = p["seeds"], ["tinystories", "shakespeare"]
+    assert p["ood_texts"] == texts and p["baselines"] == ["one_minus_maxprob", "entropy"]
+
+    def document_auroc(name, key):
+        docs = runs[name]["documents"]
+        ind = docs["wp_val"][key]
+        assert len(ind) == p["windows"] == 339
+        values = [own_auroc(ind + docs[t][key], [0] * len(ind) + [1] * len(docs[t][key])) for t in texts]
+        assert all(len(docs[t][key]) >= 100 for t in texts)
+        return sum(values) / len(values)
+    errors, ood = results.eve_mi_errors(), results.eve_mi_ood()
+    assert errors["paper_arm"] == [runs[f"eve-s{s}"]["token_auroc"]["mi"] for s in seeds]
+    assert errors["other"] == [max(runs[f"det-s{s}"]["token_auroc"][k] for k in p["baselines"]) for s in seeds]
+    assert ood["paper_arm"] == pytest.approx([document_auroc(f"eve-s{s}", "mi") for s in seeds], abs=1e-12)
+    assert ood["other"] == pytest.approx([max(document_auroc(f"det-s{s}", k) for k in p["baselines"]) for s in seeds],
+                                         abs=1e-12)
+    with open(os.path.join(ROOT, "assets", "eve_primary_m8.json")) as f:
+        evaluated = {name.rsplit("/", 1)[1]: r for name, r in json.load(f)["results"].items()}
+    checked = [name for name in runs if name in evaluated]
+    assert checked, "no run of the study is in evaluate.py's JSON"
+    for name in checked:
+        assert runs[name]["error_rate"] == pytest.approx(1 - evaluated[name]["acc"], abs=1e-12)
+        if name.startswith("eve"):
+            assert runs[name]["mean"]["mi"] == pytest.approx(evaluated[name]["mi"], rel=1e-5)
+            assert runs[name]["mean"]["flip"] == pytest.approx(evaluated[name]["flip_rate"], rel=1e-9)
+
+
+def test_uncertainty_table_in_the_docs_is_the_functions_output():
+    with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
+        docs = results.between(f.read(), results.UNCERTAINTY_BEGIN, results.UNCERTAINTY_END)
+    assert docs == results.uncertainty_table()

@@ -15,7 +15,8 @@ sigma is not tuned to match anything: pass@1 of every arm is reported, and the p
 K = 1" is a measured row, not a setting. pass@k, k = 1 ... n, is the unbiased estimator (tasks.pass_at_k) averaged
 over prompts, for each seed (of the token draws and, separately, of the minds; minds arms share their eps); the
 table gives mean ± std over seeds, and a difference from temperature is called only where the mean ± std intervals
-do not overlap. Every per-seed number goes to `json_out`, the curves to `figure`.
+do not overlap. Every per-seed number, and each problem's count of correct samples per seed (the README's row
+resamples the problems, experiments/results.py), goes to `json_out`, the curves to `figure`.
 """
 
 import json
@@ -35,7 +36,7 @@ ks = (1, 2, 4, 8, 16, 32, 64)  # the table's columns; the JSON and the figure ha
 temperature = 1.0  # every arm's sampling temperature, the greedy minds' excepted
 sigmas = (0.1, 0.2)  # the minds' spread (model_btrans.Config.sigma, scaled as sigma_scale says)
 sigma_scale = "absolute"  # model_btrans.Config.sigma_scale; this small model's gains are near 1 (printed)
-seeds = (1, 2, 3)
+seeds = (1, 2, 3, 4, 5)  # five: the rules' verdict (docs/reproductions.md); three make a pilot
 json_out = "assets/btrans_passk.json"
 figure = "assets/btrans_passk.png"
 device = "cpu"
@@ -74,9 +75,9 @@ def correct_counts(arm, sigma, seed):
 print(f"{len(prompts)} val problems of arith, n={n} samples each, T={temperature}, seeds {list(seeds)}")
 all_k = range(1, n + 1)
 runs = [("temperature", 0.0)] + [(arm, s) for s in sigmas for arm in (*wrapped, "greedy minds")]
-curves = {}  # (arm, sigma) -> (seeds, n): pass@k for k = 1 ... n
+curves, counts_of = {}, {}  # (arm, sigma) -> (seeds, n): pass@k for k = 1 ... n; (seeds, prompts): correct of n
 for arm, sigma in common.progress(runs, desc="arms"):
-    counts = [correct_counts(arm, sigma, seed) for seed in seeds]
+    counts = counts_of[arm, sigma] = [correct_counts(arm, sigma, seed) for seed in seeds]
     curves[arm, sigma] = np.array([list(tasks.pass_at_k_curve(c, n, all_k).values()) for c in counts])
     print(f"{arm}{'' if arm == 'temperature' else f', sigma={sigma:g}'}: pass@1 "
           f"{study.mean_std(curves[arm, sigma][:, 0])}", flush=True)
@@ -103,6 +104,7 @@ with open(json_out, "w") as f:
                "sigma_scale": sigma_scale, "seeds": list(seeds), "mean_gain_per_norm": gains,
                "runs": [{"arm": arm, "sigma": sigma, "label": label(arm, sigma),
                          "pass_at_k_per_seed": curves[arm, sigma].round(6).tolist(),
+                         "correct_per_seed_problem": np.array(counts_of[arm, sigma]).tolist(),
                          "apart_from_temperature": {k: study.intervals_apart(curves[arm, sigma][:, k - 1],
                                                                              ref[:, k - 1]) for k in all_k}}
                         for arm, sigma in curves]}, f, indent=1)

@@ -91,8 +91,9 @@ if train_only:
     raise SystemExit(f"trained {len(runs)} runs in {runs_dir}; evaluate them without --train_only")
 
 # evaluate.py once per (passes, run), `parallel` processes at a time, the M-pass ones first (the longest), each into
-# its own JSON; each M's results are then merged into one JSON in evaluate.py's own form, in the runs' order
-tasks = [(passes, out) for passes in (mc_samples, 1) for out in runs.values()]
+# its own JSON; each M's results are then merged into one JSON in evaluate.py's own form, in the runs' order. det and
+# the dropout arms have no latents, so evaluate.py takes one pass at any M: their one-pass JSON is their M-pass one.
+tasks = [(passes, out) for passes in (mc_samples, 1) for (m, s), out in runs.items() if passes == 1 or m == "eve"]
 part = lambda passes, out: results.replace(".json", f"_m{passes}.{os.path.basename(out)}.json")
 running, codes = [], []
 for passes, out in tasks:
@@ -109,14 +110,15 @@ evals = {}
 for passes in (1, mc_samples):
     merged = None
     for out in runs.values():
-        with open(part(passes, out)) as f:
-            record = json.load(f)
+        with open(part(passes, out) if os.path.exists(part(passes, out)) else part(1, out)) as f:
+            record = {**json.load(f), "mc_samples": passes}  # a det arm's M-pass record: its one pass (above)
         merged = merged or {**record, "results": {}}
         merged["results"].update(record["results"])
-        os.remove(part(passes, out))
     with open(results.replace(".json", f"_m{passes}.json"), "w") as f:
         json.dump(merged, f, indent=1)
     evals[passes] = merged["results"]
+for passes, out in tasks:
+    os.remove(part(passes, out))
 
 curves, train_curves, selected, weights, trainable = {}, {}, {}, {}, {}  # per (model, seed)
 for key, out in runs.items():

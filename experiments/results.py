@@ -146,6 +146,32 @@ def eve_settings_table():
     return "\n".join(lines)
 
 
+def eve_arms_table():
+    """The primary setting arm by arm (det, det + dropout, EVE): CE and ECE, mean ± std (ddof 1) over the seeds every
+    arm has, the epoch each seed kept, and EVE − arm paired by seed with its 95% interval; below the settings table
+    in docs/reproductions.md."""
+    prefix, label, setting = eve_primary()
+    seeds = seeds_of(setting)
+    epochs = {name: r["selected_epoch"] for name, r in load(f"{prefix}.json")["runs"].items()}
+    lines = [f"Every arm of the setting that decides ({label}; seeds {', '.join(map(str, seeds))}):", "",
+             "| arm | CE (mean ± std) | CE, EVE − arm (95% interval) | ECE | ECE, EVE − arm | kept epochs |",
+             "|---|---|---|---|---|---|"]
+    for arm in sorted(setting["arms"], key=lambda a: (a == "eve", a)):  # det, dropout0.1, dropout0.2, eve
+        ce, ece = per_seed(setting, arm, "CE", seeds), per_seed(setting, arm, "ECE", seeds)
+        spread = lambda v: f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else f"{v[0]:.3f}"
+        versus = ["–", "–"] if arm == "eve" else [
+            stats.interval(stats.paired(per_seed(setting, "eve", key, seeds), values))
+            for key, values in (("CE", ce), ("ECE", ece))]
+        kept = ", ".join(str(epochs[f"{arm}-s{s}"]) for s in seeds)
+        lines.append(f"| {arm} | {spread(ce)} | {versus[0]} | {spread(ece)} | {versus[1]} | {kept} |")
+    return "\n".join(lines)
+
+
+def eve_tables():
+    """What docs/reproductions.md holds between its EVE settings markers."""
+    return f"{eve_settings_table()}\n\n{eve_arms_table()}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the rows, in the README's order
 
@@ -216,6 +242,61 @@ def eve_layer_weights():
                link("EVE", REPRO, EVE_HEADING), top, [PAPER_TOP_WEIGHT] * len(top), regime)
 
 
+UNCERTAINTY_HEADING = "EVE's uncertainty on its errors and on out-of-domain text (EVE §5)"
+UNCERTAINTY_BEGIN = "<!-- EVE uncertainty: python -m experiments.results --write=True -->"
+UNCERTAINTY_END = "<!-- end of EVE uncertainty -->"
+
+
+def eve_uncertainty(question):
+    """§5's "informative uncertainty signals" (assets/eve_uncertainty.json, experiments/eve_uncertainty.py), per seed:
+    EVE's MI AUROC and the better of det's two baselines (1 - max-softmax, predictive entropy) in that seed, the harder
+    bar. question "errors": per token, errors against right answers; "ood": per document, out-of-domain text against
+    the validation windows, the mean over the out-of-domain texts. The regime: the primary setting's, as the other EVE
+    rows. -> (EVE's MI, det's best, EVE's flip rate, regime)"""
+    record = load("eve_uncertainty.json")
+    seeds, runs, baselines = record["protocol"]["seeds"], record["runs"], record["protocol"]["baselines"]
+
+    def score(name, key):
+        run = runs[name]
+        if question == "errors":
+            return run["token_auroc"][key]
+        return float(np.mean([run["document_auroc"][text][key] for text in record["protocol"]["ood_texts"]]))
+    mi = [score(f"eve-s{s}", "mi") for s in seeds]
+    det = [max(score(f"det-s{s}", k) for k in baselines) for s in seeds]
+    flip = [score(f"eve-s{s}", "flip") for s in seeds]
+    return mi, det, flip, eve_effect(eve_primary()[2], "CE")[2]
+
+
+def eve_mi_errors():
+    mi, det, flip, regime = eve_uncertainty("errors")
+    return row("EVE: MI ranks its errors (§5)", "\"informative\"", f"AUROC: MI {mean(mi)}, flip {mean(flip)}; det "
+               f"{mean(det)}", link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime)
+
+
+def eve_mi_ood():
+    mi, det, flip, regime = eve_uncertainty("ood")
+    return row("EVE: MI flags out-of-domain text (§5)", "\"informative\"", f"AUROC: MI {mean(mi)}, flip "
+               f"{mean(flip)}; det {mean(det)}", link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime)
+
+
+def uncertainty_table():
+    """Every per-seed AUROC of assets/eve_uncertainty.json: the table in docs/reproductions.md."""
+    record = load("eve_uncertainty.json")
+    p = record["protocol"]
+    names = {"mi": "MI", "flip": "flip", "one_minus_maxprob": "1 − max p", "entropy": "entropy"}
+    columns = [(m, k) for m in ("eve", "det") for k in names if k in record["runs"][f"{m}-s{p['seeds'][0]}"]["mean"]]
+    lines = ["| question | seed | " + " | ".join(f"{m.upper() if m == 'eve' else m} {names[k]}" for m, k in columns)
+             + " | errors EVE, det |", "|---|---|" + "---|" * (len(columns) + 1)]
+    for question in ["errors (per token)", *p["ood_texts"]]:
+        for s in p["seeds"]:
+            runs = [record["runs"][f"{m}-s{s}"] for m in ("eve", "det")]
+            auc = [r["token_auroc"] if question.startswith("errors") else r["document_auroc"][question] for r in runs]
+            cells = [f"{auc[m == 'det'][k]:.3f}" for m, k in columns]
+            errors = " / ".join(f"{r['error_rate']:.3f}" for r in runs) if question.startswith("errors") else "–"
+            lines.append(f"| {question} | {s} | " + " | ".join(cells) + f" | {errors} |")
+    return "\n".join(lines)
+
+
 DIVERSITY = "btrans_diversity_smollm2.json"  # the paper's measure on SmolLM2 (experiments/btrans_diversity_smollm2.py)
 DIVERSITY_ARM = "minds sigma=0.03, T=0"  # the sigma chosen for SmolLM2 before the study (docs/pretrained.md), greedy
 
@@ -246,15 +327,19 @@ def btrans_competent():
 
 def passk_toy():
     runs = load("btrans_passk.json")["runs"]
-    curve = lambda arm, sigma: np.array(next(r for r in runs if r["arm"] == arm and r["sigma"] == sigma)
-                                        ["pass_at_k_per_seed"])  # (seeds, k)
-    temp, minds = curve("temperature", 0.0), curve("minds", 0.1)
+    run = lambda arm, sigma: next(r for r in runs if r["arm"] == arm and r["sigma"] == sigma)
+    temp, minds = (np.array(run(*key)["pass_at_k_per_seed"]) for key in (("temperature", 0.0), ("minds", 0.1)))
     k, pass1 = temp.shape[1], float(temp[:, 0].mean())
+    kept = "correct_per_seed_problem" in run("minds", 0.1)  # each problem's correct samples of n, per seed
+    items = tuple((np.array(run(*key)["correct_per_seed_problem"]) > 0).astype(float)  # pass@n per problem
+                  for key in (("minds", 0.1), ("temperature", 0.0))) if kept else None
     # regime: pass@1 above chance; arith's answers are numbers, which a guesser hits with chance ≈ 0
     return row("B-Trans: Pass@K gains with K (Fig. 2), toy", "gains at large K",
-               f"arith: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}; per-problem not kept",
+               f"arith: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}"
+               + ("" if kept else "; per-problem not kept"),
                link("toy", REPRO, "B-Trans Pass@K at the paper's decoding (B-Trans §5.1, Fig. 2)"),
-               minds[:, -1], temp[:, -1], {"reached": pass1 > 0, "text": f"yes: pass@1 {pass1:.2f}, chance 0"})
+               minds[:, -1], temp[:, -1], {"reached": pass1 > 0, "text": f"yes: pass@1 {pass1:.2f}, chance 0"},
+               items=items)
 
 
 def passk_smollm2():
@@ -315,8 +400,8 @@ def grpo_smollm2():
                reward("minds"), reward("temperature"), tested=False)
 
 
-ROWS = [free_kappa, free_text, eve_ce, eve_mi, eve_ece, eve_layer_weights, btrans_diversity, btrans_competent,
-        passk_toy, passk_smollm2, grpo_toy, ttrl_toy, grpo_smollm2]
+ROWS = [free_kappa, free_text, eve_ce, eve_mi, eve_ece, eve_layer_weights, eve_mi_errors, eve_mi_ood, btrans_diversity,
+        btrans_competent, passk_toy, passk_smollm2, grpo_toy, ttrl_toy, grpo_smollm2]
 
 
 def judged(r):
@@ -369,7 +454,10 @@ if __name__ == "__main__":
     configurator.apply(globals())
     print(table())
     print()
-    print(eve_settings_table())
+    print(eve_tables())
+    print()
+    print(uncertainty_table())
     if write:
         replace(os.path.join(ROOT, "README.md"), BEGIN, END, table())
-        replace(os.path.join(ROOT, REPRO), SETTINGS_BEGIN, SETTINGS_END, eve_settings_table())
+        replace(os.path.join(ROOT, REPRO), SETTINGS_BEGIN, SETTINGS_END, eve_tables())
+        replace(os.path.join(ROOT, REPRO), UNCERTAINTY_BEGIN, UNCERTAINTY_END, uncertainty_table())

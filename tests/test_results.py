@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LOCAL_DATA, ROOT, run_script
 from experiments import results, stats
 
 # Student t's 97.5th percentiles, df = 1..10: NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2
@@ -102,7 +102,7 @@ def test_readme_table_is_the_functions_output():
     with open(f"{ROOT}/README.md", encoding="utf-8") as f:
         assert results.readme_table(f.read()) == results.table()
     with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
-        assert results.between(f.read(), results.SETTINGS_BEGIN, results.SETTINGS_END) == results.eve_settings_table()
+        assert results.between(f.read(), results.SETTINGS_BEGIN, results.SETTINGS_END) == results.eve_tables()
 
 
 @pytest.mark.parametrize("row", results.rows(), ids=lambda row: row["claim"])
@@ -150,22 +150,118 @@ def test_eve_rows_take_their_per_seed_values_from_evaluates_json():
     assert row["paper_arm"] == [-nll[f"eve-s{s}"] for s in seeds] and row["other"] == [-nll[f"det-s{s}"] for s in seeds]
 
 
-def test_regime_baselines_recount_on_the_prepared_data():
-    """assets/regime_baselines.json against a count made here, where the study's data is prepared."""
+@pytest.mark.slow
+def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
+    """assets/regime_baselines.json against a count made here, on the WritingPrompts sample prepared afresh as
+    docs/reproductions.md prepares it, from the offline copy NANOLATENT_LOCAL_DATA points at."""
+    files = [os.path.join(LOCAL_DATA, "writingprompts", f"wp_sample_{split}.jsonl") for split in ("train", "test")]
+    if not all(os.path.exists(f) for f in files):
+        pytest.skip(f"no WritingPrompts sample under NANOLATENT_LOCAL_DATA={LOCAL_DATA} (its README names the files)")
+    run_script("prepare.py", "text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
+               "--max_docs=100", "--vocab=used", "--name=wp_sample_cpu", data_dir=tmp_path)
     with open(os.path.join(ROOT, "assets", "regime_baselines.json")) as f:
         table = json.load(f)
-    entry = table["eve_paper_protocol_m1.json"]
-    folder = os.path.join(os.environ.get("NANOLATENT_DATA") or os.path.join(ROOT, "data"), entry["dataset"])
-    if not os.path.exists(os.path.join(folder, "val.bin")):
-        pytest.skip(f"{folder} is not prepared (docs/reproductions.md, EVE's matched protocol, says how)")
-    train, val = (np.fromfile(os.path.join(folder, f"{s}.bin"), dtype=np.uint16).tolist() for s in ("train", "val"))
-    counts = {}
-    for w in train:
-        counts[w] = counts.get(w, 0) + 1
-    with open(os.path.join(folder, "meta.json")) as f:
+    folder = tmp_path / "wp_sample_cpu"
+    train, val = (np.fromfile(folder / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val"))
+    with open(folder / "meta.json") as f:
         V = json.load(f)["vocab_size"]
-    T = entry["seq_len"]
-    targets = [val[s + j] for s in range(0, T * entry["windows"], T) for j in range(1, T + 1)]
-    assert len(targets) == entry["tokens"]
-    unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for w in targets) / len(targets)
-    assert entry["unigram"] == pytest.approx(unigram, rel=1e-9)
+    counts, pairs, contexts = {}, {}, {}
+    for a, b in zip([None] + train[:-1], train):
+        counts[b] = counts.get(b, 0) + 1
+        if a is not None:
+            pairs[a, b] = pairs.get((a, b), 0) + 1
+            contexts[a] = contexts.get(a, 0) + 1
+    for name in ("eve_paper_protocol_m1.json", "eve_primary_m1.json"):
+        entry = table[name]
+        assert entry["dataset"] == "wp_sample_cpu" and entry["train_tokens"] == len(train)
+        T = entry["seq_len"]
+        windows = range(0, T * entry["windows"], T)
+        targets = [(val[s + j - 1], val[s + j]) for s in windows for j in range(1, T + 1)]
+        assert len(targets) == entry["tokens"]
+        unigram = -sum(math.log((counts.get(w, 0) + 1) / (len(train) + V)) for _, w in targets) / len(targets)
+        bigram = -sum(math.log((pairs.get((a, w), 0) + 1) / (contexts.get(a, 0) + V)) for a, w in targets) / len(targets)
+        assert entry["unigram"] == pytest.approx(unigram, rel=1e-9) and entry["bigram"] == pytest.approx(bigram, rel=1e-9)
+
+
+def test_eve_arms_table_recomputed_from_evaluates_json():
+    """The primary setting's arm-by-arm table: each arm's CE mean ± std and EVE − arm's paired interval, from
+    evaluate.py's one-pass JSON, with this file's own lines."""
+    prefix = "eve_primary" if results.exists("eve_primary.json") else "eve_study"
+    with open(os.path.join(ROOT, "assets", f"{prefix}_m1.json")) as f:
+        nll = {name.rsplit("/", 1)[1]: r["nll"] for name, r in json.load(f)["results"].items()}
+    arms = {}
+    for name, value in nll.items():
+        arm, seed = name.rsplit("-s", 1)
+        arms.setdefault(arm, {})[int(seed)] = value
+    seeds = sorted(set.intersection(*(set(v) for v in arms.values())))
+    lines = [line for line in results.eve_arms_table().splitlines() if line.startswith("| ") and "---" not in line]
+    assert sorted(line.split(" | ")[0][2:] for line in lines[1:]) == sorted(arms)
+    for line in lines[1:]:
+        arm, ce, versus = line[2:].split(" | ")[:3]
+        values = [arms[arm][s] for s in seeds]
+        m, sd = re.findall(r"\d+\.\d+", ce)
+        assert close(m, sum(values) / len(values)) and close(sd, statistics.stdev(values))
+        if arm == "eve":
+            assert versus == "–"
+            continue
+        d = [arms["eve"][s] - arms[arm][s] for s in seeds]
+        mean, half = sum(d) / len(d), T975[len(d) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+        printed = re.findall(r"[+-]\d+\.\d+", versus)
+        assert close(printed[0], mean) and close(printed[1], mean - half) and close(printed[2], mean + half)
+
+
+def own_auroc(scores, positive):
+    """AUROC by the rank-sum formula, ranks counted here: 1 + the scores below + half the other scores equal."""
+    s, pos = np.asarray(scores, float), np.asarray(positive, bool)
+    ranks = 1 + (s[None, :] < s[:, None]).sum(1) + ((s[None, :] == s[:, None]).sum(1) - 1) / 2
+    n1, n0 = pos.sum(), (~pos).sum()
+    return (ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def test_the_studys_auroc_equals_a_rank_sum_counted_here():
+    from experiments import eve_uncertainty
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        scores, positive = rng.integers(0, 9, size=40), rng.random(40) < 0.4  # ties among 9 values
+        assert eve_uncertainty.auroc(scores, positive) == pytest.approx(own_auroc(scores, positive), abs=1e-12)
+
+
+def test_eve_uncertainty_rows_recomputed_from_the_json():
+    """The two §5 rows' per-seed values from assets/eve_uncertainty.json: the document AUROCs from the per-document
+    scores by the rank sum above, the mean over the out-of-domain texts, det's better baseline per seed; and each EVE
+    run's mean MI and error rate are evaluate.py's on the same windows (assets/eve_primary_m8.json, where it has the
+    run)."""
+    with open(os.path.join(ROOT, "assets", "eve_uncertainty.json")) as f:
+        record = json.load(f)
+    p, runs = record["protocol"], record["runs"]
+    seeds, texts = p["seeds"], ["tinystories", "shakespeare"]
+    assert p["ood_texts"] == texts and p["baselines"] == ["one_minus_maxprob", "entropy"]
+
+    def document_auroc(name, key):
+        docs = runs[name]["documents"]
+        ind = docs["wp_val"][key]
+        assert len(ind) == p["windows"] == 339
+        values = [own_auroc(ind + docs[t][key], [0] * len(ind) + [1] * len(docs[t][key])) for t in texts]
+        assert all(len(docs[t][key]) >= 100 for t in texts)
+        return sum(values) / len(values)
+    errors, ood = results.eve_mi_errors(), results.eve_mi_ood()
+    assert errors["paper_arm"] == [runs[f"eve-s{s}"]["token_auroc"]["mi"] for s in seeds]
+    assert errors["other"] == [max(runs[f"det-s{s}"]["token_auroc"][k] for k in p["baselines"]) for s in seeds]
+    assert ood["paper_arm"] == pytest.approx([document_auroc(f"eve-s{s}", "mi") for s in seeds], abs=1e-12)
+    assert ood["other"] == pytest.approx([max(document_auroc(f"det-s{s}", k) for k in p["baselines"]) for s in seeds],
+                                         abs=1e-12)
+    with open(os.path.join(ROOT, "assets", "eve_primary_m8.json")) as f:
+        evaluated = {name.rsplit("/", 1)[1]: r for name, r in json.load(f)["results"].items()}
+    checked = [name for name in runs if name in evaluated]
+    assert checked, "no run of the study is in evaluate.py's JSON"
+    for name in checked:
+        assert runs[name]["error_rate"] == pytest.approx(1 - evaluated[name]["acc"], abs=1e-12)
+        if name.startswith("eve"):
+            assert runs[name]["mean"]["mi"] == pytest.approx(evaluated[name]["mi"], rel=1e-5)
+            assert runs[name]["mean"]["flip"] == pytest.approx(evaluated[name]["flip_rate"], rel=1e-9)
+
+
+def test_uncertainty_table_in_the_docs_is_the_functions_output():
+    with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
+        docs = results.between(f.read(), results.UNCERTAINTY_BEGIN, results.UNCERTAINTY_END)
+    assert docs == results.uncertainty_table()

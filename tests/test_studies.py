@@ -61,6 +61,15 @@ def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
         assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
         assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
     assert set(result["mean_std"]) == {"det", "dropout0.1", "eve"}
+    # det's M-pass record is its one pass (evaluated once), as evaluate.py at M = 2 computes it; no part file is left
+    one, many = ({**json.load(open(str(results).replace(".json", f"_m{m}.json")))} for m in (1, 2))
+    assert (one["mc_samples"], many["mc_samples"]) == (1, 2) and sorted(many["results"]) == sorted(one["results"])
+    det = str(tmp_path / "runs" / "det-s1")
+    run_script("evaluate.py", f"--out_dir={det}", "--mc_samples=2", "--max_tokens=64", "--seq_len=32",
+               "--device=cpu", f"--out_json={tmp_path / 'det_m2.json'}", data_dir=data)
+    with open(tmp_path / "det_m2.json") as f:
+        assert json.load(f)["results"][det] == many["results"][det] == one["results"][det]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("eve_m")) == ["eve_m1.json", "eve_m2.json"]
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None

@@ -1,5 +1,6 @@
 """scripts/bench_speedrun.py: its table's arithmetic, its whole-split score, and a tiny run of both arms (nanoGPT's
-train.py from a checkout beside the repository, ../shared/peers/nanogpt, where the suite's machine has one)."""
+train.py from the nanoGPT checkout NANOLATENT_NANOGPT names, by default ../shared/peers/nanogpt where the suite's
+machine has one)."""
 
 import json
 import math
@@ -14,7 +15,7 @@ from conftest import ROOT, run_script
 
 from scripts import bench_speedrun
 
-NANOGPT = os.path.join(os.path.dirname(ROOT), "shared", "peers", "nanogpt")
+NANOGPT = os.environ.get("NANOLATENT_NANOGPT") or os.path.join(os.path.dirname(ROOT), "shared", "peers", "nanogpt")
 SHAKESPEARE = os.path.join(os.environ["NANOLATENT_LOCAL_DATA"], "tinyshakespeare", "input.txt")
 
 
@@ -48,7 +49,8 @@ def test_the_whole_split_score_is_the_mean_cross_entropy_of_every_window_token(t
 @pytest.mark.slow
 def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens(tmp_path):
     if not os.path.isfile(os.path.join(NANOGPT, "train.py")) or not os.path.isfile(SHAKESPEARE):
-        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT} and Tiny Shakespeare at {SHAKESPEARE}")
+        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT} (NANOLATENT_NANOGPT=DIR) and Tiny Shakespeare at "
+                    f"{SHAKESPEARE}")
     short = "--max_iters=4 --lr_decay_iters=4 --eval_interval=2 --eval_iters=2 --warmup_iters=1"
     proc = run_script("-m", "scripts.bench_speedrun", f"--nanogpt={NANOGPT}", f"--input={SHAKESPEARE}", "--seeds=2",
                       "--threads=1", f"--work_dir={tmp_path}", f"--nanogpt_args={short} --n_layer=1",
@@ -70,7 +72,7 @@ def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens
                                         ([f"--nanogpt={NANOGPT}", "--input=nowhere.txt"], "--input=nowhere.txt")])
 def test_a_missing_checkout_or_text_is_one_line_and_exit_2_before_anything_runs(args, named, tmp_path):
     if NANOGPT in " ".join(args) and not os.path.isfile(os.path.join(NANOGPT, "train.py")):
-        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT}")
+        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT} (NANOLATENT_NANOGPT=DIR)")
     proc = run_script("-m", "scripts.bench_speedrun", *args, f"--work_dir={tmp_path / 'work'}", data_dir=tmp_path,
                       check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and named in proc.stderr

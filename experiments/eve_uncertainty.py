@@ -68,27 +68,14 @@ def auroc(scores, positive):
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-@torch.no_grad()
 def token_scores(passes, targets):
-    """Per-token scores of M passes, evaluate.py's MCStats token by token: passes yields M log-softmaxes (N, V) one at
-    a time, targets (N,). Each cross-pass quantity is summed as a difference to the first pass, as there, so that
-    identical passes (det) give mi and flip exactly 0. -> {name: (N,) float64 array}"""
-    for m, log_p in enumerate(passes):
-        p = log_p.float().exp()  # (N, V)
-        h = sampling.entropy(p)  # (N,)
-        if m == 0:
-            p_first, h_first, argmaxes = p, h, [p.argmax(-1)]
-            sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h)
-        else:
-            sum_dp += p - p_first
-            sum_dh += h - h_first
-            argmaxes.append(p.argmax(-1))
-    M = m + 1
-    p_bar = p_first + sum_dp / M  # (N, V)
-    h_bar = sampling.entropy(p_bar)  # (N,) H(p̄)
-    conf, pred = p_bar.max(-1)  # (N,) each; max's index is argmax's (ties break alike)
-    out = {"mi": h_bar - (h_first + sum_dh / M), "flip": sum((a != pred).double() for a in argmaxes) / M,
-           "one_minus_maxprob": 1 - conf, "entropy": h_bar, "wrong": pred != targets}
+    """Per-token scores of M passes (sampling.pass_statistics, evaluate.py's MCStats token by token): passes yields M
+    log-softmaxes (N, V) one at a time, targets (N,); identical passes (det) give mi and flip exactly 0.
+    -> {name: (N,) float64 array}"""
+    stats = sampling.pass_statistics(passes, targets)
+    conf, pred = stats["p_bar"].max(-1)  # (N,) each; max's index is argmax's (ties break alike)
+    out = {"mi": stats["mi"], "flip": sum((a != pred).double() for a in stats["argmaxes"]) / stats["passes"],
+           "one_minus_maxprob": 1 - conf, "entropy": stats["entropy"], "wrong": pred != targets}
     return {k: v.double().cpu().numpy() for k, v in out.items()}
 
 

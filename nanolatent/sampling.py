@@ -115,38 +115,54 @@ def entropy(p):
 
 
 @torch.no_grad()
+def pass_statistics(passes, targets):
+    """Per-token statistics of M passes, evaluate.py's definitions token by token: passes yields the M log-softmaxes
+    (N, V) one at a time, targets is (N,). As in evaluate.MCStats, the passes enter as differences to the first, so
+    identical passes (a det model) give mi exactly 0. -> {"p_bar" (N, V), "entropy" H(p̄), "expected_entropy"
+    mean_m H(p_m), "mi" H(p̄) - mean_m H(p_m), "nll" -log p̄(y), each (N,); "argmaxes" M x (N,); "passes" M}"""
+    for m, log_p in enumerate(passes):
+        log_p = log_p.float()  # (N, V)
+        p, log_py = log_p.exp(), log_p.gather(1, targets[:, None]).squeeze(1)
+        h = entropy(p)  # (N,)
+        if m == 0:
+            p_first, h_first, lse_y, argmaxes = p, h, log_py, [p.argmax(-1)]
+            sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h)
+        else:
+            sum_dp += p - p_first
+            sum_dh += h - h_first
+            lse_y = torch.logaddexp(lse_y, log_py)
+            argmaxes.append(p.argmax(-1))
+    M = m + 1
+    p_bar = p_first + sum_dp / M  # (N, V)
+    h_bar, mean_h = entropy(p_bar), h_first + sum_dh / M  # (N,) each
+    return {"p_bar": p_bar, "entropy": h_bar, "expected_entropy": mean_h, "mi": h_bar - mean_h,
+            "nll": -(lse_y - math.log(M)), "argmaxes": argmaxes, "passes": M}
+
+
+@torch.no_grad()
 def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), onednn=True,
                       dtype="float32"):
     """Each predicted token of one text (ids[1:] given what precedes it), over M = n_passes passes with fresh
     latents (det: one pass): nll -log p̄(y), entropy H(p̄), expected_entropy mean_m H(p_m) (aleatoric) and mi
-    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats; evaluate.py's definitions, token by token. As in
-    evaluate.MCStats, the passes enter as differences to the first, so a deterministic model's mi is exactly 0."""
+    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats (pass_statistics)."""
     device = model.tok_emb.weight.device
     check_length(ids[:-1], model.config.block_size, "the text", " (its last token is only predicted); shorten it")
     if len(ids) < 2:
         common.die("the text has fewer than 2 tokens: nothing to predict (the first token is the context)")
     x = torch.tensor([ids[:-1]], dtype=torch.long, device=device)  # (1, T)
     y = torch.tensor(ids[1:], dtype=torch.long, device=device)  # (T,)
-    products = cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
-    with products:
-        M = 1 if model.latent_kind == "none" else n_passes
-        for m in range(M):
+    M = 1 if model.latent_kind == "none" else n_passes
+
+    def passes():
+        for _ in range(M):
             with autocast:
                 latents = None if model.latent_kind == "none" else model.sample_latents(1, generator)
                 logits = model(x, y[None], latents=latents)[0][0]  # (T, V): targets ask for every position
-            log_p = F.log_softmax(logits.float(), dim=-1)  # (T, V)
-            p, log_py = log_p.exp(), log_p.gather(1, y[:, None]).squeeze(1)
-            if m == 0:
-                p_first, h_first, lse_y = p, entropy(p), log_py
-                sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h_first)
-            else:
-                sum_dp += p - p_first
-                sum_dh += entropy(p) - h_first
-                lse_y = torch.logaddexp(lse_y, log_py)
-    h_bar = entropy(p_first + sum_dp / M)  # (T,)
-    mean_h = h_first + sum_dh / M  # (T,)
-    return {"nll": (-(lse_y - math.log(M))).tolist(), "entropy": h_bar.tolist(), "expected_entropy": mean_h.tolist(),
-            "mi": (h_bar - mean_h).tolist(), "passes": M}
+            yield F.log_softmax(logits.float(), dim=-1)  # (T, V)
+
+    with cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext():
+        stats = pass_statistics(passes(), y)
+    return {**{k: stats[k].tolist() for k in ("nll", "entropy", "expected_entropy", "mi")}, "passes": M}
 
 
 @torch.no_grad()

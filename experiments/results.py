@@ -330,13 +330,11 @@ def passk_toy():
     run = lambda arm, sigma: next(r for r in runs if r["arm"] == arm and r["sigma"] == sigma)
     temp, minds = (np.array(run(*key)["pass_at_k_per_seed"]) for key in (("temperature", 0.0), ("minds", 0.1)))
     k, pass1 = temp.shape[1], float(temp[:, 0].mean())
-    kept = "correct_per_seed_problem" in run("minds", 0.1)  # each problem's correct samples of n, per seed
     items = tuple((np.array(run(*key)["correct_per_seed_problem"]) > 0).astype(float)  # pass@n per problem
-                  for key in (("minds", 0.1), ("temperature", 0.0))) if kept else None
+                  for key in (("minds", 0.1), ("temperature", 0.0)))
     # regime: pass@1 above chance; arith's answers are numbers, which a guesser hits with chance ≈ 0
     return row("B-Trans: Pass@K gains with K (Fig. 2), toy", "gains at large K",
-               f"arith: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}"
-               + ("" if kept else "; per-problem not kept"),
+               f"arith: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}",
                link("toy", REPRO, "B-Trans Pass@K at the paper's decoding (B-Trans §5.1, Fig. 2)"),
                minds[:, -1], temp[:, -1], {"reached": pass1 > 0, "text": f"yes: pass@1 {pass1:.2f}, chance 0"},
                items=items)

@@ -52,6 +52,8 @@ dataset = ""  # '' = the task's: arith, synthetic, gsm8k, hellaswag; a chat task
 max_calc_steps = 0  # gsm8k: only problems whose reference solution takes at most this many calculator steps (0: all)
 train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past the eval ones), 'eval' (TTRL only)
 eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split (GSM8K's: test)
+select_prompts = 0  # a second held-out set, the next select_prompts val problems, evaluated with the first: a step
+#                     (or a sigma, a temperature) is chosen on it and read on the first (0: none)
 eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, tasks.pass_at_k)
 eval_temperature = 1.0
 max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters, 256 gsm8k, 1 hellaswag
@@ -62,7 +64,7 @@ reward = "verifier"  # 'verifier' (the task's answer check) or 'ttrl' (agreement
 group_size = 8  # G rollouts per prompt
 prompts_per_step = 8
 # GRPO and AdamW
-max_steps = 100
+max_steps = 100  # 0: evaluate the starting model and stop (nothing saved)
 learning_rate = 1e-5  # AdamW; 3e-5 already degraded the tiny det_arith model (config/rlvr_arith.py)
 updates_per_batch = 1  # optimizer steps per batch of rollouts (GRPO's mu); 1: the ratio is 1, the clip never acts
 update_batch = 0  # rollouts per forward/backward of an update, gradients summed over the batch (0: all at once).
@@ -84,21 +86,31 @@ PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the stream
 
 
 @torch.no_grad()
-def evaluate_heldout(model, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id):
-    """The mean model (the one the updates train) on held-out prompts: greedy accuracy, and pass@1 and pass@k of k
-    samples at `temperature`."""
+def evaluate_heldout(model, prompts, encode, decode, verify, k, temperature, max_new_tokens, seed, stop_id,
+                     rollout_temperature=None):
+    """The mean model (the one the updates train) on held-out prompts: greedy accuracy (and each prompt's 0/1, for a
+    bootstrap over prompts), pass@1 and pass@k of k samples at `temperature`; with rollout_temperature, also the
+    share of k rollouts drawn as GRPO draws them (the run's noise_mode, at that temperature) that are right: what a
+    rule setting sigma or the temperature reads (experiments/rlvr_compare.py)."""
     device = model.tok_emb.weight.device
     ids = [encode(p) for p in prompts]
     generator = torch.Generator(device).manual_seed(seed)
-    with grpo.noise_mode(model, "mean"), cpu.inference_linears(model):  # on a CPU, the weights laid out for decoding
-        greedy, _ = grpo.rollouts(model, ids, 1, max_new_tokens, 0.0, generator, generator)
-        sampled, _ = grpo.rollouts(model, ids, k, max_new_tokens, temperature, generator, generator)
-    greedy_ok = [verify(p, t) for p, t in zip(prompts, grpo.replies(greedy, decode, stop_id))]
-    sampled_ok = np.array([verify(p, t) for p, t in zip(np.repeat(prompts, k), grpo.replies(sampled, decode, stop_id))])
-    correct = sampled_ok.reshape(len(prompts), k).sum(1)
-    return {"eval_greedy": float(np.mean(greedy_ok)),
-            "eval_pass@1": float(np.mean([tasks.pass_at_k(k, int(c), 1) for c in correct])),
-            f"eval_pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
+    with cpu.inference_linears(model):  # on a CPU, the weights laid out for decoding
+        with grpo.noise_mode(model, "mean"):
+            greedy, _ = grpo.rollouts(model, ids, 1, max_new_tokens, 0.0, generator, generator)
+            sampled, _ = grpo.rollouts(model, ids, k, max_new_tokens, temperature, generator, generator)
+        if rollout_temperature is not None:  # the latents from their own stream, as in grpo_step
+            drawn, _ = grpo.rollouts(model, ids, k, max_new_tokens, rollout_temperature, generator,
+                                     torch.Generator(device).manual_seed(seed + 1))
+    right = lambda completions, n: np.array([verify(p, t) for p, t in zip(np.repeat(prompts, n),
+                                                                         grpo.replies(completions, decode, stop_id))])
+    greedy_ok, correct = right(greedy, 1), right(sampled, k).reshape(len(prompts), k).sum(1)
+    evals = {"greedy": float(np.mean(greedy_ok)),
+             "pass@1": float(np.mean([tasks.pass_at_k(k, int(c), 1) for c in correct])),
+             f"pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
+    if rollout_temperature is not None:
+        evals["rollout_pass@1"] = float(np.mean(right(drawn, k)))
+    return evals, [int(ok) for ok in greedy_ok]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -144,8 +156,8 @@ def main():
     # the model is always B-Trans: sigma etc. are its Config fields
     config, overrides = configurator.apply(globals(), model_fields=lambda values: models.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
-                                           "prompts_per_step", "max_steps", "updates_per_batch", "adv_eps"),
-                         non_negative=("max_new_tokens", "max_calc_steps", "update_batch", "temperature",
+                                           "prompts_per_step", "updates_per_batch", "adv_eps"),
+                         non_negative=("max_steps", "select_prompts", "max_new_tokens", "max_calc_steps", "update_batch", "temperature",
                                        "eval_temperature", "learning_rate", "kl_coef", "clip_eps", "grad_clip",
                                        "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
@@ -217,22 +229,27 @@ def main():
         if start > max_steps:
             common.die(f"{ckpt_file} is at step {start}, past --max_steps={max_steps}: give a larger --max_steps")
 
-    # Prompts. Held-out: the first eval_prompts val problems. RL: the train split (the supervised phase's problems,
-    # which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training distribution), or the val problems past
-    # the held-out ones, or for TTRL (§5.3) the held-out problems themselves: test-time training reads no label.
+    # Prompts. Held-out: the first eval_prompts val problems, and the next select_prompts to choose on. RL: the train
+    # split (the supervised phase's problems, which GRPO sharpens, as SimpleRL-Zoo's prompts come from its training
+    # distribution), or the val problems past the held-out ones, or for TTRL (§5.3) the held-out problems themselves:
+    # test-time training reads no label.
     load, verify = tasks.chat_task(task, data, meta, max_calc_steps) if spec.chat else (
         lambda split: tasks.load_prompts(task, data, split, meta), spec.verify)
     spec = SimpleNamespace(**{**vars(spec), "verify": verify})
     val = load("val")
-    eval_set = val[:eval_prompts]
-    pool = {"train": lambda: load("train"), "val": lambda: val[eval_prompts:],
+    eval_set, select_set = val[:eval_prompts], val[eval_prompts:eval_prompts + select_prompts]
+    pool = {"train": lambda: load("train"), "val": lambda: val[eval_prompts + select_prompts:],
             "eval": lambda: eval_set}[train_prompts]()
+    if len(select_set) < select_prompts:
+        common.die(f"{len(val)} val problems in {data}: too few for eval_prompts={eval_prompts} and "
+                   f"select_prompts={select_prompts} (prepare more, or lower them)")
     if len(pool) < prompts_per_step or not eval_set:
         common.die(f"{len(pool)} RL prompts and {len(eval_set)} held-out prompts in {data}: too few for "
                    f"prompts_per_step={prompts_per_step} (prepare more, or lower eval_prompts)")
     print(f"rlvr: {task} from {config['init_from']} as B-Trans (sigma={model.config.sigma}), rollout={rollout}, "
           f"reward={reward}; {prompts_per_step} prompts x {group_size} rollouts per step from "
           f"{len(pool):,} {train_prompts} prompts; held-out: {len(eval_set)} val prompts"
+          + (f", {len(select_set)} more to select on" if select_set else "")
           + (f"; resuming at step {start}" if resume else ""))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     records.keep_records(metrics_path, before_iter=start)  # a resumed run logs its steps again from `start` on
@@ -264,10 +281,17 @@ def main():
         if stop:
             save_and_stop(step)
         if step % eval_interval == 0 or step == max_steps:
-            evals = evaluate_heldout(model, eval_set, encode, decode, spec.verify, eval_samples, eval_temperature,
-                                     max_new, seed, stop_id)
-            print(f"step {step}/{max_steps}: held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in evals.items()))
-            records.append_record(metrics_path, {"iter": step, **evals})
+            evals, greedy_ok = evaluate_heldout(model, eval_set, encode, decode, spec.verify, eval_samples,
+                                                eval_temperature, max_new, seed, stop_id)
+            line = f"step {step}/{max_steps}: held-out " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items())
+            record = {"iter": step, **{f"eval_{k}": v for k, v in evals.items()}, "eval_greedy_correct": greedy_ok}
+            if select_set:  # the same seed: the two sets' draws differ only by their problems
+                chosen, _ = evaluate_heldout(model, select_set, encode, decode, spec.verify, eval_samples,
+                                             eval_temperature, max_new, seed, stop_id, rollout_temperature=temperature)
+                line += "; selection set " + ", ".join(f"{k} {v:.4f}" for k, v in chosen.items())
+                record.update({f"select_{k}": v for k, v in chosen.items()})
+            print(line)
+            records.append_record(metrics_path, record)
             if step > 0 and saved != step:
                 save(step)
             if stop and step < max_steps:  # before a GRPO step, which can take minutes (after the last: done)
@@ -280,7 +304,7 @@ def main():
                   f"{record['adv_std']:.3f}, loss {record['loss']:.4f}, kl {record['kl']:.5f}, informative "
                   f"{record['informative']:.2f}, distinct {record['distinct']:.2f}, {record['step_s'] * 1000:.0f} ms")
             records.append_record(metrics_path, record)
-    print(f"saved {ckpt_file}")
+    print(f"saved {ckpt_file}" if max_steps else f"evaluated {config['init_from']}; {metrics_path} holds it")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,6 +272,25 @@ def test_script_runs_two_grpo_steps_and_writes_a_checkpoint_load_model_reads(ari
     assert [r["iter"] for r in logged if "reward" in r] == [0, 1]
     assert [r["iter"] for r in logged if "eval_pass@1" in r] == [0, 2]
     assert all(0.0 <= r["reward"] <= 1.0 and r["distinct"] <= 3 for r in logged if "reward" in r)
+
+
+@pytest.mark.slow
+def test_a_zero_step_run_evaluates_the_test_and_selection_sets_as_one_longer_test_set_would_and_saves_nothing(
+        arith_ckpt, tmp_path):
+    root, det_out = arith_ckpt
+    args = ["--max_steps=0", "--eval_samples=2", "--prompts_per_step=2", "--group_size=2", "--device=cpu",
+              f"--init_from={det_out}"]
+    run_script("-m", "scripts.rlvr", *args, f"--out_dir={tmp_path / 'split'}", "--eval_prompts=6",
+               "--select_prompts=5", "--sigma=0", "--temperature=0", data_dir=root)
+    run_script("-m", "scripts.rlvr", *args, f"--out_dir={tmp_path / 'whole'}", "--eval_prompts=11", data_dir=root)
+    (split,), (whole,) = records(tmp_path / "split"), records(tmp_path / "whole")
+    assert not (tmp_path / "split" / "ckpt.pt").exists() and split["iter"] == 0
+    # greedy decoding reads no draw: the selection set is the 5 val problems after the 6 test ones
+    assert len(split["eval_greedy_correct"]) == 6 and split["eval_greedy"] == np.mean(split["eval_greedy_correct"])
+    assert 11 * whole["eval_greedy"] == pytest.approx(6 * split["eval_greedy"] + 5 * split["select_greedy"])
+    assert split["eval_greedy_correct"] == whole["eval_greedy_correct"][:6]
+    # minds at sigma 0 decoded greedily are the mean model's greedy answers: GRPO's rollouts, measured as drawn
+    assert split["select_rollout_pass@1"] == split["select_greedy"]
 
 
 SIGTERM_MID_ROLLOUT = """

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import LOCAL_DATA, run_script, train_det
@@ -38,6 +39,31 @@ def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):
             assert 0 <= run[f"{key} before"] <= 1 and 0 <= run[f"{key} after"] <= 1
             mean, std = result["mean_std"][mode][f"{key} change"]
             assert mean == pytest.approx(run[f"{key} after"] - run[f"{key} before"]) and std == 0
+        assert run["peak step"] == 2 and run["greedy at peak"] == run["greedy after"]  # no selection set: the end
+
+    # the rule (--gap) and the peak: the knobs each arm ran with are the grid values the rule picks from the probes'
+    # own measurements, and each run's peak is its selection set's best evaluation, read on the test set
+    run_script(sys.executable, "-m", "experiments.rlvr_compare", f"--sft_dir={sft}", f"--runs_dir={tmp_path / 'ruled'}",
+               "--seeds=1,", "--steps=2", "--eval_interval=1", "--eval_prompts=4", "--select_prompts=5",
+               "--gap=0.05", "--temperature_grid=0.5,1.0", "--sigma_grid=0.1,0.5", "--eval_samples=2", "--window=1",
+               "--parallel=1", "--prompts_per_step=2", "--group_size=2", "--modes=temperature,minds,ttrl-minds",
+               f"--figure={tmp_path / 'ruled.png'}", data_dir=data)
+    with open(tmp_path / "ruled.json") as f:
+        result = json.load(f)
+    rule = result["calibration"]
+    for knob, grid in (("temperature", ["0.5", "1.0"]), ("sigma", ["0.1", "0.5"])):
+        assert sorted(rule[knob]) == grid
+        best = min(grid, key=lambda v: abs(rule[knob][v] - (rule["greedy"] - 0.05)))
+        assert rule["chosen"][knob] == float(best)
+    assert result["knobs"]["temperature"] == {"temperature": rule["chosen"]["temperature"], "sigma": 0.0}
+    assert result["knobs"]["ttrl-minds"] == result["knobs"]["minds"] == {"temperature": 0.0,
+                                                                         "sigma": rule["chosen"]["sigma"]}
+    for mode, (run,) in result["runs"].items():
+        evals = run["evals"]
+        assert [e["iter"] for e in evals] == [0, 1, 2]
+        best = max(evals, key=lambda e: (e["select_greedy"], -e["iter"]))
+        assert run["peak step"] == best["iter"] and run["greedy at peak"] == best["eval_greedy"]
+        assert np.mean(run["correct at peak"]) == run["greedy at peak"] and len(run["correct before"]) == 4
 
 
 @needs_writingprompts

@@ -35,9 +35,36 @@ def readout(m, e, mu_p, c, gain, bias):
     return mu_q, z, pre
 
 
-def reverse_scan(x, a):
-    """h[t] = a h[t+1] + x[t] along dim 1 of x (B, T, D): model_eve.scan read from the last position back."""
-    return model_eve.scan(x.flip(1), a).flip(1)
+def scan_(x, a, reverse=False, k=8):
+    """In place, model_eve.scan's recurrence h[t] = a h[t-1] + x[t] along dim 1 of x (B, T, D), a (D,); reverse: h[t] =
+    a h[t+1] + x[t], from the last position back. NeuronBank owns its buffers, so the scan overwrites them: chunks of
+    k positions scanned inside (k - 1 ops over all chunks at once), each chunk's carry from its neighbour (T / k small
+    ops), one pass adding a^distance times the carry; the positions past the last whole chunk one at a time. model_eve's
+    out-of-place form copies the whole tensor about five times (padding, stacking, the flips of a reverse scan)."""
+    B, T, D = x.shape
+    n = T // k
+    body = x[:, :n * k].view(B, n, k, D)
+    powers = a ** torch.arange(1, k + 1, device=a.device, dtype=a.dtype).unsqueeze(1)  # (k, D): a^1 ... a^k
+    carried = x.new_zeros(B, n, D)  # the full h next to each chunk: before it (forward), after it (reverse)
+    if reverse:
+        for t in range(T - 2, n * k - 1, -1):  # the tail first: it feeds the last chunk
+            x[:, t].addcmul_(x[:, t + 1], a)
+        if n and n * k < T:
+            carried[:, -1] = x[:, n * k]
+        for i in range(k - 2, -1, -1):
+            body[:, :, i].addcmul_(body[:, :, i + 1], a)
+        for j in range(n - 2, -1, -1):  # h at chunk j + 1's first position: its own value plus a^k h after it
+            carried[:, j] = torch.addcmul(body[:, j + 1, 0], carried[:, j + 1], powers[-1])
+        body.addcmul_(carried.unsqueeze(2), powers.flip(0))  # position i is k - i before the next chunk
+        return x
+    for i in range(1, k):
+        body[:, :, i].addcmul_(body[:, :, i - 1], a)
+    for j in range(1, n):  # h at chunk j - 1's last position: its own value plus a^k h before it
+        carried[:, j] = torch.addcmul(body[:, j - 1, -1], carried[:, j - 1], powers[-1])
+    body.addcmul_(carried.unsqueeze(2), powers)  # position i is i + 1 after the chunk before
+    for t in range(max(n * k, 1), T):  # the tail, after the last chunk
+        x[:, t].addcmul_(x[:, t - 1], a)
+    return x
 
 
 class NeuronBank(torch.autograd.Function):
@@ -53,7 +80,10 @@ class NeuronBank(torch.autograd.Function):
         logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
         ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
         if ctx.scanned:  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0: sees z(< t) only
-            mu_p = model_eve.scan(torch.cat([m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)  # (B, T, D)
+            mu_p = torch.empty_like(e)  # (B, T, D): the drive m0, b e(t-1), scanned in place
+            mu_p[:, 0] = m0
+            torch.mul(e[:, :-1], b, out=mu_p[:, 1:])
+            scan_(mu_p, alpha)
         mu_q, z, pre = readout(m, e, mu_p, c, gain, bias)
         sq = (mu_q if mu_p is None else mu_q - mu_p).pow(2).mean((0, 1))
         means = torch.stack([logvar_q.mean((0, 1)), sigma_q.pow(2).mean((0, 1)), mu_q.pow(2).mean((0, 1)), sq, sq,
@@ -83,7 +113,7 @@ class NeuronBank(torch.autograd.Function):
                 grad_c = (through * mu_p).sum((0, 1))
                 grad_mu_p.addcmul_(through, c)
         if ctx.scanned:  # back through the scan: the same recurrence in reverse (d drive = reverse scan of d mu_p)
-            grad_drive = reverse_scan(grad_mu_p, alpha)
+            grad_drive = scan_(grad_mu_p, alpha, reverse=True)  # grad_mu_p is this backward's own
             grad_alpha = (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
             grad_b = (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
             grad_m0 = grad_drive[:, 0].sum(0)

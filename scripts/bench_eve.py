@@ -123,8 +123,9 @@ def piece_table():
             m, r, eps, None, *prior(), torch.tanh(eve.mem_gain), eve.dec_gain, eve.dec_bias, cfg.logvar_min,
             cfg.logvar_max)[:2], [m, r]),
         "the plain bank (model_eve.py), for contrast": (lambda: plain_bank(m, r, eps), [m, r]),
-        "of which the scan (forward only)": (lambda: model_eve.scan(drive, alpha), []),
-        "and its reverse, in the backward": (lambda: eve_bank.reverse_scan(drive, alpha), []),
+        "model_eve.scan (the plain bank's)": (lambda: model_eve.scan(drive, alpha), []),
+        "the in-place scan (NeuronBank forward)": (lambda: eve_bank.scan_(drive.clone(), alpha), []),
+        "and its reverse, in the backward": (lambda: eve_bank.scan_(drive.clone(), alpha, reverse=True), []),
         "w2 y": (lambda: eve.w2(y), [y]),
         "det's SwiGLU, for contrast": (lambda: det(u), [u]),
     }

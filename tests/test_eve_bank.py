@@ -1,6 +1,6 @@
 """nanolatent/eve_bank.py: EVE's fused neuron bank equals the model file's plain bank in float64 (values and every
 gradient, the clip binding on both sides, every configuration, decode steps), and its written-out backward passes
-gradcheck; its reverse scan equals the recurrence run backwards."""
+gradcheck; its in-place scan equals the recurrence run either way."""
 
 import pytest
 import torch
@@ -22,12 +22,15 @@ def grads(scalar, params):
     return torch.autograd.grad(scalar, params, allow_unused=True, materialize_grads=True)
 
 
-def test_reverse_scan_equals_the_per_position_loop_run_backwards_in_float64():
+def test_in_place_scan_equals_the_per_position_loop_both_ways_in_float64():
     g = gen(0)
-    for T in (1, 2, 5, 16, 17, 37, 100):
-        x = torch.randn(3, T, 6, dtype=torch.double, generator=g)
-        a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g))
-        assert torch.allclose(eve_bank.reverse_scan(x, a), sequential_scan(x, a, reverse=True), rtol=0, atol=1e-12)
+    for T in (1, 2, 5, 8, 16, 17, 37, 100):  # shorter than a chunk, whole chunks, a tail
+        for k in (1, 3, 8):
+            x = torch.randn(3, T, 6, dtype=torch.double, generator=g)
+            a = torch.tanh(2 * torch.randn(6, dtype=torch.double, generator=g))
+            for reverse in (False, True):
+                assert torch.allclose(eve_bank.scan_(x.clone(), a, reverse, k), sequential_scan(x, a, reverse=reverse),
+                                      rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("overrides", BANKS, ids=str)

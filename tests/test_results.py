@@ -265,3 +265,41 @@ def test_uncertainty_table_in_the_docs_is_the_functions_output():
     with open(f"{ROOT}/{results.REPRO}", encoding="utf-8") as f:
         docs = results.between(f.read(), results.UNCERTAINTY_BEGIN, results.UNCERTAINTY_END)
     assert docs == results.uncertainty_table()
+
+
+def test_grpo_rows_recomputed_from_each_runs_evaluations():
+    """The toy GRPO rows (assets/rlvr_rule.json): the rule's sigma and T from its probes, each run's peak from its
+    evaluations (the selection set's best greedy, the earliest of ties), read on the test set, and the rows' per-seed
+    values and per-problem items from those."""
+    with open(os.path.join(ROOT, "assets", "rlvr_rule.json")) as f:
+        record = json.load(f)
+    rule = record["calibration"]
+    target = rule["greedy"] - record["gap"]
+    for knob in ("temperature", "sigma"):
+        best = min(rule[knob].items(), key=lambda kv: abs(kv[1] - target))[0]
+        assert rule["chosen"][knob] == float(best)
+    assert record["knobs"]["minds"] == {"temperature": 0.0, "sigma": rule["chosen"]["sigma"]}
+    assert record["knobs"]["temperature"] == {"temperature": rule["chosen"]["temperature"], "sigma": 0.0}
+    want = {}
+    for mode, runs in record["runs"].items():
+        assert len(runs) == len(record["seeds"]) == 5
+        for run in runs:
+            evals = run["evals"]
+            assert [e["iter"] for e in evals] == list(range(0, record["steps"] + 1, record["eval_interval"]))
+            best = max(select["select_greedy"] for select in evals)
+            peak = next(e for e in evals if e["select_greedy"] == best)
+            assert run["peak step"] == peak["iter"] and run["greedy at peak"] == peak["eval_greedy"]
+            for at, value in (("before", run["greedy before"]), ("after", run["greedy after"]),
+                              ("at peak", run["greedy at peak"])):
+                assert len(run[f"correct {at}"]) == record["eval_prompts"]
+                assert sum(run[f"correct {at}"]) / record["eval_prompts"] == pytest.approx(value, abs=1e-12)
+        want[mode, "after"] = [r["greedy after"] - r["greedy before"] for r in runs]
+        want[mode, "at peak"] = [r["greedy at peak"] - r["greedy before"] for r in runs]
+    grpo, ttrl = results.grpo_toy(), results.ttrl_toy()
+    assert grpo["paper_arm"] == want["minds", "after"] and grpo["other"] == want["temperature", "after"]
+    assert ttrl["paper_arm"] == want["ttrl-minds", "at peak"] and ttrl["other"] == want["ttrl-temperature", "at peak"]
+    for row, (paper, other), at in ((grpo, ("minds", "temperature"), "after"),
+                                    (ttrl, ("ttrl-minds", "ttrl-temperature"), "at peak")):
+        items = [[[a - b for a, b in zip(r[f"correct {at}"], r["correct before"])] for r in record["runs"][mode]]
+                 for mode in (paper, other)]
+        assert np.array_equal(row["items"][0], items[0]) and np.array_equal(row["items"][1], items[1])

@@ -1,9 +1,10 @@
 """B-Trans Pass@K on a real pretrained model (§5.1, Fig. 2): SmolLM2-135M-Instruct, imported offline, or the paper's
-own Qwen3 and Llama-3.x Instruct models (docs/pretrained.md), on the paper's MMLU-Pro, on GSM8K or on HellaSwag as
-lettered multiple choice (MMLU-Pro's format).
+own Qwen3 and Llama-3.x Instruct models (docs/pretrained.md), on the paper's MMLU-Pro, on GSM8K, on HellaSwag as
+lettered multiple choice (MMLU-Pro's format) or on HellaSwag scored by the multiple-choice code (evaluate.py --task=mc).
 
     python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
+    python -m experiments.btrans_passk_pretrained --benchmark=hellaswag_mc --num_problems=60 --seeds=1,2,3,4,5
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
 
@@ -22,6 +23,12 @@ hellaswag  the first `num_problems` items of HellaSwag's validation sample, the 
            (tasks.letter_answer): every arm's first token is drawn from the prefill's logits, as generate() draws it.
 mmlu_pro   the first `num_problems` questions of MMLU-Pro's test split (B-Trans §5.1), the options as A-J, answered
            as hellaswag's items are: the letter, the reply's first token (the paper does not say how it reads one).
+hellaswag_mc  the same items, no chat template: each ending's log-likelihood after the context, summed over its
+           tokens, by the multiple-choice code (multiple_choice.score_choices, as evaluate.py --task=mc scores them);
+           an answer is an ending drawn from the softmax of the four at `temperature` (the model's own probability of
+           each ending, renormalised over the four: what sampling the model gives, restricted to them), by det or by
+           each mind with its own log-likelihoods; greedy minds answer with their most likely ending. A uniform
+           guesser's pass@k, 1 - (3/4)^k, is printed beside.
 pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
 only differences from temperature whose mean ± std intervals do not overlap; every count and curve goes to json_out,
 the curves to its figure (--from_json=True redraws both from the JSON, running nothing). Matrix products go through
@@ -41,7 +48,8 @@ from experiments import study
 from nanolatent import ckpt, common, cpu, multiple_choice, tasks, tokendata
 
 out_dir = "out-smollm2"
-benchmark = "hellaswag"  # 'gsm8k', or lettered multiple choice: 'hellaswag' or 'mmlu_pro' (the paper's)
+benchmark = "hellaswag"  # 'gsm8k', lettered multiple choice: 'hellaswag' or 'mmlu_pro' (the paper's); 'hellaswag_mc'
+#                           HellaSwag scored by the multiple-choice code
 # '' = GSM8K's test split from the hub (openai/gsm8k); offline, test.jsonl under $NANOLATENT_LOCAL_DATA (the same file)
 gsm8k = tokendata.local_data("gsm8k/test.jsonl")
 # a jsonl or the hub's 'hellaswag' (its validation split); offline, and for docs/pretrained.md's numbers, the 1,000-item
@@ -68,7 +76,7 @@ dtype = "float32"  # of the weights: bfloat16 halves the memory (on a GPU, as th
 thinking = True
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
-                     choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro"), "dtype": tuple(common.DTYPES)})
+                     choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro", "hellaswag_mc"), "dtype": tuple(common.DTYPES)})
 if max(ks) > n:
     common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
 json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
@@ -80,6 +88,7 @@ def problems_named(benchmark, max_steps):
     """What the problems are, in words (the log's first line, the figure's title)."""
     return {"gsm8k": "GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else ""),
             "hellaswag": "HellaSwag validation items as lettered multiple choice",
+            "hellaswag_mc": "HellaSwag validation items, endings scored by their log-likelihood",
             "mmlu_pro": "MMLU-Pro test questions"}[benchmark]
 
 
@@ -95,6 +104,8 @@ def report(run):
                  + ("*" if arm != "temperature" and study.intervals_apart(c[:, k - 1], ref[:, k - 1]) else "")
                  for k in ks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
+    if run["benchmark"] == "hellaswag_mc":  # a uniform guesser's pass@k over four endings
+        print("| chance | " + " | ".join(f"{1 - 0.75 ** k:.3f}" for k in ks) + " |")
     if study.one_seed_note(run["seeds"]):
         print(f"\n{study.one_seed_note(run['seeds'])}")
     plt = common.pyplot("the table is above; the figure")
@@ -117,7 +128,7 @@ def report(run):
 
 if from_json:
     study.report_from_json(json_out, report)
-source = {"gsm8k": gsm8k, "hellaswag": hellaswag, "mmlu_pro": mmlu_pro}[benchmark]
+source = {"gsm8k": gsm8k, "hellaswag": hellaswag, "mmlu_pro": mmlu_pro, "hellaswag_mc": hellaswag}[benchmark]
 if source and not os.path.exists(source) and source != "hellaswag":
     common.die(f"{source} not found: pass --{benchmark}=<its jsonl> (GSM8K's test.jsonl from openai/grade-school-math, "
                f"HellaSwag's validation jsonl, or MMLU-Pro's rows)")
@@ -137,6 +148,8 @@ if benchmark == "gsm8k":
     problems = [{"question": p["question"], "answer": tasks.gsm8k_answer(p["answer"])} for p in problems]
 elif benchmark == "mmlu_pro":
     problems = tasks.mmlu_pro_problems(rows)
+elif benchmark == "hellaswag_mc":
+    problems = multiple_choice.load_mc_examples(source)  # {context, choices, label}
 else:
     problems = [{"question": tasks.lettered_question(ex["context"], ex["choices"]),
                  "answer": tasks.LETTERS[ex["label"]], "choices": len(ex["choices"])}
@@ -151,11 +164,15 @@ for p in minds.parameters():  # the weights only, as sample.py --dtype: RoPE's t
     p.data = p.data.to(common.DTYPES[dtype])
 encode, decode = tokendata.tokenizer(checkpoint["meta"])
 end_id = tokendata.turn_end(checkpoint["meta"], encode)
-if end_id is None:
+if end_id is None and benchmark != "hellaswag_mc":  # hellaswag_mc scores endings: no chat turn to end
     common.die(f"{out_dir}'s tokenizer_config.json names no end of turn of one token (eos_token): this experiment "
                f"asks an Instruct model in its chat template")
-prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"], enable_thinking=thinking))
-           for p in problems]
+if benchmark == "hellaswag_mc":  # (context, ending) token pairs, as evaluate.py --task=mc makes them
+    prompts = [[multiple_choice.choice_tokens(encode, p["context"], choice) for choice in p["choices"]]
+               for p in problems]
+else:
+    prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"], enable_thinking=thinking))
+               for p in problems]
 
 
 def arm_model(arm):
@@ -192,14 +209,35 @@ def lettered_correct(seed, i, population, det_logits):
                      for t in ids.tolist()) for arm, ids in draws.items()}
 
 
+def scored_correct(seed, i, det_ll):
+    """{arm: correct answers of n} for item i scored by the multiple-choice code: det draws n endings from the softmax
+    of its summed log-likelihoods det_ll (C,) at `temperature`, each mind one from its own, greedy minds take their
+    most likely. The minds are score_choices' passes from the seed's generator: the same n minds for every item."""
+    tokens = torch.Generator().manual_seed(common.seed_of(seed, i))
+    population = torch.Generator().manual_seed(common.seed_of(seed, 0))
+    minds_ll = torch.tensor(multiple_choice.score_choices(arm_model("minds"), prompts[i], n, population,
+                                                          mixture="none")[0])  # (n, C): mind m is pass m
+    draws = {"temperature": torch.multinomial(F.softmax(det_ll / temperature, dim=-1), n, replacement=True,
+                                              generator=tokens),
+             "minds": torch.multinomial(F.softmax(minds_ll / temperature, dim=-1), 1, generator=tokens).view(n),
+             "greedy minds": minds_ll.argmax(-1)}
+    return {arm: int((ids == problems[i]["label"]).sum()) for arm, ids in draws.items()}
+
+
 def run(problem_ids):
     """(seeds, problems, arms) correct counts."""
     counts = np.zeros((len(seeds), len(problem_ids), len(ARMS)), dtype=int)
     with torch.no_grad(), cpu.inference_linears(minds, common.DTYPES[dtype]):
         for p, i in enumerate(common.progress(problem_ids, desc=f"{benchmark} problems")):
-            det_logits = (arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
-                          if benchmark != "gsm8k" else None)
+            if benchmark == "hellaswag_mc":  # det's log-likelihoods of the endings: the same for every seed
+                det_ll = torch.tensor(multiple_choice.score_choices(arm_model("temperature"), prompts[i], 1, None,
+                                                                    mixture="none")[0][0])  # (C,)
+            elif benchmark != "gsm8k":
+                det_logits = arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
             for s, seed in enumerate(seeds):
+                if benchmark == "hellaswag_mc":
+                    counts[s, p] = [scored_correct(seed, i, det_ll)[arm] for arm in ARMS]
+                    continue
                 population = minds.sample_latents(n, torch.Generator().manual_seed(common.seed_of(seed, 0)))
                 correct = (gsm8k_correct(seed, i, population) if benchmark == "gsm8k"
                            else lettered_correct(seed, i, population, det_logits))
@@ -221,13 +259,21 @@ if time_only:
           f"{len(all_seeds)} seeds) ~ {per * len(problems) * len(all_seeds) / 60:.0f} min")
     raise SystemExit
 counts = run(range(len(problems)))
+minutes = (time.time() - t0) / 60
+settings = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or HUB[benchmark][0],
+            "max_steps": max_steps, "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
+            "sigma_scale": sigma_scale, **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {})}
+if os.path.exists(json_out):  # seeds another invocation wrote with the same settings join this run's (one per process)
+    with open(json_out) as f:
+        earlier = json.load(f)
+    if all(earlier.get(name) == value for name, value in settings.items()):
+        kept = [(seed, c) for seed, c in zip(earlier["seeds"], earlier["correct_per_seed_problem_arm"]) if seed not in seeds]
+        order = sorted([*kept, *zip(seeds, counts.tolist())])
+        seeds, counts, minutes = [seed for seed, _ in order], np.array([c for _, c in order]), minutes + earlier["minutes"]
+        print(f"{json_out}: seeds {[seed for seed, _ in kept]} kept from an earlier run with the same settings")
 curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
-record = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or HUB[benchmark][0],
-          "max_steps": max_steps, "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
-          "sigma_scale": sigma_scale, "seeds": list(seeds), "minutes": (time.time() - t0) / 60,
-          **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
-          "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
+record = {**settings, "seeds": list(seeds), "minutes": minutes, "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
           "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}
 os.makedirs(os.path.dirname(json_out) or ".", exist_ok=True)
 with open(json_out, "w") as f:

@@ -149,8 +149,9 @@ def score_choices(model, pairs, n_passes, generator, autocast=nullcontext(), mix
     """Log-likelihood of each choice's continuation tokens under n_passes passes whose latents all choices of the
     example share. mixture 'token': sum over tokens of log p̄(token), p̄ the mean of the passes' softmaxes; 'sequence':
     log mean_m prod_t p_m(token_t), the likelihood under the population when a latent is frozen for the whole sequence
-    (a B-Trans mind, B-Trans Eq. 3). pairs: [(context ids, continuation ids)] -> (log-likelihoods [float], scored
-    token counts [int], truncated: bool). A sequence longer than block_size + 1 keeps its last tokens.
+    (a B-Trans mind, B-Trans Eq. 3); 'none': no mixture, each pass's own log-likelihoods (a list per pass). pairs:
+    [(context ids, continuation ids)] -> (log-likelihoods [float], scored token counts [int], truncated: bool). A
+    sequence longer than block_size + 1 keeps its last tokens.
 
     Every pass and choice goes into one batch (cut into pieces of at most MC_LOGITS logits). When the choices share
     their context and the latents do not depend on the tokens (det, B-Trans minds), the context goes through the
@@ -201,12 +202,14 @@ def score_choices(model, pairs, n_passes, generator, autocast=nullcontext(), mix
         target = log_probs.gather(-1, y.repeat(m1 - m0, 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (rows, L)
         log_p.append(target.view(m1 - m0, C, L))
     log_p = torch.cat(log_p).masked_fill(y == -1, 0.0)  # (passes, C, L)
+    truncated = any(len(ctx) + len(cont) > T + 1 for ctx, cont in pairs)
+    if mixture == "none":
+        return log_p.sum(2).tolist(), n_cont, truncated  # (passes, C)
     if mixture == "sequence":
         log_p = log_p.sum(2)  # (passes, C) log prod_t p_m(token_t)
     log_mix = torch.logsumexp(log_p, dim=0) - math.log(n_passes)
     if mixture == "token":
         log_mix = log_mix.masked_fill(y == -1, 0.0).sum(1)
-    truncated = any(len(ctx) + len(cont) > T + 1 for ctx, cont in pairs)
     return log_mix.tolist(), n_cont, truncated
 
 

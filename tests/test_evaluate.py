@@ -426,6 +426,22 @@ def test_sequence_mixture_is_the_likelihood_of_a_frozen_mind():
         assert got == pytest.approx(torch.logsumexp(torch.tensor(per_mind), 0).item() - math.log(3), abs=1e-4)
 
 
+def test_no_mixture_gives_each_minds_own_likelihood_of_each_choice():
+    """mixture='none': pass m's summed log-likelihood of every choice, mind m the m-th draw from the generator (the
+    population experiments/btrans_passk_pretrained.py's minds answer with); 'sequence' is their log mean exp."""
+    model = tiny("btrans", sigma=0.5)
+    pairs = [multiple_choice.choice_tokens(encode, "the cat sat on the", c) for c in ("mat.", "moon", "rug")]
+    per_pass, _, _ = multiple_choice.score_choices(model, pairs, 3, torch.Generator().manual_seed(7), mixture="none")
+    gen = torch.Generator().manual_seed(7)
+    minds = [model.sample_latents(1, gen) for _ in range(3)]
+    assert len(per_pass) == 3 and all(len(row) == 3 for row in per_pass)
+    for m, row in enumerate(per_pass):
+        for (ctx, cont), got in zip(pairs, row):
+            assert got == pytest.approx(direct_loglik(model, ctx, cont, [minds[m]]), abs=1e-4)
+    mixed, _, _ = multiple_choice.score_choices(model, pairs, 3, torch.Generator().manual_seed(7), mixture="sequence")
+    assert mixed == pytest.approx((torch.logsumexp(torch.tensor(per_pass), 0) - math.log(3)).tolist(), abs=1e-5)
+
+
 def test_free_choices_take_the_context_z_from_the_encoder_on_the_context_alone():
     """The choices' codes at context positions are the encoder's on the context (never on context + choice), the
     same for every choice; the choice positions get uniform codes, also shared."""

@@ -71,6 +71,45 @@ def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_pat
     assert study.one_seed_note([1]) in proc.stdout
 
 
+def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_dets_argmax(tmp_path):
+    """--benchmark=hellaswag_mc on a tiny char model: seeds run by two processes join one JSON equal to one process
+    running both; at sigma = 0 every mind is det, so greedy minds answer det's most likely ending n times, and each
+    count lies in [0, n]."""
+    from conftest import train_det
+    from nanolatent import multiple_choice
+    text = tmp_path / "input.txt"
+    text.write_text("the cat sat on the mat. the dog ran to the park. a bird sang in the tree. " * 40)
+    run_script("prepare.py", "text", f"--input={text}", "--tokenizer=char", "--name=tinytext", data_dir=tmp_path)
+    train_det(tmp_path, tmp_path / "det", "--dataset=tinytext", "--max_iters=4", "--eval_interval=4")
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"context": c, "choices": ["mat.", "park.", "tree.", "dog."], "label": i})
+                             + "\n" for i, c in enumerate(["the cat sat on the", "the dog ran to the",
+                                                             "a bird sang in the"])))
+    args = [sys.executable, "-m", "experiments.btrans_passk_pretrained", "--benchmark=hellaswag_mc",
+            f"--out_dir={tmp_path / 'det'}", f"--hellaswag={items}", "--num_problems=3", "--n=4", "--ks=1,2,4"]
+    for seeds, name in (("1,", "joined"), ("2,", "joined"), ("1,2", "once")):
+        run_script(*args, f"--seeds={seeds}", f"--json_out={tmp_path / name}.json", data_dir=tmp_path)
+    joined, once = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("joined", "once"))
+    assert joined["seeds"] == once["seeds"] == [1, 2]
+    assert joined["correct_per_seed_problem_arm"] == once["correct_per_seed_problem_arm"]
+    assert joined["pass_at_k_per_seed"] == once["pass_at_k_per_seed"]
+    counts = np.array(once["correct_per_seed_problem_arm"])  # (seeds, problems, arms)
+    assert counts.shape == (2, 3, 3) and counts.min() >= 0 and counts.max() <= 4
+    run_script(*args, "--seeds=1,", "--sigma=0", f"--json_out={tmp_path / 'sigma0.json'}", data_dir=tmp_path)
+    greedy = np.array(json.loads((tmp_path / "sigma0.json").read_text())["correct_per_seed_problem_arm"])[0, :, 2]
+    model, checkpoint = ckpt.load_model(tmp_path / "det")
+    encode, _ = tokendata.tokenizer(checkpoint["meta"])
+    for i, (context, label) in enumerate(zip(["the cat sat on the", "the dog ran to the", "a bird sang in the"],
+                                             range(3))):
+        pairs = [multiple_choice.choice_tokens(encode, context, c) for c in ["mat.", "park.", "tree.", "dog."]]
+        ll = []
+        for ctx, cont in pairs:  # one forward of context + ending, its ending's tokens summed
+            x = torch.tensor([ctx + cont[:-1]])
+            logp = torch.log_softmax(model.eval()(x, x)[0][0], -1)  # (T, V): every position's (targets given)
+            ll.append(sum(logp[len(ctx) - 1 + t, cont[t]].item() for t in range(len(cont))))
+        assert greedy[i] == 4 * (int(np.argmax(ll)) == label)
+
+
 def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
     assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
     assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out

@@ -341,7 +341,7 @@ def passk_toy():
 
 
 def passk_smollm2():
-    record = load("btrans_passk_pretrained_hellaswag.json")
+    record = load("btrans_passk_pretrained_hellaswag_mc.json")  # the endings scored (the lettered study: docs)
     counts = np.array(record["correct_per_seed_problem_arm"])  # (seeds, problems, arms): correct of n samples
     arm = {a: counts[:, :, i] for i, a in enumerate(record["arms"])}
     n, k, choices = record["n"], len(record["pass_at_k_per_seed"]["temperature"][0]), 4
@@ -349,7 +349,7 @@ def passk_smollm2():
     pass1, chance = float((arm["temperature"] / n).mean()), 1 - (1 - 1 / choices) ** k
     reached = pass1 > 1 / choices
     return row("the same, SmolLM2-135M", "gains at large K",
-               f"HellaSwag: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}; chance {chance:.2f}",
+               f"HellaSwag, scored: pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}; chance {chance:.2f}",
                link("SmolLM2", PRETRAINED, "Pass@K with SmolLM2 (B-Trans §5.1 on a real model)"),
                minds[:, -1], temp[:, -1],
                {"reached": reached, "text": f"{'yes' if reached else 'no'}: pass@1 {pass1:.3f}, chance {1 / choices:.2f}"},

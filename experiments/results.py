@@ -312,7 +312,7 @@ def btrans_diversity():
     gap = max(abs(r["nll_gap"]) for r in runs)
     t_star = float(np.mean([r["matched_temperature"] for r in runs]))
     reached = gap < NLL_MATCH
-    return row("B-Trans: minds more diverse than temperature (§5.1)", "higher cosine distance",
+    return row("B-Trans: minds more diverse than temperature (§5.1)", "more diverse",
                f"{mean(minds)} vs {mean(matched)} (T*={t_star:.2f}); T=1 {float(np.mean(minds - det)):+.3f}",
                link("diversity", PRETRAINED, "Minds' semantic diversity on SmolLM2 (B-Trans §5.1, Fig. 3 and 4)"),
                minds, matched, {"reached": reached, "text": f"{'yes' if reached else 'no'}: gap {gap:.2f}"},

@@ -102,3 +102,30 @@ def report_from_json(json_out, report):
     with open(json_out) as f:
         report(json.load(f))
     raise SystemExit
+
+
+def match_temperature(nll_at, target, first=1.0, slope=5.0, max_probes=4, tolerance=0.02, bounds=(0.05, 4.0)):
+    """A direct search for the temperature whose generations' NLL equals `target`: nll_at(T) -> (nll, result) is a
+    real run at T, and every probe is one (no interpolation between measured points). The first probe is at `first`;
+    the second steps (target - nll) / slope; then the secant through the last two probes, replaced by the bisection of
+    the bracket (the nearest probes below and above target) where the secant leaves it or its slope is not positive;
+    each T clipped to `bounds`. It stops when |nll - target| < tolerance or after max_probes. Returns the probes
+    [(T, nll, result)] in order and the index of the one closest to target in NLL (the arm reported)."""
+    probes, t = [], first
+    while True:
+        nll, result = nll_at(t)
+        probes.append((t, nll, result))
+        if abs(nll - target) < tolerance or len(probes) == max_probes:
+            return probes, min(range(len(probes)), key=lambda i: abs(probes[i][1] - target))
+        below = [p[0] for p in probes if p[1] < target]
+        above = [p[0] for p in probes if p[1] > target]
+        bracket = (max(below), min(above)) if below and above else None
+        step = (target - nll) / slope
+        if len(probes) > 1:
+            (t0, n0, _), (t1, n1, _) = probes[-2:]
+            secant = (n1 - n0) / (t1 - t0) if t1 != t0 else 0.0
+            step = (target - nll) / secant if secant > 0 else step
+        t = t + step
+        if bracket and not min(bracket) < t < max(bracket):
+            t = sum(bracket) / 2
+        t = float(np.clip(t, *bounds))

@@ -140,6 +140,41 @@ def test_each_rows_interval_regime_and_verdict_recomputed(row):
     assert len(visible) <= 200, visible  # the table stays readable; numbers are one link away
 
 
+def test_diversity_row_recomputed_from_the_studys_json():
+    """§5.1's row from assets/btrans_diversity_smollm2.json read here: each seed's mean over the prompts of minds at
+    T = 1 and det at T*, T* the search's probe closest to the minds' NLL, the regime (every seed's NLL gap under 0.1
+    nats), the cell's numbers, and a bootstrap over the prompts of this file's own (another generator: equal to the
+    row's within the resampling's noise)."""
+    with open(os.path.join(ROOT, "assets", "btrans_diversity_smollm2.json")) as f:
+        runs = json.load(f)["runs"]
+    prompts = {arm: [r["arms"][arm]["diversity"] for r in runs] for arm in ("minds, T=1", "det, T=1", "det, T*")}
+    seed_means = {arm: [statistics.mean(v) for v in values] for arm, values in prompts.items()}
+    gaps = []
+    for r in runs:
+        target = statistics.mean(r["arms"]["minds, T=1"]["nll"])
+        best = min(r["probes"], key=lambda p: abs(p["nll"] - target))
+        assert r["matched_temperature"] == best["temperature"] == r["arms"]["det, T*"]["temperature"]
+        assert statistics.mean(r["arms"]["det, T*"]["nll"]) == pytest.approx(best["nll"], abs=1e-9)
+        assert r["probes"][0]["temperature"] == 1.0 and len(r["probes"]) <= 4
+        gaps.append(abs(best["nll"] - target))
+        assert all(len(r["arms"][arm][k]) >= 32 for arm in prompts for k in ("nll", "diversity"))
+    row = results.judged(results.btrans_diversity())
+    assert row["paper_arm"] == pytest.approx(seed_means["minds, T=1"], abs=1e-12)
+    assert row["other"] == pytest.approx(seed_means["det, T*"], abs=1e-12)
+    assert row["regime"]["reached"] == (max(gaps) < 0.1)
+    minds, matched, t_star, raw = re.findall(r"[+-]?\d+\.\d+", readme_cells(row["measured"])[2])
+    assert close(t_star, statistics.mean(r["matched_temperature"] for r in runs))
+    assert close(minds, statistics.mean(seed_means["minds, T=1"]))
+    assert close(matched, statistics.mean(seed_means["det, T*"]))
+    assert close(raw, statistics.mean(seed_means["minds, T=1"]) - statistics.mean(seed_means["det, T=1"]))
+    diff = np.array(prompts["minds, T=1"]) - np.array(prompts["det, T*"])  # (seeds, prompts)
+    rng = np.random.default_rng(12345)
+    means = [diff[:, rng.integers(0, diff.shape[1], diff.shape[1])].mean() for _ in range(4000)]
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    tolerance = 0.15 * (hi - lo)
+    assert abs(row["bootstrap"][0] - lo) < tolerance and abs(row["bootstrap"][1] - hi) < tolerance
+
+
 def test_eve_rows_take_their_per_seed_values_from_evaluates_json():
     prefix = "eve_primary" if results.exists("eve_primary.json") else "eve_study"
     with open(os.path.join(ROOT, "assets", f"{prefix}_m1.json")) as f:

@@ -108,18 +108,26 @@ def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(smo
     out = tmp_path / "div.json"
     for seed in (1, 2):  # two invocations, as two processes would run them: the second joins the first's JSON
         run_script(sys.executable, "-m", "experiments.btrans_diversity_smollm2", f"--out_dir={model}",
-                   "--num_prompts=2", "--K=3", "--max_new_tokens=4", "--temperatures=0.5,1.0", "--minds=((0.06, 0.0),)",
+                   "--num_prompts=2", "--K=3", "--max_new_tokens=4", "--max_probes=3", "--sigma=0.06",
                    f"--seeds={seed},", "--pca_prompts=1", f"--json_out={out}", data_dir=tmp_path)
     with open(out) as f:
         result = json.load(f)
     assert [r["seed"] for r in result["runs"]] == [1, 2] and os.path.getsize(tmp_path / "div.png") > 0
     assert result["embedder"] == "sentence-transformers/all-MiniLM-L6-v2" and not os.path.exists(f"{out}.lock")
+    names = ["minds, T=1", "det, T=1", "det, T*"]
     for run in result["runs"]:
-        assert list(run["arms"]) == ["T=0.5", "T=1", "minds sigma=0.06, T=0"]
+        assert list(run["arms"]) == names
         for arm in run["arms"].values():
             assert len(arm["nll"]) == len(arm["diversity"]) == 2
             assert all(n > 0 for n in arm["nll"]) and all(0 <= d <= 2 for d in arm["diversity"])
+        # the search: det at T = 1 is its first probe; T* is the probe closest to the minds' NLL, its gap recorded
+        probes, target = run["probes"], np.mean(run["arms"]["minds, T=1"]["nll"])
+        assert 1 <= len(probes) <= 3 and probes[0]["temperature"] == 1.0
+        assert probes[0]["nll"] == pytest.approx(np.mean(run["arms"]["det, T=1"]["nll"]))
+        best = min(probes, key=lambda p: abs(p["nll"] - target))
+        assert run["matched_temperature"] == best["temperature"] == run["arms"]["det, T*"]["temperature"]
+        assert run["nll_gap"] == pytest.approx(best["nll"] - target)
+        assert best["nll"] == pytest.approx(np.mean(run["arms"]["det, T*"]["nll"]))
         (panel,) = run["pca"]
-        assert {name: len(xy) for name, xy in panel["points"].items()} == {"T=0.5": 3, "T=1": 3,
-                                                                          "minds sigma=0.06, T=0": 3}
-    assert result["runs"][0]["arms"]["T=1"] != result["runs"][1]["arms"]["T=1"]  # each seed its own draws
+        assert {name: len(xy) for name, xy in panel["points"].items()} == dict.fromkeys(names, 3)
+    assert result["runs"][0]["arms"]["det, T=1"] != result["runs"][1]["arms"]["det, T=1"]  # each seed its own draws

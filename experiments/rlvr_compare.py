@@ -232,7 +232,9 @@ axes[2].set_xticks(range(len(columns)), [name for name, _ in columns])
 axes[2].set_ylabel("held-out accuracy (mean ± std over seeds)")
 axes[2].set_title(f"{eval_prompts} held-out problems: before (x) and after (o) GRPO", fontsize=9)
 axes[2].legend(fontsize=8)
-fig.suptitle(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, sigma={sigma}; mean of "
+settings = (f"by the rule: T={calibration['chosen']['temperature']}, minds sigma={calibration['chosen']['sigma']} "
+            f"decoded greedily" if gap else f"sigma={sigma}, T={temperature}")
+fig.suptitle(f"GRPO from {sft_dir}, {prompts_per_step} prompts x {group_size} rollouts, {settings}; mean of "
              f"{len(seeds)} seeds, band: min-max", fontsize=9)
 fig.tight_layout()
 os.makedirs(os.path.dirname(figure) or ".", exist_ok=True)

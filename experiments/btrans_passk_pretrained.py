@@ -267,14 +267,16 @@ if os.path.exists(json_out):  # seeds another invocation wrote with the same set
     with open(json_out) as f:
         earlier = json.load(f)
     if all(earlier.get(name) == value for name, value in settings.items()):
-        kept = [(seed, c) for seed, c in zip(earlier["seeds"], earlier["correct_per_seed_problem_arm"]) if seed not in seeds]
+        kept = [(seed, c) for seed, c in zip(earlier["seeds"], earlier["correct_per_seed_problem_arm"])
+                if seed not in seeds]
         order = sorted([*kept, *zip(seeds, counts.tolist())])
-        seeds, counts, minutes = [seed for seed, _ in order], np.array([c for _, c in order]), minutes + earlier["minutes"]
+        seeds, counts = [seed for seed, _ in order], np.array([c for _, c in order])
+        minutes += earlier["minutes"]
         print(f"{json_out}: seeds {[seed for seed, _ in kept]} kept from an earlier run with the same settings")
 curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
-record = {**settings, "seeds": list(seeds), "minutes": minutes, "correct_per_seed_problem_arm": counts.tolist(), "arms": list(ARMS),
-          "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}
+record = {**settings, "seeds": list(seeds), "minutes": minutes, "correct_per_seed_problem_arm": counts.tolist(),
+          "arms": list(ARMS), "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}
 os.makedirs(os.path.dirname(json_out) or ".", exist_ok=True)
 with open(json_out, "w") as f:
     json.dump(record, f, indent=1)

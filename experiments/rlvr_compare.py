@@ -122,8 +122,8 @@ if gap:  # the rule, on the starting model: one zero-step run per grid value, th
               for knob, values in calibration.items() if knob in ("temperature", "sigma")}
     calibration["chosen"] = chosen
     print(f"the rule: rollouts right as often as greedy ({greedy:.3f}) minus {gap} on the {select_prompts} selection "
-          f"problems -> temperature {chosen['temperature']} (pass@1 {calibration['temperature'][str(chosen['temperature'])]:.3f}), "
-          f"sigma {chosen['sigma']} decoded greedily (pass@1 {calibration['sigma'][str(chosen['sigma'])]:.3f})")
+          f"problems -> " + ", ".join(f"{knob} {chosen[knob]} (pass@1 {calibration[knob][str(chosen[knob])]:.3f})"
+                                      for knob in ("temperature", "sigma")) + ", minds decoded greedily")
     for mode in modes:
         knobs[mode] = ({"temperature": chosen["temperature"], "sigma": 0.0} if "--rollout=temperature" in ARMS[mode]
                        else {"temperature": 0.0, "sigma": chosen["sigma"]})

@@ -157,9 +157,9 @@ def main():
     config, overrides = configurator.apply(globals(), model_fields=lambda values: models.config_fields("btrans"))
     configurator.require(config, positive=("log_interval", "eval_interval", "eval_prompts", "eval_samples",
                                            "prompts_per_step", "updates_per_batch", "adv_eps"),
-                         non_negative=("max_steps", "select_prompts", "max_new_tokens", "max_calc_steps", "update_batch", "temperature",
-                                       "eval_temperature", "learning_rate", "kl_coef", "clip_eps", "grad_clip",
-                                       "weight_decay", "seed"),
+                         non_negative=("max_steps", "select_prompts", "max_new_tokens", "max_calc_steps",
+                                       "update_batch", "temperature", "eval_temperature", "learning_rate", "kl_coef",
+                                       "clip_eps", "grad_clip", "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
                                   "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
                          within={"beta1": "[0, 1)", "beta2": "[0, 1)"})

@@ -79,8 +79,11 @@ class NeuronBank(torch.autograd.Function):
         alone), and the memory at the next position."""
         logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
         ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
-        if ctx.scanned:  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0: sees z(< t) only
-            mu_p = torch.empty_like(e)  # (B, T, D): the drive m0, b e(t-1), scanned in place
+        if ctx.scanned and torch.compiler.is_compiling():  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0
+            # compiled: model_eve's out-of-place scan, the form inductor fuses (dynamo breaks its graph at an out=)
+            mu_p = model_eve.scan(torch.cat([m0.expand(len(e), 1, -1), b * e[:, :-1]], dim=1), alpha)  # (B, T, D)
+        elif ctx.scanned:  # eager: the drive m0, b e(t-1) written into mu_p's buffer and scanned there
+            mu_p = torch.empty_like(e)  # (B, T, D)
             mu_p[:, 0] = m0
             torch.mul(e[:, :-1], b, out=mu_p[:, 1:])
             scan_(mu_p, alpha)

@@ -5,6 +5,7 @@ lettered multiple choice (MMLU-Pro's format) or on HellaSwag scored by the multi
     python -m scripts.convert gguf --src=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=out-smollm2   # or scripts/convert.py hf
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag --num_problems=100
     python -m experiments.btrans_passk_pretrained --benchmark=hellaswag_mc --num_problems=60 --seeds=1,2,3,4,5
+    python -m experiments.btrans_passk_pretrained --benchmark=hellaswag_mc --score=char --num_problems=32
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --num_problems=8 --time_only=True
     python -m experiments.btrans_passk_pretrained --benchmark=gsm8k --max_steps=1 --num_problems=12
 
@@ -28,7 +29,9 @@ hellaswag_mc  the same items, no chat template: each ending's log-likelihood aft
            an answer is an ending drawn from the softmax of the four at `temperature` (the model's own probability of
            each ending, renormalised over the four: what sampling the model gives, restricted to them), by det or by
            each mind with its own log-likelihoods; greedy minds answer with their most likely ending. A uniform
-           guesser's pass@k, 1 - (3/4)^k, is printed beside.
+           guesser's pass@k, 1 - (3/4)^k, is printed beside. score='char': each ending's log-likelihood per
+           character times the four endings' mean character count (the summed log-likelihood each would have at the
+           item's common length: its argmax is evaluate.py's acc_char, the harness' acc_norm), then drawn the same way.
 pass@k (k = 1 ... n, unbiased) is averaged over problems, per seed; the table gives mean ± std over seeds and marks (*)
 only differences from temperature whose mean ± std intervals do not overlap; every count and curve goes to json_out,
 the curves to its figure (--from_json=True redraws both from the JSON, running nothing). Matrix products go through
@@ -63,6 +66,8 @@ n = 16  # answers per problem, arm and seed: pass@k for k = 1 ... n
 ks = (1, 2, 4, 8, 16)  # the table's columns
 max_new_tokens = 256  # gsm8k
 temperature = 1.0  # the paper's high temperature; the greedy minds' excepted
+score = "sum"  # hellaswag_mc: what an ending's draw is the softmax of: 'sum' (its log-likelihood), 'char' (per character,
+#                times the item's mean ending length: the length-normalised score at the endings' own scale)
 sigma = 0.03  # relative to each gain: +0.08 nats and 15% argmax flips on SmolLM2 (experiments/btrans_sigma.py)
 sigma_scale = "gain"
 seeds = (1, 2, 3)
@@ -76,10 +81,13 @@ dtype = "float32"  # of the weights: bfloat16 halves the memory (on a GPU, as th
 thinking = True
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
-                     choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro", "hellaswag_mc"), "dtype": tuple(common.DTYPES)})
+                     choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro", "hellaswag_mc"), "score": ("sum", "char"),
+                              "dtype": tuple(common.DTYPES)})
+if score != "sum" and benchmark != "hellaswag_mc":
+    common.die(f"--score={score} scores endings: it goes with --benchmark=hellaswag_mc")
 if max(ks) > n:
     common.die(f"ks={ks} asks for pass@{max(ks)} from n={n} answers: raise n or drop the larger k")
-json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}.json"
+json_out = json_out or f"assets/btrans_passk_pretrained_{benchmark}{'' if score == 'sum' else '_' + score}.json"
 ARMS = ("temperature", "minds", "greedy minds")
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "mmlu_pro": ("TIGER-Lab/MMLU-Pro", None)}  # (path, name) of a test split
 
@@ -89,6 +97,7 @@ def problems_named(benchmark, max_steps):
     return {"gsm8k": "GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else ""),
             "hellaswag": "HellaSwag validation items as lettered multiple choice",
             "hellaswag_mc": "HellaSwag validation items, endings scored by their log-likelihood",
+            "hellaswag_mc_char": "HellaSwag validation items, endings scored per character",
             "mmlu_pro": "MMLU-Pro test questions"}[benchmark]
 
 
@@ -118,7 +127,7 @@ def report(run):
     ax.set_xlabel("k")
     ax.set_ylabel("pass@k")
     ax.set_title(f"{os.path.basename(os.path.normpath(run['out_dir']))}: {run['num_problems']} "
-                 f"{problems_named(run['benchmark'], run['max_steps'])}\nn={run['n']}, T={run['temperature']}, "
+                 f"{problems_named(run['benchmark'] + ('_char' if run.get('score') == 'char' else ''), run['max_steps'])}\nn={run['n']}, T={run['temperature']}, "
                  f"minds sigma={run['sigma']} ({run['sigma_scale']}); mean of {len(run['seeds'])} seeds, band: "
                  f"min-max", fontsize=9)
     ax.legend()
@@ -170,6 +179,10 @@ if end_id is None and benchmark != "hellaswag_mc":  # hellaswag_mc scores ending
 if benchmark == "hellaswag_mc":  # (context, ending) token pairs, as evaluate.py --task=mc makes them
     prompts = [[multiple_choice.choice_tokens(encode, p["context"], choice) for choice in p["choices"]]
                for p in problems]
+    # the scores' scale per ending: 1 (sums), or the item's mean character count / the ending's
+    scales = [torch.ones(len(p["choices"])) if score == "sum" else
+              torch.tensor([np.mean([len(c) for c in p["choices"]]) / len(c) for c in p["choices"]])
+              for p in problems]
 else:
     prompts = [encode(tokendata.chat_prompt(checkpoint["meta"], p["question"], enable_thinking=thinking))
                for p in problems]
@@ -211,12 +224,12 @@ def lettered_correct(seed, i, population, det_logits):
 
 def scored_correct(seed, i, det_ll):
     """{arm: correct answers of n} for item i scored by the multiple-choice code: det draws n endings from the softmax
-    of its summed log-likelihoods det_ll (C,) at `temperature`, each mind one from its own, greedy minds take their
-    most likely. The minds are score_choices' passes from the seed's generator: the same n minds for every item."""
+    of its scores det_ll (C,) at `temperature`, each mind one from its own, greedy minds take their most likely. The
+    minds are score_choices' passes from the seed's generator: the same n minds for every item."""
     tokens = torch.Generator().manual_seed(common.seed_of(seed, i))
     population = torch.Generator().manual_seed(common.seed_of(seed, 0))
     minds_ll = torch.tensor(multiple_choice.score_choices(arm_model("minds"), prompts[i], n, population,
-                                                          mixture="none")[0])  # (n, C): mind m is pass m
+                                                          mixture="none")[0]) * scales[i]  # (n, C): mind m is pass m
     draws = {"temperature": torch.multinomial(F.softmax(det_ll / temperature, dim=-1), n, replacement=True,
                                               generator=tokens),
              "minds": torch.multinomial(F.softmax(minds_ll / temperature, dim=-1), 1, generator=tokens).view(n),
@@ -231,7 +244,7 @@ def run(problem_ids):
         for p, i in enumerate(common.progress(problem_ids, desc=f"{benchmark} problems")):
             if benchmark == "hellaswag_mc":  # det's log-likelihoods of the endings: the same for every seed
                 det_ll = torch.tensor(multiple_choice.score_choices(arm_model("temperature"), prompts[i], 1, None,
-                                                                    mixture="none")[0][0])  # (C,)
+                                                                    mixture="none")[0][0]) * scales[i]  # (C,)
             elif benchmark != "gsm8k":
                 det_logits = arm_model("temperature")(torch.tensor([prompts[i]], device=device))[0][0, -1].float().cpu()
             for s, seed in enumerate(seeds):
@@ -262,7 +275,8 @@ counts = run(range(len(problems)))
 minutes = (time.time() - t0) / 60
 settings = {"out_dir": out_dir, "benchmark": benchmark, "source": os.path.basename(source) or HUB[benchmark][0],
             "max_steps": max_steps, "num_problems": len(problems), "n": n, "temperature": temperature, "sigma": sigma,
-            "sigma_scale": sigma_scale, **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {})}
+            "sigma_scale": sigma_scale, **({"max_new_tokens": max_new_tokens} if benchmark == "gsm8k" else {}),
+            **({"score": score} if benchmark == "hellaswag_mc" else {})}
 if os.path.exists(json_out):  # seeds another invocation wrote with the same settings join this run's (one per process)
     with open(json_out) as f:
         earlier = json.load(f)

@@ -73,8 +73,8 @@ def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_pat
 
 def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_dets_argmax(tmp_path):
     """--benchmark=hellaswag_mc on a tiny char model: seeds run by two processes join one JSON equal to one process
-    running both; at sigma = 0 every mind is det, so greedy minds answer det's most likely ending n times, and each
-    count lies in [0, n]."""
+    running both; at sigma = 0 every mind is det, so greedy minds answer det's most likely ending n times (with
+    --score=char, the most likely per character), and each count lies in [0, n]."""
     from conftest import train_det
     from nanolatent import multiple_choice
     text = tmp_path / "input.txt"
@@ -97,17 +97,25 @@ def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_
     assert counts.shape == (2, 3, 3) and counts.min() >= 0 and counts.max() <= 4
     run_script(*args, "--seeds=1,", "--sigma=0", f"--json_out={tmp_path / 'sigma0.json'}", data_dir=tmp_path)
     greedy = np.array(json.loads((tmp_path / "sigma0.json").read_text())["correct_per_seed_problem_arm"])[0, :, 2]
+    run_script(*args, "--seeds=1,", "--sigma=0", "--score=char", f"--json_out={tmp_path / 'char.json'}",
+               data_dir=tmp_path)
+    char = json.loads((tmp_path / "char.json").read_text())
+    greedy_char = np.array(char["correct_per_seed_problem_arm"])[0, :, 2]
+    assert char["score"] == "char"
+    choices = ["mat.", "park.", "tree.", "dog."]
     model, checkpoint = ckpt.load_model(tmp_path / "det")
     encode, _ = tokendata.tokenizer(checkpoint["meta"])
     for i, (context, label) in enumerate(zip(["the cat sat on the", "the dog ran to the", "a bird sang in the"],
                                              range(3))):
-        pairs = [multiple_choice.choice_tokens(encode, context, c) for c in ["mat.", "park.", "tree.", "dog."]]
+        pairs = [multiple_choice.choice_tokens(encode, context, c) for c in choices]
         ll = []
         for ctx, cont in pairs:  # one forward of context + ending, its ending's tokens summed
             x = torch.tensor([ctx + cont[:-1]])
             logp = torch.log_softmax(model.eval()(x, x)[0][0], -1)  # (T, V): every position's (targets given)
             ll.append(sum(logp[len(ctx) - 1 + t, cont[t]].item() for t in range(len(cont))))
         assert greedy[i] == 4 * (int(np.argmax(ll)) == label)
+        # --score=char: greedy minds at sigma = 0 take the argmax of each ending's log-likelihood per character
+        assert greedy_char[i] == 4 * (int(np.argmax([v / len(c) for v, c in zip(ll, choices)])) == label)
 
 
 def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():

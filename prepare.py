@@ -11,6 +11,7 @@
 
 import codecs
 import collections
+import concurrent.futures
 import glob
 import io
 import itertools
@@ -456,15 +457,22 @@ def encoded(batches, bpe_file, processes):
         yield from ((first, anchor, *tokendata.encode_gpt2_documents(texts)) for first, anchor, texts in batches)
         return
     pending = collections.deque()
-    with multiprocessing.get_context("spawn").Pool(processes, tokendata.start_gpt2_process, (bpe_file,)) as pool:
+    # an executor, not multiprocessing.Pool: a Pool terminated (as its `with` does) while batches are still being
+    # queued can wait forever for its task thread, stuck in the input queue's put with the workers gone (seen here, twice
+    # in 70 early stops); the executor cancels what no worker has begun and waits for the rest
+    pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"),
+                                                  tokendata.start_gpt2_process, (bpe_file,))
+    try:
         for first, anchor, texts in batches:
-            pending.append((first, anchor, pool.apply_async(tokendata.encode_gpt2_documents, (texts,))))
+            pending.append((first, anchor, pool.submit(tokendata.encode_gpt2_documents, texts)))
             if len(pending) > 2 * processes:
                 first, anchor, job = pending.popleft()
-                yield first, anchor, *job.get()
+                yield first, anchor, *job.result()
         while pending:
             first, anchor, job = pending.popleft()
-            yield first, anchor, *job.get()
+            yield first, anchor, *job.result()
+    finally:  # the budget spent, or an error: the work ahead is dropped
+        pool.shutdown(cancel_futures=True)
 
 
 def write_atomically(path, write):

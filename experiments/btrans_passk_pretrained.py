@@ -92,12 +92,12 @@ ARMS = ("temperature", "minds", "greedy minds")
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "mmlu_pro": ("TIGER-Lab/MMLU-Pro", None)}  # (path, name) of a test split
 
 
-def problems_named(benchmark, max_steps):
+def problems_named(benchmark, max_steps, score):
     """What the problems are, in words (the log's first line, the figure's title)."""
     return {"gsm8k": "GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else ""),
             "hellaswag": "HellaSwag validation items as lettered multiple choice",
-            "hellaswag_mc": "HellaSwag validation items, endings scored by their log-likelihood",
-            "hellaswag_mc_char": "HellaSwag validation items, endings scored per character",
+            "hellaswag_mc": "HellaSwag validation items, endings scored by their log-likelihood"
+                            + (" per character" if score == "char" else ""),
             "mmlu_pro": "MMLU-Pro test questions"}[benchmark]
 
 
@@ -127,9 +127,9 @@ def report(run):
     ax.set_xlabel("k")
     ax.set_ylabel("pass@k")
     ax.set_title(f"{os.path.basename(os.path.normpath(run['out_dir']))}: {run['num_problems']} "
-                 f"{problems_named(run['benchmark'] + ('_char' if run.get('score') == 'char' else ''), run['max_steps'])}\nn={run['n']}, T={run['temperature']}, "
-                 f"minds sigma={run['sigma']} ({run['sigma_scale']}); mean of {len(run['seeds'])} seeds, band: "
-                 f"min-max", fontsize=9)
+                 f"{problems_named(run['benchmark'], run['max_steps'], run.get('score'))}\nn={run['n']}, "
+                 f"T={run['temperature']}, minds sigma={run['sigma']} ({run['sigma_scale']}); mean of "
+                 f"{len(run['seeds'])} seeds, band: min-max", fontsize=9)
     ax.legend()
     fig.tight_layout()
     study.save_figure(fig, json_out)
@@ -261,7 +261,7 @@ def run(problem_ids):
     return counts
 
 
-print(f"{out_dir}: the first {len(problems)} {problems_named(benchmark, max_steps)}, n={n} per arm and seed, "
+print(f"{out_dir}: the first {len(problems)} {problems_named(benchmark, max_steps, score)}, n={n} per arm and seed, "
       f"T={temperature}, minds sigma={sigma} ({sigma_scale}), seeds {list(seeds)}")
 t0 = time.time()
 if time_only:

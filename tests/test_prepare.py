@@ -343,6 +343,31 @@ def test_fineweb_edu_in_one_process_writes_the_bytes_of_two(fineweb_copy, finewe
     assert shard_bytes(tmp_path / "fineweb_edu") == shard_bytes(fineweb_run[0])
 
 
+# python -c STOP_EARLY BPE: prepare.py's encoder pool stopped two batches in with more submitted (as a spent budget
+# stops it); prints the processes still alive, then whether the two batches are those one process encodes
+STOP_EARLY = """import multiprocessing, runpy, sys
+bpe, sys.argv = sys.argv[1], ["prepare.py"]
+encoded = runpy.run_path("prepare.py", run_name="prepare")["encoded"]
+batches = lambda: ((k, None, [f"document {k}.{j}: " + "the quick brown fox " * 400 for j in range(40)]) for k in range(50))
+stream = encoded(batches(), bpe, 2)
+got = [next(stream) for _ in range(2)]
+stream.close()
+alone = encoded(batches(), bpe, 1)
+print(len(multiprocessing.active_children()), all(
+    (a[0], a[2].tolist(), list(a[3])) == (b[0], b[2].tolist(), list(b[3])) for a, b in zip(got, [next(alone), next(alone)])))
+"""
+
+
+@pytest.mark.slow
+@needs_bpe
+def test_the_encoder_pool_stopped_with_work_in_flight_exits_with_its_workers():
+    """A spent budget stops reading the pool's results with batches still queued and large ones being written to the
+    workers: the pool shuts down, no worker is left, and the batches read are those one process encodes."""
+    job = subprocess.run([sys.executable, "-c", STOP_EARLY, GPT2_BPE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (job.returncode, job.stdout) == (0, "0 True\n"), job.stdout + job.stderr[-3000:]
+
+
 # python -c KILL_BEFORE_RENAME N prepare.py ARGS: prepare.py with a SIGKILL of its whole job (itself and its pool, the
 # process group of a session of its own) injected before its Nth os.replace, the step that makes a file whole
 KILL_BEFORE_RENAME = """import os, runpy, signal, sys

@@ -458,8 +458,8 @@ def encoded(batches, bpe_file, processes):
         return
     pending = collections.deque()
     # an executor, not multiprocessing.Pool: a Pool terminated (as its `with` does) while batches are still being
-    # queued can wait forever for its task thread, stuck in the input queue's put with the workers gone (seen here, twice
-    # in 70 early stops); the executor cancels what no worker has begun and waits for the rest
+    # queued can wait forever for its task thread, stuck in the input queue's put with the workers gone (seen here:
+    # twice in 70 early stops); the executor cancels what no worker has begun and waits for the rest
     pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"),
                                                   tokendata.start_gpt2_process, (bpe_file,))
     try:

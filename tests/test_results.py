@@ -15,7 +15,7 @@ from conftest import LOCAL_DATA, ROOT, run_script
 from experiments import results, stats
 
 # Student t's 97.5th percentiles, df = 1..10: NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 31: 2.040}
 MARGIN = 0.2  # rule 3's nats
 
 
@@ -173,6 +173,32 @@ def test_diversity_row_recomputed_from_the_studys_json():
     lo, hi = np.percentile(means, [2.5, 97.5])
     tolerance = 0.15 * (hi - lo)
     assert abs(row["bootstrap"][0] - lo) < tolerance and abs(row["bootstrap"][1] - hi) < tolerance
+
+
+def test_passk_smollm2_row_recomputed_from_the_studys_counts():
+    """SmolLM2's Pass@K row from its study's correct counts read here: the per-character study of 32 items, 16 answers
+    per arm, item and seed; each seed's unbiased pass@k for every k (1 - C(n - c, k) / C(n, k), averaged over items),
+    the row's pass@16 per seed of minds and det, and the regime stated with the protocol (det's pass@1 per item, the
+    mean over seeds: the lower end of its 95% t interval over the items above chance, 0.25)."""
+    with open(os.path.join(ROOT, "assets", results.PASSK_SMOLLM2)) as f:
+        record = json.load(f)
+    assert (record["score"], record["n"], record["num_problems"], record["temperature"]) == ("char", 16, 32, 1.0)
+    n, arms = record["n"], record["arms"]
+    counts = record["correct_per_seed_problem_arm"]  # [seed][problem][arm]
+    curve = lambda seed, a, k: statistics.mean(1 - math.comb(n - c[a], k) / math.comb(n, k) for c in counts[seed])
+    for a, name in enumerate(arms):
+        for s in range(len(counts)):
+            assert record["pass_at_k_per_seed"][name][s] == pytest.approx([curve(s, a, k) for k in range(1, n + 1)],
+                                                                          abs=1e-6)
+    row = results.judged(results.passk_smollm2())
+    assert row["paper_arm"] == pytest.approx([curve(s, arms.index("minds"), n) for s in range(len(counts))])
+    assert row["other"] == pytest.approx([curve(s, arms.index("temperature"), n) for s in range(len(counts))])
+    det = arms.index("temperature")
+    per_item = [statistics.mean(counts[s][i][det] / n for s in range(len(counts))) for i in range(len(counts[0]))]
+    low = statistics.mean(per_item) - T975[len(per_item) - 1] * statistics.stdev(per_item) / math.sqrt(len(per_item))
+    assert row["regime"]["reached"] == (low > 0.25)
+    pass1, printed_low = re.search(r"pass@1 (\d\.\d+) \(low (\d\.\d+)\)", row["regime"]["text"]).groups()
+    assert close(pass1, statistics.mean(per_item)) and abs(float(printed_low) - low) < 2e-3
 
 
 def test_eve_rows_take_their_per_seed_values_from_evaluates_json():

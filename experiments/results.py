@@ -360,7 +360,7 @@ def passk_smollm2():
     low = pass1 - stats.t_quantile(0.975, items - 1) * float(per_item.std(ddof=1)) / np.sqrt(items)
     reached = bool(low > 1 / choices)
     return row("the same, SmolLM2-135M", "gains at large K",
-               f"HellaSwag pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}; guesser {1 - 0.75 ** k:.2f}",
+               f"HellaSwag pass@{k} {mean(minds[:, -1])} vs {mean(temp[:, -1])}; guesser {1 - (1 - 1 / choices) ** k:.2f}",
                link("SmolLM2", PRETRAINED, "HellaSwag scored per character: the same items at the harness' acc_norm "
                                            "ranking"),
                minds[:, -1], temp[:, -1],

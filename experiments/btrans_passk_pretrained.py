@@ -96,8 +96,8 @@ def problems_named(benchmark, max_steps, score):
     """What the problems are, in words (the log's first line, the figure's title)."""
     return {"gsm8k": "GSM8K test problems" + (f" of at most {max_steps} calculator steps" if max_steps else ""),
             "hellaswag": "HellaSwag validation items as lettered multiple choice",
-            "hellaswag_mc": "HellaSwag validation items, endings scored by their log-likelihood"
-                            + (" per character" if score == "char" else ""),
+            "hellaswag_mc": "HellaSwag validation items, endings scored "
+                            + ("per character" if score == "char" else "by their log-likelihood"),
             "mmlu_pro": "MMLU-Pro test questions"}[benchmark]
 
 

@@ -343,7 +343,7 @@ def passk_toy():
                items=items)
 
 
-PASSK_SMOLLM2 = "btrans_passk_pretrained_hellaswag_mc_char.json"  # the row's study, fixed before its runs (the docs)
+PASSK_SMOLLM2 = "btrans_passk_pretrained_hellaswag_mc_char100.json"  # the row's study, fixed before its runs (the docs)
 
 
 def passk_smollm2():

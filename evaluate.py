@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from nanolatent import ckpt, common, cpu, models, multiple_choice, sampling, tasks, tokendata
+from nanolatent import ckpt, common, cpu, metrics, models, multiple_choice, sampling, speedups, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # what to evaluate
@@ -81,103 +81,11 @@ top_tokens = 0  # --task=tokens: also each position's N most likely tokens under
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
-onednn = True  # CPU float32 and bfloat16: matmuls through oneDNN (cpu.inference_linears): faster, rounding apart
+kernels = "fast"  # CPU float32 and bfloat16: matmuls through oneDNN (cpu.inference_linears, each after a probe of its
+# module): faster, rounding apart. 'plain': every module's own forward (docs/models.md, Changing a model)
 # ----------------------------------------------------------------------------------------------------------------
 LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
            "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Monte Carlo metrics: pure functions of log-probabilities, no model involved
-
-
-class MCStats:
-    """Running sums of the Monte Carlo metrics (see the module docstring), batch by batch.
-
-    add(passes, targets): passes yields the M log-softmaxes (N, V) of one batch one at a time (or is a (M, N, V)
-    tensor), targets is (N,). Only a few (N, V) tensors live at once, never (M, N, V). Every cross-pass quantity
-    is accumulated as a difference to the first pass (p̄ = p_1 + (1/M) sum_m (p_m - p_1), likewise the entropies
-    and p_m(y)): when all passes are identical (det, or M = 1) the differences are exactly 0, so p̄ is p_1 bit for
-    bit and mi, cond_var and flip_rate are exactly 0, not rounding noise.
-    """
-
-    def __init__(self, n_bins=15, cvar_alpha=0.05):
-        self.n_bins, self.cvar_alpha = n_bins, cvar_alpha
-        self.sums = Counter()  # float sums over tokens
-        self.n = 0  # tokens
-        self.passes = None
-        self.token_nll = []  # per-token NLL (CPU), for CVaR
-        self.bins = torch.zeros(3, n_bins, dtype=torch.float64)  # per ECE bin: count, sum of confidence, correct
-
-    @torch.no_grad()
-    def add(self, passes, targets):
-        targets = targets.reshape(-1, 1)  # (N, 1)
-        for m, log_p in enumerate(passes):
-            log_p = log_p.to(torch.promote_types(log_p.dtype, torch.float32))  # (N, V)
-            p = log_p.exp()
-            h = sampling.entropy(p)  # (N,)
-            log_py = log_p.gather(1, targets).squeeze(1)  # (N,)
-            if m == 0:
-                p_first, h_first, py_first, lse_y = p, h, log_py.exp(), log_py
-                sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h)
-                sum_dpy, sum_dpy2 = torch.zeros_like(h), torch.zeros_like(h)
-                argmaxes = [p.argmax(-1)]
-            else:
-                sum_dp += p - p_first
-                sum_dh += h - h_first
-                d = log_py.exp() - py_first
-                sum_dpy += d
-                sum_dpy2 += d * d
-                lse_y = torch.logaddexp(lse_y, log_py)
-                argmaxes.append(p.argmax(-1))
-        M = m + 1
-        if self.passes not in (None, M):
-            raise ValueError(f"every batch needs the same number of passes ({self.passes}), got {M}")
-        self.passes = M
-        p_bar = p_first + sum_dp / M  # (N, V)
-        h_bar = sampling.entropy(p_bar)  # (N,) H(p̄)
-        mean_h = h_first + sum_dh / M  # (N,) mean_m H(p_m)
-        nll = -(lse_y - math.log(M))  # (N,) -log p̄(y), from the log-softmaxes (logsumexp), never from averaged logits
-        pred = p_bar.argmax(-1)  # (N,) the same call as the passes' argmax: ties break alike
-        conf = p_bar.gather(1, pred[:, None]).squeeze(1)  # (N,) top-1 confidence of p̄
-        correct = (pred == targets.squeeze(1)).double()
-        py_bar = p_bar.gather(1, targets).squeeze(1)
-        brier = p_bar.pow(2).sum(-1) - 2 * py_bar + 1  # sum_v (p̄_v - onehot_v)^2 expanded
-        cond_var = (sum_dpy2 / M - (sum_dpy / M) ** 2).clamp_min(0)  # Var_m p_m(y) = Var_m (p_m(y) - p_1(y))
-        flips = sum((a != pred).double() for a in argmaxes) / M  # (N,)
-        for name, value in [("nll", nll), ("acc", correct), ("brier", brier), ("entropy", h_bar),
-                            ("expected_entropy", mean_h), ("mi", h_bar - mean_h), ("cond_var", cond_var),
-                            ("flip_rate", flips)]:
-            self.sums[name] += value.double().sum().item()
-        self.n += targets.size(0)
-        self.token_nll.append(nll.double().cpu())
-        b = (conf.double() * self.n_bins).long().clamp(max=self.n_bins - 1).cpu()  # conf == 1.0 -> last bin
-        for row, value in enumerate((torch.ones_like(conf), conf, correct)):
-            self.bins[row].index_add_(0, b, value.double().cpu())
-        return self
-
-    def result(self):
-        out = {name: total / self.n for name, total in self.sums.items()}
-        out["ppl"] = math.exp(out["nll"])
-        count, conf, correct = self.bins
-        out["ece"] = ((correct - conf).abs().sum() / self.n).item()
-        out["epistemic_ratio"] = out["mi"] / out["entropy"] if out["entropy"] > 0 else 0.0
-        nll = torch.cat(self.token_nll)
-        worst = torch.topk(nll, math.ceil(self.cvar_alpha * nll.numel())).values
-        out["cvar_nll"] = worst.double().mean().item()
-        out["tokens"], out["passes"] = self.n, self.passes
-        order = ["nll", "ppl", "acc", "ece", "brier", "entropy", "expected_entropy", "mi", "epistemic_ratio",
-                 "cond_var", "flip_rate", "cvar_nll", "tokens", "passes"]
-        return {k: out[k] for k in order}
-
-
-def mc_metrics(log_probs, targets, n_bins=15, cvar_alpha=0.05):
-    """The metrics of M passes over N tokens at once: log_probs (M, N, V) log-softmaxes, targets (N,)."""
-    return MCStats(n_bins, cvar_alpha).add(log_probs, targets).result()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# multiple-choice data: {"context": str, "choices": [str], "label": int} examples
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -203,7 +111,7 @@ def evaluate_lm(model, data, starts, T, n_passes, generator, *, batch_size=8, iw
     stats, the sequence-level mixture's NLL, and for a model with an encoder (Free) the ELBO and the importance-weighted
     bound."""
     device = model.tok_emb.weight.device
-    mc, stats, bounds, seq_nll, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), Counter(), 0
+    mc, stats, bounds, seq_nll, n_seqs = metrics.MCStats(n_bins, cvar_alpha), Counter(), Counter(), Counter(), 0
     for i in common.progress(range(0, len(starts), batch_size), desc="lm batches"):
         rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
         xy = torch.stack(rows).to(device)
@@ -307,11 +215,11 @@ def evaluate_population(model, prompts, encode, decode, K, generator, *, max_new
         texts = [decode(row[idx.size(1):]) for row in out.tolist()]
         answers = [tasks.letters_answer(t) for t in texts]
         c = sum(a == prompt[0] for a in answers)
-        totals["pass@1"] += tasks.pass_at_k(K, c, 1)
-        totals[f"pass@{K}"] += tasks.pass_at_k(K, c, K)
-        totals["majority_acc"] += tasks.majority_answer(answers) == prompt[0]
-        totals[f"distinct_{n}"] += tasks.distinct_n(texts, n)
-        totals["pairwise_edit"] += tasks.pairwise_distance(texts)
+        totals["pass@1"] += metrics.pass_at_k(K, c, 1)
+        totals[f"pass@{K}"] += metrics.pass_at_k(K, c, K)
+        totals["majority_acc"] += metrics.majority_answer(answers) == prompt[0]
+        totals[f"distinct_{n}"] += metrics.distinct_n(texts, n)
+        totals["pairwise_edit"] += metrics.pairwise_distance(texts)
     return {"latents": LATENTS[model.latent_kind],
             **{k: v / len(prompts) for k, v in totals.items()}, "prompts": len(prompts), "minds": K}
 
@@ -332,10 +240,10 @@ def load_net(path, checkpoint):
 
 
 def matmuls(model):
-    """Where the run's matrix products go: oneDNN's packed weights with --onednn on a CPU (cpu.inference_linears: a
-    no-op elsewhere), packed in --dtype, the dtype autocast runs them in; torch's own kernels with --onednn=False
-    (bit for bit what the model's forward computes)."""
-    return cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else nullcontext()
+    """Where the run's matrix products go: oneDNN's packed weights on a CPU (cpu.inference_linears: a no-op elsewhere),
+    packed in --dtype, the dtype autocast runs them in; with --kernels=plain torch's own kernels (bit for bit what the
+    model's forward computes)."""
+    return cpu.inference_linears(model, common.DTYPES[dtype])
 
 
 def dataset_for(checkpoints):
@@ -474,12 +382,12 @@ def run_tokens(checkpoints):
         model, generator = load_net(path, checkpoint)
         encode, decode = tokendata.tokenizer(checkpoint["meta"])
         ids = encode(body)
-        values = sampling.token_uncertainty(model, ids, mc_samples, generator, autocast, onednn, dtype)
+        values = sampling.token_uncertainty(model, ids, mc_samples, generator, autocast, dtype)
         if top_tokens:  # the same passes again: the generator and the global RNG as load_net left them
             torch.manual_seed(seed)
             with autocast:
                 values["top"] = sampling.top_predictions(model, ids, mc_samples, torch.Generator(device).manual_seed(
-                    seed), decode, top_tokens, onednn, dtype)
+                    seed), decode, top_tokens, dtype)
         results[path] = {"tokens": [decode([t]) for t in ids[1:]], **values}
     return {"text": body, "mc_samples": mc_samples}, results
 
@@ -525,9 +433,10 @@ if __name__ == "__main__":
                          non_negative=("seq_len", "max_tokens", "iw_samples", "max_examples", "temperature", "top_k",
                                        "top_tokens", "seed"),
                          choices={"task": ("lm", "mc", "population", "tokens"), "dtype": tuple(common.DTYPES),
-                                  "mixture": ("auto", "token", "sequence")},
+                                  "mixture": ("auto", "token", "sequence"), "kernels": speedups.KERNELS},
                          within={"cvar_alpha": "(0, 1]"})
     common.check_device(device)
+    speedups.use(kernels)
     if out_items and task != "mc":  # else the run would end with no file and no word
         common.die(f"--out_items={out_items} writes the items of --task=mc, and --task={task} has none: add "
                    f"--task=mc --mc_file=..., or drop --out_items")

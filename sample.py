@@ -12,7 +12,7 @@ import gc
 import torch
 
 import configurator
-from nanolatent import ckpt, common, models, sampling, tokendata
+from nanolatent import ckpt, common, models, sampling, speedups, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
 model_type = ""  # load the checkpoint into another model type ('btrans' turns a det checkpoint into B-Trans minds)
@@ -35,8 +35,9 @@ reference = ""  # text whose encoder posterior gives Z for --latents=posterior
 show_latents = False  # Free, with pinned latents (shared, posterior): also print each sample's Z, H bits per token,
 # and with posterior the KL in bits of each position's Z from the encoder reading --reference
 z = ""  # Free, with pinned latents: the first positions' Z as --show_latents prints them, in place of the drawn ones
-onednn = True  # CPU, float32 or bfloat16: matmuls through weights laid out for them (cpu.inference_linears: oneDNN's,
-# or for one sample on one thread a matrix-vector layout): faster, float rounding apart
+kernels = "fast"  # CPU, float32 or bfloat16: matmuls through weights laid out for them (cpu.inference_linears: oneDNN's,
+# or for one sample on one thread a matrix-vector layout), each after a probe of its module: faster, float rounding
+# apart. 'plain': every module's own forward, bit for bit (docs/models.md, Changing a model)
 compile = False  # torch.compile the one-token decode step (gpt-fast's decode_one_token); the prefill stays eager
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = "float32"  # of the weights: bfloat16 or float16 halve the bytes a decode step reads
@@ -56,8 +57,10 @@ config, overrides = configurator.apply(globals(), model_fields=model_fields)
 configurator.require(config, positive=("num_samples", "max_new_tokens"),
                      non_negative=("temperature", "top_k", "minds", "seed"),
                      choices={"latents": sampling.LATENTS,
-                              "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES)})
+                              "prompt_latents": ("encoder", "prior"), "dtype": tuple(common.DTYPES),
+                              "kernels": speedups.KERNELS})
 common.check_device(device)
+speedups.use(kernels)
 if pin_mind >= 0 and latents != "independent":
     common.die(f"--pin_mind={pin_mind} picks one of the independent draws: drop --latents={latents}")
 if summary and (latents != "independent" or minds or pin_mind >= 0 or groups < 1):
@@ -95,7 +98,7 @@ rows = []
 for how, block_seed in blocks:
     out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=block_seed,
                                   latents=how, prompt_latents=prompt_latents, reference=reference_ids,
-                                  temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile,
+                                  temperature=temperature, top_k=top_k, dtype=dtype, compile=compile,
                                   pin=pin_mind, codes=codes)
     rows.append(out.tolist())
     for i, row in enumerate(rows[-1]):

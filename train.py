@@ -34,7 +34,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, tokendata
+from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, speedups, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: a Free Transformer on the synthetic task of its paper (§4.1), small enough for one CPU thread (the README's
@@ -82,6 +82,8 @@ max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the r
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if torch.cuda.is_available() else "float32"
 compile = torch.cuda.is_available()  # torch.compile the training forward (slow to start on a CPU)
+kernels = "fast"  # 'plain': no speed-up applied from outside the model file (each 'fast' one proves itself on a probe
+# of the module it replaces first, else steps aside: docs/models.md, Changing a model)
 fsdp = False  # under torchrun: shard weights, gradients and AdamW state across processes (FSDP2) instead of DDP
 # recompute every Transformer block's forward in the backward pass (torchtitan's "full" mode): each block keeps only
 # its input, a third more FLOPs; for a config whose activations do not fit (the dry run plans both)
@@ -102,11 +104,12 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                      non_negative=("max_iters", "learning_rate", "muon_lr", "min_lr", "warmup_iters", "lr_decay_iters",
                                    "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
                      choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
-                              "select_by": ("loss", "ce"), "optimizer": optim.OPTIMIZERS},
+                              "select_by": ("loss", "ce"), "optimizer": optim.OPTIMIZERS, "kernels": speedups.KERNELS},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
     common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
 common.check_device(device)
+speedups.use(kernels)
 if device == "cpu":
     cpu.keep_freed_memory()  # each step's activations reuse the last step's memory, without page faults
 sys.stdout.reconfigure(line_buffering=True)  # every line as it is printed, also into a log file (nohup ... > log)
@@ -217,7 +220,8 @@ if init_embeddings and checkpoint is None:  # a resumed run has them in its chec
     models.load_embeddings(model, init_embeddings)
 model.tok_emb.weight.requires_grad_(not freeze_embeddings)  # before configure_optimizers, which skips it then
 model_config = models.config_dict(model.config)
-eve_bank.fused_banks(model)  # EVE's neurons with their backward written out (eve_bank.py; other models: no change)
+# EVE's neurons with their backward written out (eve_bank.py), where a probe shows they compute the model file's bank
+eve_bank.fused_banks(model, log=print if master else None)
 
 # One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
 # all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
@@ -240,7 +244,7 @@ if fsdp:
     train_model = model
 else:
     if device_type == "cpu" and not compile:
-        cpu.training_kernels(model)  # oneDNN's products, RMSNorm's closed-form backward (cpu.py)
+        cpu.training_kernels(model, log=print if master else None)  # oneDNN's products, RMSNorm's backward
     train_model = torch.compile(model) if compile else model
     if ddp:
         train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)

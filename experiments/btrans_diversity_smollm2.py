@@ -39,7 +39,7 @@ import torch
 
 import configurator
 from experiments import stats, study
-from nanolatent import ckpt, common, cpu, tasks, tokendata
+from nanolatent import ckpt, common, cpu, metrics, speedups, tokendata
 
 out_dir = "out-smollm2"
 prompts_file = tokendata.local_data("writingprompts/wp_sample_test.jsonl")  # WritingPrompts' {prompt, story} lines
@@ -57,9 +57,11 @@ pca_prompts = 4
 from_json = False  # draw the table and the figure from json_out, running nothing
 json_out = "assets/btrans_diversity_smollm2.json"  # the figure beside it, .png
 device = "cpu"
+kernels = "fast"  # 'plain': the model file's own modules, no speed-up applied from outside (docs/models.md)
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_prompts", "K", "max_new_tokens", "sigma", "temperature", "max_probes",
-                                       "tolerance", "slope"))
+                                       "tolerance", "slope"), choices={"kernels": speedups.KERNELS})
+speedups.use(kernels)
 if K < 2:
     common.die(f"K={K}: a pairwise distance needs K >= 2 generations per prompt")
 EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -215,7 +217,7 @@ def arm(seed, name, minds, t, population):
         texts, nll = group(i, minds, t, population, seed)
         e = embed(texts)  # (K, 384)
         out["nll"].append(round(nll, 6))
-        out["diversity"].append(round(tasks.cosine_distance(e), 6))
+        out["diversity"].append(round(metrics.cosine_distance(e), 6))
         embeddings.append(e)
         if i == 0:
             samples = texts[:2]

@@ -12,7 +12,7 @@ One det model on prepare.py's arithmetic task; n samples per held-out val proble
   token noise    a fresh eps at every step (§6.1 ablation),
 and `greedy minds` (the same minds at temperature 0: all diversity from the minds), for each sigma of `sigmas`.
 sigma is not tuned to match anything: pass@1 of every arm is reported, and the paper's "matches the baseline at
-K = 1" is a measured row, not a setting. pass@k, k = 1 ... n, is the unbiased estimator (tasks.pass_at_k) averaged
+K = 1" is a measured row, not a setting. pass@k, k = 1 ... n, is the unbiased estimator (metrics.pass_at_k) averaged
 over prompts, for each seed (of the token draws and, separately, of the minds; minds arms share their eps); the
 table gives mean ± std over seeds, and a difference from temperature is called only where the mean ± std intervals
 do not overlap. Every per-seed number, and each problem's count of correct samples per seed (the README's row
@@ -27,7 +27,7 @@ import torch
 
 import configurator
 from experiments import study
-from nanolatent import ckpt, common, grpo, tasks, tokendata
+from nanolatent import ckpt, common, grpo, metrics, tasks, tokendata
 
 sft_dir = "out-det-arith"
 num_prompts = 128  # the first val problems
@@ -78,7 +78,7 @@ runs = [("temperature", 0.0)] + [(arm, s) for s in sigmas for arm in (*wrapped, 
 curves, counts_of = {}, {}  # (arm, sigma) -> (seeds, n): pass@k for k = 1 ... n; (seeds, prompts): correct of n
 for arm, sigma in common.progress(runs, desc="arms"):
     counts = counts_of[arm, sigma] = [correct_counts(arm, sigma, seed) for seed in seeds]
-    curves[arm, sigma] = np.array([list(tasks.pass_at_k_curve(c, n, all_k).values()) for c in counts])
+    curves[arm, sigma] = np.array([list(metrics.pass_at_k_curve(c, n, all_k).values()) for c in counts])
     print(f"{arm}{'' if arm == 'temperature' else f', sigma={sigma:g}'}: pass@1 "
           f"{study.mean_std(curves[arm, sigma][:, 0])}", flush=True)
 

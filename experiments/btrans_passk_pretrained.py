@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import configurator
 from experiments import study
-from nanolatent import ckpt, common, cpu, multiple_choice, tasks, tokendata
+from nanolatent import ckpt, common, cpu, metrics, multiple_choice, speedups, tasks, tokendata
 
 out_dir = "out-smollm2"
 benchmark = "hellaswag"  # 'gsm8k', lettered multiple choice: 'hellaswag' or 'mmlu_pro' (the paper's); 'hellaswag_mc'
@@ -75,6 +75,7 @@ time_only = False  # time one problem (three arms, one seed) and stop
 from_json = False  # print the table and draw the figure from json_out, running nothing
 json_out = ""  # '' = assets/btrans_passk_pretrained_<benchmark>.json; the figure beside it, .png
 device = "cpu"
+kernels = "fast"  # 'plain': the model file's own modules, no speed-up applied from outside (docs/models.md)
 dtype = "float32"  # of the weights: bfloat16 halves the memory (on a GPU, as the paper's models are published)
 # Qwen3's chat template thinks before it answers unless enable_thinking is false: a lettered answer must be the
 # reply's first token, so Qwen3 runs set thinking=False there (other templates ignore the variable)
@@ -82,7 +83,8 @@ thinking = True
 config, _ = configurator.apply(globals())
 configurator.require(config, positive=("num_problems", "n"), non_negative=("max_steps", "temperature"),
                      choices={"benchmark": ("gsm8k", "hellaswag", "mmlu_pro", "hellaswag_mc"), "score": ("sum", "char"),
-                              "dtype": tuple(common.DTYPES)})
+                              "dtype": tuple(common.DTYPES), "kernels": speedups.KERNELS})
+speedups.use(kernels)
 if score != "sum" and benchmark != "hellaswag_mc":
     common.die(f"--score={score} scores endings: it goes with --benchmark=hellaswag_mc")
 if max(ks) > n:
@@ -287,7 +289,7 @@ if os.path.exists(json_out):  # seeds another invocation wrote with the same set
         seeds, counts = [seed for seed, _ in order], np.array([c for _, c in order])
         minutes += earlier["minutes"]
         print(f"{json_out}: seeds {[seed for seed, _ in kept]} kept from an earlier run with the same settings")
-curves = {arm: np.array([list(tasks.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
+curves = {arm: np.array([list(metrics.pass_at_k_curve(counts[s, :, a], n, range(1, n + 1)).values())
                          for s in range(len(seeds))]) for a, arm in enumerate(ARMS)}  # (seeds, n) per arm
 record = {**settings, "seeds": list(seeds), "minutes": minutes, "correct_per_seed_problem_arm": counts.tolist(),
           "arms": list(ARMS), "pass_at_k_per_seed": {arm: c.round(6).tolist() for arm, c in curves.items()}}

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanolatent import ckpt, common, cpu, sampling, tokendata
+from nanolatent import ckpt, common, cpu, metrics, speedups, tokendata
 
 runs_dir = "out-eve-primary"  # the primary setting's runs, det-s<seed> and eve-s<seed>
 seeds = (1, 2, 3, 4, 5)  # those whose det and EVE runs are finished are measured; the JSON lists the others
@@ -41,6 +41,7 @@ seq_len = 256  # evaluate.py's window on these runs (their block_size)
 mc_samples = 8  # M
 batch_size = 8  # windows per forward, as evaluate.py: its latent draws come in this order
 seed = 1337  # evaluate.py's: the same latents
+kernels = "fast"  # 'plain': the model file's own modules, no speed-up applied from outside (docs/models.md)
 ood_docs = 100  # documents (windows) per out-of-domain text
 tinystories = tokendata.local_data("tinystories/tinystories_head_197k.txt")  # '' = the hub's validation stories
 shakespeare = tokendata.local_data("tinyshakespeare/input.txt", "input.txt")  # README's curl of char-rnn's input.txt
@@ -69,10 +70,10 @@ def auroc(scores, positive):
 
 
 def token_scores(passes, targets):
-    """Per-token scores of M passes (sampling.pass_statistics, evaluate.py's MCStats token by token): passes yields M
+    """Per-token scores of M passes (metrics.pass_statistics, metrics.MCStats token by token): passes yields M
     log-softmaxes (N, V) one at a time, targets (N,); identical passes (det) give mi and flip exactly 0.
     -> {name: (N,) float64 array}"""
-    stats = sampling.pass_statistics(passes, targets)
+    stats = metrics.pass_statistics(passes, targets)
     conf, pred = stats["p_bar"].max(-1)  # (N,) each; max's index is argmax's (ties break alike)
     out = {"mi": stats["mi"], "flip": sum((a != pred).double() for a in stats["argmaxes"]) / stats["passes"],
            "one_minus_maxprob": 1 - conf, "entropy": stats["entropy"], "wrong": pred != targets}
@@ -217,7 +218,7 @@ def measure_run(name, m, streams, texts):
     model.objective = lambda ce, logits, auxs: (ce, {})
     torch.manual_seed(seed)
     scores = {}
-    with cpu.inference_linears(model):  # evaluate.py's products (its --onednn default)
+    with cpu.inference_linears(model):  # evaluate.py's products
         for text, (ids, chosen) in streams.items():  # each text with evaluate.py's draws from its start
             scores[text] = window_scores(model, ids, chosen, torch.Generator().manual_seed(seed))
     tokens = scores["wp_val"]
@@ -263,7 +264,9 @@ def plot(record):
 if __name__ == "__main__":
     import configurator
     configurator.apply(globals())
-    configurator.require(globals(), positive=("seq_len", "mc_samples", "batch_size", "ood_docs"))
+    configurator.require(globals(), positive=("seq_len", "mc_samples", "batch_size", "ood_docs"),
+                         choices={"kernels": speedups.KERNELS})
+    speedups.use(kernels)
     if replot:
         with open(results) as f:
             plot(json.load(f))

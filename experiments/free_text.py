@@ -44,7 +44,7 @@ import torch
 
 import configurator
 from experiments import study
-from nanolatent import ckpt, common, models, tasks, tokendata
+from nanolatent import ckpt, common, metrics, models, tokendata
 
 kappas = ("1_8", "1_2", "2")  # config/free_text_k<kappa>.py; κ = 1/2 is config/free_text.py; det is always run
 seeds = (1, 2, 3)
@@ -114,7 +114,7 @@ def group_stats(texts):
     pairs = [(a, b) for i, a in enumerate(texts) for b in texts[i + 1:]]
     return {"name_agree": float(np.mean([opens_with_name(a) == opens_with_name(b) for a, b in pairs])),
             "line_len_std": float(np.std([mean_line_length(t) for t in texts])),
-            "distinct_4": tasks.distinct_n(texts, 4), "jaccard_4": float(np.mean([same_grams(a, b) for a, b in pairs]))}
+            "distinct_4": metrics.distinct_n(texts, 4), "jaccard_4": float(np.mean([same_grams(a, b) for a, b in pairs]))}
 
 
 STATS = ("name_agree", "line_len_std", "distinct_4", "jaccard_4")

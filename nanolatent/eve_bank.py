@@ -2,21 +2,17 @@
 gpt-fast's quantize.py swaps nn.Linear and nanochat's fp8.py is switched on by its training script). It computes what
 VariationalMLP.bank computes, to float rounding (tests/test_eve_bank.py holds the two equal in float64, values and
 every gradient), keeping 4 tensors of (B, T, D) a layer for the backward where autograd keeps 8, and recomputing the
-rest. BENCHMARKS.md has what it gains. It is written for one plain bank: after an edit of model_eve.py's bank, its
-prior or its scan, fused_banks leaves the edited bank in place (and warns), so that a change made there is trained."""
+rest. BENCHMARKS.md has what it gains. It is written for the bank as model_eve.py has it: fused_banks swaps it in under
+speedups' rule, after a probe of each bank, so an edited bank, prior or scan (or a subclass's) is what trains."""
 
-import hashlib
-import inspect
-import types
-import warnings
+import functools
 
 import torch
 import torch.nn.functional as F
 
 import model_eve
+from nanolatent import speedups
 
-# The source of the plain bank this module computes (plain_source()), hashed; tests/test_eve_bank.py checks it
-PLAIN_SOURCE = "b43b674f8768e68f"
 # The token means of the bank's statistics, in the order of NeuronBank's (6, D) stack
 MEANS = ("logvar_q", "var_q", "mu2", "sq_dist", "ar", "sigma_q")
 
@@ -76,7 +72,7 @@ class NeuronBank(torch.autograd.Function):
     def forward(ctx, m, r, eps, mu_p, alpha, b, m0, c, gain, bias, lo, hi):
         """mu_p: a decode step's cached memory (B, 1, D); None: scanned (alpha None: no AR prior). -> y (B, T, N), token
         means (6, D) in MEANS's order ((mu_q - mu_p)^2 twice: the KL's, and L_AR's, whose gradient reaches mu_p
-        alone), and the memory at the next position."""
+        alone), and the memory at the next position, alpha mu_p(T) + b e(T) (B, D)."""
         logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
         ctx.bounds, ctx.scanned = (lo, hi), mu_p is None and alpha is not None
         if ctx.scanned and torch.compiler.is_compiling():  # §3.3 mu_p(t) = alpha mu_p(t-1) + b e(t-1), mu_p(0) = m0
@@ -93,12 +89,10 @@ class NeuronBank(torch.autograd.Function):
                              sigma_q.mean((0, 1))])  # (6, D)
         following = None if mu_p is None else alpha * mu_p[:, -1] + b * e[:, -1]  # (B, D)
         ctx.save_for_backward(m, r, eps, mu_p, alpha, b, c, gain, bias)
-        if following is not None:
-            ctx.mark_non_differentiable(following)  # the decode cache's next state, stored detached
         return F.silu(pre), means, following
 
     @staticmethod
-    def backward(ctx, grad_y, grad_means, _):
+    def backward(ctx, grad_y, grad_means, grad_following):
         m, r, eps, mu_p, alpha, b, c, gain, bias = ctx.saved_tensors
         (lo, hi), (B, T, D), (N, dz) = ctx.bounds, m.shape, gain.shape
         logvar_q, sigma_q, e = posterior(m, r, eps, lo, hi)
@@ -115,17 +109,22 @@ class NeuronBank(torch.autograd.Function):
                 through = grad_e + grad_mu_q
                 grad_c = (through * mu_p).sum((0, 1))
                 grad_mu_p.addcmul_(through, c)
+            if alpha is not None:  # the next memory, alpha mu_p(T) + b e(T): e itself, not z
+                grad_mu_p[:, -1].addcmul_(grad_following, alpha)
+                grad_e[:, -1].addcmul_(grad_following, b)
+                grad_alpha, grad_b = (grad_following * mu_p[:, -1]).sum(0), (grad_following * e[:, -1]).sum(0)
         if ctx.scanned:  # back through the scan: the same recurrence in reverse (d drive = reverse scan of d mu_p)
             grad_drive = scan_(grad_mu_p, alpha, reverse=True)  # grad_mu_p is this backward's own
-            grad_alpha = (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
-            grad_b = (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
+            grad_alpha += (grad_drive[:, 1:] * mu_p[:, :-1]).sum((0, 1))
+            grad_b += (grad_drive[:, 1:] * e[:, :-1]).sum((0, 1))
             grad_m0 = grad_drive[:, 0].sum(0)
             grad_e[:, :-1].addcmul_(grad_drive[:, 1:], b)  # e(t) drives mu_p(t + 1)
             grad_mu_p = None  # an output of the scan here, not an input
         grad_sigma = torch.addcmul(g[5], sigma_q, 2 * g[1]).addcmul_(grad_e, eps)
         grad_r = torch.addcmul(g[0], sigma_q, grad_sigma, value=0.5).mul_(logvar_q == r)  # the clip: r in [lo, hi]
         grad_gain = (grad_pre.unsqueeze(-1) * z.view(B, T, N, dz)).sum((0, 1))
-        return (grad_e + grad_mu_q, grad_r, None, grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c, grad_gain,
+        grad_eps = grad_e * sigma_q if ctx.needs_input_grad[2] else None  # the noise's, where it takes one
+        return (grad_e + grad_mu_q, grad_r, grad_eps, grad_mu_p, grad_alpha, grad_b, grad_m0, grad_c, grad_gain,
                 grad_pre.sum((0, 1)), None, None)
 
 
@@ -142,21 +141,24 @@ def fused_bank(self, m, r, eps, mu_p=None):
     return y, means, following
 
 
-def plain_source():
-    """A hash of the source of model_eve.py's plain bank: VariationalMLP.bank, prior_mean and scan."""
-    functions = (model_eve.VariationalMLP.bank, model_eve.VariationalMLP.prior_mean, model_eve.scan)
-    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
+def probes(bank):
+    """A bank's probes, in its parameters' dtype: 11 positions (a chunk of the scan and part of one) and, with the AR
+    prior, a decode step given its memory; log sigma_q^2 drawn past both ends of its clip."""
+    cfg, p = bank.config, next(bank.parameters())
+    D, lo, hi, g = cfg.n_neurons * cfg.latent_dim, cfg.logvar_min, cfg.logvar_max, torch.Generator().manual_seed(2)
+
+    def draw(T, scale=1.0, shift=0.0):
+        return (shift + scale * torch.randn(2, T, D, generator=g, dtype=torch.float64)).to(p.device, p.dtype)
+    calls = [(T, draw(T), draw(T, (hi - lo) / 2, (hi + lo) / 2), draw(T)) for T in (11, 1)]
+    return [(m, r, eps, None if T > 1 else draw(1)) for T, m, r, eps in calls[:1 + bool(cfg.ar_prior)]]
 
 
-def fused_banks(model):
-    """Swap in NeuronBank for every EVE neuron bank of `model`, in place (a model without one is left as it is), while
-    model_eve.py's bank is the one NeuronBank was written for. Parameters and state dict are untouched. train.py
-    applies it to every run (BENCHMARKS.md, EVE's training step, has what it gains on a CPU)."""
-    banks = [m for m in model.modules() if isinstance(m, model_eve.VariationalMLP)]
-    if banks and plain_source() != PLAIN_SOURCE:
-        warnings.warn("model_eve.py's neuron bank was edited: training its plain autograd form (slower); "
-                      "nanolatent/eve_bank.py's fused bank is written for the bank before the edit")
-        return model
-    for m in banks:
-        m.bank = types.MethodType(fused_bank, m)
+def fused_banks(model, log=print):
+    """NeuronBank in place of the bank of every module of `model` that has one (EVE's VariationalMLP; a model
+    without is left as it is), under speedups' rule: a bank whose own computation differs (an edited bank, prior or
+    scan, a subclass's) keeps it, and one line says so. Parameters and state dict are untouched. train.py applies it
+    to every run (BENCHMARKS.md, EVE's training step, has what it gains on a CPU)."""
+    banks = [(n, m) for n, m in model.named_modules() if callable(getattr(m, "bank", None))]
+    speedups.swap("eve_bank.fused_banks", banks, "bank", lambda m, own: functools.partial(fused_bank, m), probes,
+                  train=True, log=log)
     return model

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nanolatent import tasks
+from nanolatent import metrics
 
 @contextmanager
 def noise_mode(model, mode):
@@ -135,7 +135,7 @@ def grpo_update(model, ref, optimizer, prompt_ids, completions, mask, advantages
 
 def ttrl_rewards(answers):
     """§5.3: 1 for a rollout whose answer is its group's majority answer, else 0; no label is read.
-    tasks.majority_answer's rules: None (unparseable) answers never vote and never win; a tie goes to the answer
+    metrics.majority_answer's rules: None (unparseable) answers never vote and never win; a tie goes to the answer
     seen first in the group; a group with no parseable answer gets 0 everywhere."""
-    majority = tasks.majority_answer(answers)
+    majority = metrics.majority_answer(answers)
     return [float(a is not None and a == majority) for a in answers]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import numpy as np
 
-from nanolatent import common, cpu, models, tasks
+from nanolatent import common, cpu, metrics, models, tasks
 
 LATENTS = ("independent", "shared", "posterior")
 
@@ -42,8 +42,8 @@ def pin_latents(model, prompt, how, generator, prompt_latents="encoder", referen
 
 @torch.no_grad()
 def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, latents="independent",
-           prompt_latents="encoder", reference=None, temperature=0.8, top_k=0, dtype="float32", onednn=True,
-           compile=False, on_token=None, pin=-1, codes=None):
+           prompt_latents="encoder", reference=None, temperature=0.8, top_k=0, dtype="float32", compile=False,
+           on_token=None, pin=-1, codes=None):
     """num_samples continuations of the prompt `ids` (token ids): (tokens (num_samples, T + max_new_tokens), the
     pinned latents or None). The tokens are drawn from a generator seeded by `seed`, the latents from one seeded by
     latent_seed (-1: seed), so either can be held while the other varies. reference: token ids for 'posterior'.
@@ -77,7 +77,7 @@ def sample(model, ids, num_samples, max_new_tokens, *, seed, latent_seed=-1, lat
         def step(idx_next, **kwargs):
             on_token(idx_next)
             return decode_step(idx_next, **kwargs)
-    products = contextlib.nullcontext() if compile or not onednn else \
+    products = contextlib.nullcontext() if compile else \
         cpu.inference_linears(model, common.DTYPES[dtype], batch_size=num_samples)
     try:
         with products:
@@ -109,42 +109,11 @@ def posterior_kl_bits(model, ids):
     return (models.import_model("free").kl_per_token(bit_logits)[0] / math.log(2)).tolist()
 
 
-def entropy(p):
-    """H(p) in nats over the last axis; xlogy makes 0 log 0 = 0. (..., V) -> (...)"""
-    return -torch.special.xlogy(p, p).sum(-1)
-
-
 @torch.no_grad()
-def pass_statistics(passes, targets):
-    """Per-token statistics of M passes, evaluate.py's definitions token by token: passes yields the M log-softmaxes
-    (N, V) one at a time, targets is (N,). As in evaluate.MCStats, the passes enter as differences to the first, so
-    identical passes (a det model) give mi exactly 0. -> {"p_bar" (N, V), "entropy" H(p̄), "expected_entropy"
-    mean_m H(p_m), "mi" H(p̄) - mean_m H(p_m), "nll" -log p̄(y), each (N,); "argmaxes" M x (N,); "passes" M}"""
-    for m, log_p in enumerate(passes):
-        log_p = log_p.float()  # (N, V)
-        p, log_py = log_p.exp(), log_p.gather(1, targets[:, None]).squeeze(1)
-        h = entropy(p)  # (N,)
-        if m == 0:
-            p_first, h_first, lse_y, argmaxes = p, h, log_py, [p.argmax(-1)]
-            sum_dp, sum_dh = torch.zeros_like(p), torch.zeros_like(h)
-        else:
-            sum_dp += p - p_first
-            sum_dh += h - h_first
-            lse_y = torch.logaddexp(lse_y, log_py)
-            argmaxes.append(p.argmax(-1))
-    M = m + 1
-    p_bar = p_first + sum_dp / M  # (N, V)
-    h_bar, mean_h = entropy(p_bar), h_first + sum_dh / M  # (N,) each
-    return {"p_bar": p_bar, "entropy": h_bar, "expected_entropy": mean_h, "mi": h_bar - mean_h,
-            "nll": -(lse_y - math.log(M)), "argmaxes": argmaxes, "passes": M}
-
-
-@torch.no_grad()
-def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), onednn=True,
-                      dtype="float32"):
+def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), dtype="float32"):
     """Each predicted token of one text (ids[1:] given what precedes it), over M = n_passes passes with fresh
     latents (det: one pass): nll -log p̄(y), entropy H(p̄), expected_entropy mean_m H(p_m) (aleatoric) and mi
-    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats (pass_statistics)."""
+    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats (metrics.pass_statistics)."""
     device = model.tok_emb.weight.device
     check_length(ids[:-1], model.config.block_size, "the text", " (its last token is only predicted); shorten it")
     if len(ids) < 2:
@@ -160,13 +129,13 @@ def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullc
                 logits = model(x, y[None], latents=latents)[0][0]  # (T, V): targets ask for every position
             yield F.log_softmax(logits.float(), dim=-1)  # (T, V)
 
-    with cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext():
-        stats = pass_statistics(passes(), y)
+    with cpu.inference_linears(model, common.DTYPES[dtype]):
+        stats = metrics.pass_statistics(passes(), y)
     return {**{k: stats[k].tolist() for k in ("nll", "entropy", "expected_entropy", "mi")}, "passes": M}
 
 
 @torch.no_grad()
-def top_predictions(model, ids, n_passes, generator, decode, k=5, onednn=True, dtype="float32"):
+def top_predictions(model, ids, n_passes, generator, decode, k=5, dtype="float32"):
     """What the passes predict at each position of one text: the k tokens most likely under p̄ (the mean over M
     passes with fresh latents, drawn from `generator` as token_uncertainty draws them), p̄ of each, each pass's p_m of
     each (M, k) and their spread, the standard deviation of p_m over the passes (0 for a det model's one pass).
@@ -175,8 +144,7 @@ def top_predictions(model, ids, n_passes, generator, decode, k=5, onednn=True, d
     y = torch.tensor([ids[1:]], dtype=torch.long, device=x.device)  # (1, T): targets, as token_uncertainty's
     M = 1 if model.latent_kind == "none" else n_passes
     drawn = [None if model.latent_kind == "none" else model.sample_latents(1, generator) for _ in range(M)]
-    products = cpu.inference_linears(model, common.DTYPES[dtype]) if onednn else contextlib.nullcontext()
-    with products:
+    with cpu.inference_linears(model, common.DTYPES[dtype]):
         probs = lambda latents: F.softmax(model(x, y, latents=latents)[0][0].float(), dim=-1)  # (T, V)
         # The passes run twice (p̄, then each p_m at p̄'s top k, rather than M full distributions held): the second
         # time from the same global RNG state, which a B-Trans forward with noise_mode='token' draws from.

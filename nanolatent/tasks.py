@@ -1,5 +1,5 @@
-"""The synthetic tasks with a checkable answer, and the metrics of a population of answers: what prepare.py writes,
-what evaluate.py, scripts/rlvr.py and the experiments score. No model in here.
+"""The tasks with a checkable answer: what prepare.py writes, what evaluate.py, scripts/rlvr.py and the experiments
+score (their population metrics are in metrics.py). No model in here.
 
     letters  the Free Transformer's synthetic task (Fleuret, §4.1): "K>" then 64 characters holding the letter 8 times
     arith    "37*12=444" lines: two- and three-digit addition and multiplication, verified exactly (scripts/rlvr.py)
@@ -8,10 +8,8 @@ HellaSwag as lettered multiple choice (the format of B-Trans §5.1's MMLU-Pro: t
 """
 
 import json
-import math
 import os
 import re
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -156,68 +154,6 @@ def load_prompts(task, dataset, split, meta):
         return ["".join(meta["chars"][t] for t in data[i:i + 2]) for i in range(0, len(data) - n + 1, n)]
     text = tokendata.tokenizer(meta)[1](data.tolist())  # char, or a pretrained model's tokenizer (prepare.py arith)
     return ["\n" + line[:line.index("=") + 1] for line in text.split("\n") if "=" in line]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# population metrics: pass@k, majority vote, diversity
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), as the
-    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_at_k_curve(correct, n, ks):
-    """{k: pass@k averaged over prompts} from the number of correct samples of each prompt, n samples each."""
-    return {k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
-
-
-def majority_answer(answers):
-    """The most common answer, None ones (unparseable) left out as in self-consistency (Wang et al. 2022); a tie
-    goes to the answer seen first. None when no answer parses."""
-    counts = Counter(a for a in answers if a is not None)
-    return counts.most_common(1)[0][0] if counts else None
-
-
-def distinct_n(seqs, n):
-    """Distinct n-grams over a group of sequences (Li et al. 2016): unique n-grams / all n-grams, pooled."""
-    grams = [tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def edit_distance(a, b):
-    """Levenshtein distance (insertions, deletions, substitutions, each 1)."""
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i]
-        for j, y in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
-        prev = cur
-    return prev[-1]
-
-
-def pairwise_distance(seqs):
-    """Mean over pairs of edit_distance(a, b) / max(len a, len b): 0 for identical, 1 for entirely different."""
-    pairs = [(a, b) for i, a in enumerate(seqs) for b in seqs[i + 1:]]
-    if not pairs:
-        return 0.0
-    return sum(edit_distance(a, b) / max(len(a), len(b), 1) for a, b in pairs) / len(pairs)
-
-
-def cosine_distance(embeddings):
-    """Mean over pairs of rows of 1 - cos(a, b) (B-Trans §5.1's semantic diversity of a group's embeddings, (K, d)):
-    0 for identical directions, 1 for orthogonal, 2 for opposite."""
-    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
-    k = len(unit)
-    if k < 2:
-        return 0.0
-    cos = unit @ unit.T  # (K, K)
-    return float((k * k - cos.sum()) / (k * (k - 1)))  # the diagonal's K ones leave K(K-1) off-diagonal terms
 
 
 def chat_problems(task, dataset, split, max_calc_steps=0):

@@ -14,7 +14,7 @@ process's peak resident set on a CPU (torch itself included, about 0.3 GB). --re
 robin, and keeps each one's best: a shared CPU is noisy. A training step is forward, backward and AdamW (the model's
 configure_optimizers) on random tokens; MFU is flops_per_token() x tokens/s over the GPU's peak bf16 throughput
 (common.PEAK_FLOPS). EVE trains through eve_bank.fused_banks, as in train.py (a spec `eve:bank=plain`: the model file's
-bank). On a CPU our models train as train.py runs them, through cpu.training_kernels (--cpu_kernels=False: the plain
+bank). On a CPU our models train as train.py runs them, through cpu.training_kernels (--kernels=plain: the plain
 model files), and every process keeps its freed memory (cpu.keep_freed_memory; --keep_freed_memory=False: glibc's
 default). Decoding is ms per generated token at each context length: with the KV cache (generate), without it (a full
 forward over the context per token) and, with --compile_decode=True, with the cached step compiled as sample.py
@@ -41,7 +41,7 @@ import time
 import torch
 
 import configurator
-from nanolatent import common, cpu, eve_bank, models as model_files
+from nanolatent import common, cpu, eve_bank, models as model_files, speedups
 
 models = "det,btrans,eve,free"
 n_layer = 8
@@ -61,12 +61,14 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 compile = False  # torch.compile the training step
 compile_decode = False  # also decode with the cached step compiled (sample.py --compile=True)
 profile = False  # also each model's training step op by op (torch.profiler: self time per step of its top 15 ops)
-cpu_kernels = True  # CPU: our models train through cpu.training_kernels, as in train.py (False: the plain files)
+kernels = "fast"  # our models train with train.py's speed-ups (cpu.training_kernels, eve_bank); 'plain': the plain files
 keep_freed_memory = True  # CPU: cpu.keep_freed_memory() in every process, as in train.py (False: glibc's default)
 peer = ""  # the path of a nanoGPT model.py to time beside the models
 one = ""  # internal: benchmark this one spec and print its row as JSON
 # ----------------------------------------------------------------------------------------------------------------
 config, _ = configurator.apply(globals())
+configurator.require(config, choices={"kernels": speedups.KERNELS})
+speedups.use(kernels)
 device_type, autocast = common.autocast(device, dtype)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = "peer"  # the spec of the peer's row
@@ -116,14 +118,16 @@ def build_peer(context):
 
 
 def bench_train(spec):
-    """-> (model, seconds per training step, the profiled top ops or None)."""
+    """-> (model, seconds per training step, the profiled top ops or None, seconds the speed-ups' probes took)."""
     model = build(spec, block_size)
     with contextlib.redirect_stdout(io.StringIO()):  # the peer prints its parameter groups
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
-    if device_type == "cpu" and cpu_kernels and not compile and spec != PEER:
+    t0 = time.perf_counter()  # what train.py's start-up spends applying the speed-ups, each after its probes
+    if device_type == "cpu" and not compile and spec != PEER:
         cpu.training_kernels(model)
     if "bank=plain" not in spec.split(":"):  # EVE's neurons: the fused bank, as in train.py
         eve_bank.fused_banks(model)
+    probes_s = time.perf_counter() - t0
     train_model = torch.compile(model) if compile else model
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
@@ -145,7 +149,7 @@ def bench_train(spec):
                 train_step()
         events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         ops = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in events]
-    return model, dt, ops
+    return model, dt, ops, probes_s
 
 
 @torch.no_grad()
@@ -177,13 +181,13 @@ def bench_decode(spec, context):
 def bench_one(spec):
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model, dt, ops = bench_train(spec)
+    model, dt, ops, probes_s = bench_train(spec)
     peak = (torch.cuda.max_memory_allocated() if device_type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # kB on Linux
     tokens_per_s = batch_size * block_size / dt
     peak_flops = common.peak_flops(device)
     row = dict(spec=spec, params=model.num_params(), flops_per_token=model.flops_per_token(), step_ms=dt * 1000,
-               tokens_per_s=tokens_per_s, peak_mib=peak / 2**20, ops=ops,
+               tokens_per_s=tokens_per_s, peak_mib=peak / 2**20, ops=ops, probes_s=probes_s,
                mfu=model.flops_per_token() * tokens_per_s / peak_flops if peak_flops else None)
     del model
     for context in decode_contexts if spec != PEER else ():
@@ -219,11 +223,12 @@ name = lambda r: "nanoGPT (peer)" if r["spec"] == PEER else r["spec"]
 print(f"{device} ({torch.cuda.get_device_name() if device_type == 'cuda' else 'CPU'}), {dtype}, compile={compile}, "
       f"{torch.get_num_threads()} threads; L={n_layer} d={n_embd} T={block_size} B={batch_size} V={vocab_size}; "
       f"best of {repeats} run(s) of {steps} steps" + (f"; peer {os.path.relpath(peer)}" if peer else "")
-      + ("; cpu.training_kernels" if device_type == "cpu" and cpu_kernels and not compile else "")
+      + ("; cpu.training_kernels" if device_type == "cpu" and speedups.enabled and not compile else "")
       + ("; freed memory kept" if device_type == "cpu" and keep_freed_memory else ""))
 header = ["model", "params", "MFLOP/tok", "ms/step", "tok/s", "x det time", "x det FLOPs"]
 header += ["tok/s x peer"] if peer_row else []
-header += ["MFU", "peak MiB"] + [f"dec@{c} ms" for c in decode_contexts] + [f"nocache@{c} ms" for c in decode_contexts]
+header += ["MFU", "peak MiB", "probes s"]  # probes: the speed-ups' checks at start-up (speedups.py)
+header += [f"dec@{c} ms" for c in decode_contexts] + [f"nocache@{c} ms" for c in decode_contexts]
 if compile_decode:
     header += [f"compiled dec@{c} ms" for c in decode_contexts] + [f"compile@{c} s" for c in decode_contexts]
 print(" | ".join(header))
@@ -233,7 +238,7 @@ for r in rows:
              f"{r['tokens_per_s']:,.0f}", f"{r['step_ms'] / base['step_ms']:.2f}",
              f"{r['flops_per_token'] / base['flops_per_token']:.2f}"]
     cells += [f"{r['tokens_per_s'] / peer_row['tokens_per_s']:.3f}"] if peer_row else []
-    cells += [f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "-", f"{r['peak_mib']:,.0f}"]
+    cells += [f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "-", f"{r['peak_mib']:,.0f}", f"{r['probes_s']:.2f}"]
     keys = ["decode_ms", "nocache_ms"] + (["cdecode_ms", "compile_s"] if compile_decode else [])
     cells += [cell(f"{key}_{c}", "{:.1f}" if key == "compile_s" else "{:.2f}") for key in keys for c in decode_contexts]
     print(" | ".join(cells))

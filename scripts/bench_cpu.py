@@ -323,7 +323,7 @@ def sample_memory(run):
         # holds two models.
         parent = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-        for flags in ("--onednn=True", "--onednn=False"):
+        for flags in ("--kernels=fast", "--kernels=plain"):
             t0 = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", parent, *sample, flags], check=True, capture_output=True,
                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

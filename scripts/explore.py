@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import configurator
-from nanolatent import ckpt, common, sampling, tasks, tokendata
+from nanolatent import ckpt, common, metrics, sampling, tasks, tokendata
 
 out_dir = "out"  # the run the page opens with (its folder or a ckpt.pt); the page can name another
 port = 8000  # on 127.0.0.1; 0 picks a free port (the first line printed names it)
@@ -199,7 +199,7 @@ def view_minds(params, send):
            "mean_texts": [decode(r) for r in mean_rows], "mean_tokens": [[decode([t]) for t in r] for r in mean_rows],
            "differ": [sum(a != b for a, b in zip(r, m)) for r, m in zip(rows, mean_rows)], "pin": pin, "nll": nll,
            "nll_std": float(np.std(nll)), "nll_range": max(nll) - min(nll), "answers": answers,
-           "majority": tasks.majority_answer(answers) if answer else None,
+           "majority": metrics.majority_answer(answers) if answer else None,
            "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, **pinned,
                               start=params["prompt"], **gen),
            "mean_command": command("sample.py", params, model_type="btrans", noise_mode="mean", num_samples=k,

@@ -11,7 +11,7 @@ lm_eval.simple_evaluate(model="nanolatent", model_args={"out_dir": "out-eve"}, .
 
 model_args: out_dir (the run), model_type ('' or a type to load it into, with its Config overrides, e.g. sigma), mc_samples
 (M passes), mixture (auto | token | sequence, evaluate.py's --mixture), seed, dtype (float32 | bfloat16 | float16),
-max_gen_toks; --device and --batch_size come from lm_eval's flags.
+max_gen_toks, kernels (fast | plain, as evaluate.py's --kernels); --device and --batch_size come from lm_eval's flags.
 
 - loglikelihood: the requests of one document (its choices) are scored together by multiple_choice.score_choices,
   tokenized by multiple_choice.choice_tokens, with M passes whose latents the choices share, drawn from
@@ -39,7 +39,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
-from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
+from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, speedups, tokendata
 
 try:
     # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
@@ -75,7 +75,7 @@ def model_arg(key, value, default, at_least=None, choices=None):
 @register_model("nanolatent")
 class NanoLatentLM(LM):
     def __init__(self, out_dir="", model_type="", mc_samples=8, mixture="auto", seed=1337, dtype="float32", device=None,
-                 batch_size=1, max_batch_size=None, max_gen_toks=256, **overrides):
+                 batch_size=1, max_batch_size=None, max_gen_toks=256, kernels="fast", **overrides):
         super().__init__()
         # every value before anything loads: a typo costs one line, not a checkpoint read and a traceback
         if not out_dir:
@@ -88,6 +88,7 @@ class NanoLatentLM(LM):
         seed = model_arg("seed", seed, 1337, at_least=0)
         dtype = model_arg("dtype", dtype, "float32", choices=tuple(common.DTYPES))
         max_gen_toks = model_arg("max_gen_toks", max_gen_toks, 256, at_least=1)
+        speedups.use(model_arg("kernels", kernels, "fast", choices=speedups.KERNELS))
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         common.check_device(device)
         checkpoint = ckpt.load_checkpoint(out_dir)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import configurator
-from nanolatent import ckpt, common, cpu, grpo, lock, models, records, tasks, tokendata
+from nanolatent import ckpt, common, cpu, grpo, lock, metrics, models, records, speedups, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
 # defaults: GRPO with minds on the arithmetic task, from config/det_arith.py's checkpoint
@@ -54,7 +54,7 @@ train_prompts = "train"  # RL prompts: 'train' split, 'val' (val problems past t
 eval_prompts = 200  # held-out evaluation on the first eval_prompts problems of the val split (GSM8K's: test)
 select_prompts = 0  # a second held-out set, the next select_prompts val problems, evaluated with the first: a step
 #                     (or a sigma, a temperature) is chosen on it and read on the first (0: none)
-eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, tasks.pass_at_k)
+eval_samples = 8  # samples per held-out prompt: pass@1 and pass@eval_samples (unbiased, metrics.pass_at_k)
 eval_temperature = 1.0
 max_new_tokens = 0  # 0 = the task's: 8 for arith (6 digits and '\n'), 64 for letters, 256 gsm8k, 1 hellaswag
 # rollouts
@@ -80,6 +80,7 @@ grad_clip = 1.0  # 0 disables clipping
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
 seed = 1337
+kernels = "fast"  # 'plain': the model file's own modules, no speed-up applied from outside (docs/models.md)
 # ----------------------------------------------------------------------------------------------------------------
 NOISE_MODE = {"temperature": "mean", "minds": "sequence", "token": "token"}  # rollout -> model_btrans noise_mode
 PROMPTS, ROLLOUT_TOKENS, ROLLOUT_LATENTS, ROLLOUT_NOISE = range(4)  # the streams seeded() draws from
@@ -106,8 +107,8 @@ def evaluate_heldout(model, prompts, encode, decode, verify, k, temperature, max
                                                                          grpo.replies(completions, decode, stop_id))])
     greedy_ok, correct = right(greedy, 1), right(sampled, k).reshape(len(prompts), k).sum(1)
     evals = {"greedy": float(np.mean(greedy_ok)),
-             "pass@1": float(np.mean([tasks.pass_at_k(k, int(c), 1) for c in correct])),
-             f"pass@{k}": float(np.mean([tasks.pass_at_k(k, int(c), k) for c in correct]))}
+             "pass@1": float(np.mean([metrics.pass_at_k(k, int(c), 1) for c in correct])),
+             f"pass@{k}": float(np.mean([metrics.pass_at_k(k, int(c), k) for c in correct]))}
     if rollout_temperature is not None:
         evals["rollout_pass@1"] = float(np.mean(right(drawn, k)))
     return evals, [int(ok) for ok in greedy_ok]
@@ -161,9 +162,11 @@ def main():
                                        "update_batch", "temperature", "eval_temperature", "learning_rate", "kl_coef",
                                        "clip_eps", "grad_clip", "weight_decay", "seed"),
                          choices={"task": tuple(tasks.TASKS), "rollout": tuple(NOISE_MODE),
-                                  "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval")},
+                                  "reward": ("verifier", "ttrl"), "train_prompts": ("train", "val", "eval"),
+                                  "kernels": speedups.KERNELS},
                          within={"beta1": "[0, 1)", "beta2": "[0, 1)"})
     common.check_device(device)
+    speedups.use(kernels)
     if "noise_mode" in overrides:
         common.die("the rollout mode sets the B-Trans noise_mode: use --rollout=temperature|minds|token")
     if group_size < 2:

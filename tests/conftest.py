@@ -151,6 +151,13 @@ class Forked:
         return self.returncode
 
 
+@pytest.fixture
+def plain_kernels(monkeypatch):
+    """--kernels=plain for one test: every module's own forward, no speed-up applied from outside (speedups.use)."""
+    from nanolatent import speedups
+    monkeypatch.setattr(speedups, "enabled", False)
+
+
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
     """A small synthetic dataset (Free Transformer §4.1) under a temporary NANOLATENT_DATA."""

@@ -732,14 +732,14 @@ def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("onednn", [True, False])
-def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, onednn, trained,
+@pytest.mark.parametrize("kernels", ["fast", "plain"])
+def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, kernels, trained,
                                                                                           data_root):
     """--dtype=bfloat16/float16 on a CPU: through oneDNN (bfloat16 weights packed for it; float16, which it lacks
     here, through autocast's kernels) or torch's own kernels, the nll is float32's to the dtype's rounding."""
     nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
         "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
-    assert nll(f"--dtype={dtype}", f"--onednn={onednn}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
+    assert nll(f"--dtype={dtype}", f"--kernels={kernels}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import LOCAL_DATA, TINY, run_script
 
 import evaluate
-from nanolatent import ckpt, models, multiple_choice, sampling, tasks
+from nanolatent import ckpt, metrics, models, multiple_choice, sampling, tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
 CHARS = " abcdefghijklmnopqrstuvwxyz.:"
@@ -49,7 +49,7 @@ def H(p):
 def test_two_disagreeing_passes_give_mi_nll_and_cond_var_computed_by_hand():
     p1 = [[0.7, 0.2, 0.1], [1.0, 0.0, 0.0]]  # pass 1, two tokens; the second has exact zeros (xlogy)
     p2 = [[0.1, 0.2, 0.7], [0.0, 0.0, 1.0]]
-    m = evaluate.mc_metrics(torch.stack([log(p1), log(p2)]), torch.tensor([0, 0]))
+    m = metrics.mc_metrics(torch.stack([log(p1), log(p2)]), torch.tensor([0, 0]))
     mean = [[(a + b) / 2 for a, b in zip(r1, r2)] for r1, r2 in zip(p1, p2)]  # [[.4 .2 .4], [.5 0 .5]]
     mi = [H(mean[i]) - (H(p1[i]) + H(p2[i])) / 2 for i in range(2)]
     assert m["mi"] == pytest.approx(sum(mi) / 2, abs=1e-12)
@@ -63,7 +63,7 @@ def test_two_disagreeing_passes_give_mi_nll_and_cond_var_computed_by_hand():
 def test_identical_passes_give_exactly_zero_mi_cond_var_and_flip_rate():
     torch.manual_seed(0)
     one = F.log_softmax(torch.randn(1, 50, 11), dim=-1)
-    m = evaluate.mc_metrics(one.expand(3, -1, -1), torch.randint(11, (50,)))
+    m = metrics.mc_metrics(one.expand(3, -1, -1), torch.randint(11, (50,)))
     assert m["mi"] == 0.0 and m["cond_var"] == 0.0 and m["flip_rate"] == 0.0
     assert m["passes"] == 3
 
@@ -72,20 +72,20 @@ def test_ece_is_zero_for_a_perfectly_calibrated_toy():
     # 10 tokens at confidence 0.8 of which 8 are right, 5 at confidence 0.6 of which 3 are right
     probs = [[0.8, 0.2]] * 10 + [[0.4, 0.6]] * 5
     targets = [0] * 8 + [1] * 2 + [1] * 3 + [0] * 2
-    m = evaluate.mc_metrics(log(probs)[None], torch.tensor(targets))
+    m = metrics.mc_metrics(log(probs)[None], torch.tensor(targets))
     assert m["ece"] == pytest.approx(0.0, abs=1e-12)
     assert m["acc"] == pytest.approx(11 / 15)
 
 
 def test_confidence_of_exactly_one_lands_in_the_last_bin():
-    stats = evaluate.MCStats(n_bins=15).add(log([[1.0, 0.0], [0.55, 0.45]])[None], torch.tensor([1, 0]))
+    stats = metrics.MCStats(n_bins=15).add(log([[1.0, 0.0], [0.55, 0.45]])[None], torch.tensor([1, 0]))
     assert stats.bins[0].tolist() == [0.0] * 8 + [1.0] + [0.0] * 5 + [1.0]  # 0.55 -> bin 8, 1.0 -> bin 14
     # token 1: confidence 1.0, wrong, |0 - 1|; token 2: confidence 0.55, right, |1 - 0.55|
     assert stats.result()["ece"] == pytest.approx((1.0 + 0.45) / 2)
 
 
 def test_brier_score_matches_hand_computation():
-    m = evaluate.mc_metrics(log([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])[None], torch.tensor([1, 2]))
+    m = metrics.mc_metrics(log([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])[None], torch.tensor([1, 2]))
     by_hand = ((0.5 ** 2 + 0.7 ** 2 + 0.2 ** 2) + (0.1 ** 2 + 0.1 ** 2 + 0.2 ** 2)) / 2
     assert m["brier"] == pytest.approx(by_hand, abs=1e-12)
 
@@ -94,7 +94,7 @@ def test_cvar_nll_is_the_mean_of_the_worst_five_percent_by_sorting():
     torch.manual_seed(1)
     log_probs = F.log_softmax(torch.randn(2, 130, 7, dtype=torch.float64), dim=-1)
     targets = torch.randint(7, (130,))
-    m = evaluate.mc_metrics(log_probs, targets)
+    m = metrics.mc_metrics(log_probs, targets)
     p_bar = log_probs.exp().mean(0)
     nll = sorted((-p_bar[i, t].log().item() for i, t in enumerate(targets.tolist())), reverse=True)
     assert m["cvar_nll"] == pytest.approx(sum(nll[:7]) / 7, abs=1e-9)  # ceil(0.05 * 130) = 7
@@ -106,7 +106,7 @@ def test_flip_rate_counts_passes_whose_argmax_differs_from_that_of_the_mean():
               [[0.5, 0.4, 0.1], [0.1, 0.6, 0.3]],
               [[0.2, 0.7, 0.1], [0.1, 0.5, 0.4]]]
     # mean token 0: [.433 .467 .1] -> argmax 1, passes 0 0 1: two flips; token 1: [.233 .4 .367] -> 1, passes 0 1 1: one
-    m = evaluate.mc_metrics(log(passes), torch.tensor([1, 2]))
+    m = metrics.mc_metrics(log(passes), torch.tensor([1, 2]))
     assert m["flip_rate"] == pytest.approx(3 / 6)
     assert m["acc"] == pytest.approx(1 / 2)
 
@@ -176,12 +176,12 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
 
 
 @pytest.mark.parametrize("model_type", ["det", "eve", "free", "btrans"])
-def test_per_token_values_of_one_text_average_to_the_lm_metrics_of_its_window(model_type):
+def test_per_token_values_of_one_text_average_to_the_lm_metrics_of_its_window(model_type, plain_kernels):
     """sampling.token_uncertainty (evaluate.py --task=tokens, the explorer's Uncertainty view): token by token, the
     quantities whose means evaluate_lm reports for the same window and the same draws; det's mi exactly 0."""
     net = tiny(model_type, sigma=1.0) if model_type == "btrans" else tiny(model_type)
     ids = np.random.default_rng(2).integers(len(CHARS), size=21).astype(np.uint16)
-    per_token = sampling.token_uncertainty(net, ids.tolist(), 4, torch.Generator().manual_seed(5), onednn=False)
+    per_token = sampling.token_uncertainty(net, ids.tolist(), 4, torch.Generator().manual_seed(5))
     whole = evaluate.evaluate_lm(net, ids, [0], 20, n_passes=4, generator=torch.Generator().manual_seed(5))
     assert per_token["passes"] == whole["passes"] == (1 if model_type == "det" else 4)
     for key in ("nll", "entropy", "expected_entropy", "mi"):
@@ -291,8 +291,8 @@ def test_pass_at_k_matches_brute_force_enumeration_of_subsets():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
-                assert tasks.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
-    assert tasks.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
+                assert metrics.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
 
 
 def test_letters_verifier_on_hand_made_strings():
@@ -317,22 +317,22 @@ def test_letters_verifier_on_hand_made_strings():
 
 
 def test_majority_answer_distinct_n_and_pairwise_distance_by_hand():
-    assert tasks.majority_answer(["A", None, "B", "B", None, None]) == "B"  # None does not vote
-    assert tasks.majority_answer(["A", "B"]) == "A" and tasks.majority_answer([None]) is None
-    assert tasks.distinct_n(["abab", "abc"], 2) == pytest.approx(3 / 5)  # ab ba ab | ab bc
-    assert tasks.edit_distance("kitten", "sitting") == 3
-    assert tasks.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
+    assert metrics.majority_answer(["A", None, "B", "B", None, None]) == "B"  # None does not vote
+    assert metrics.majority_answer(["A", "B"]) == "A" and metrics.majority_answer([None]) is None
+    assert metrics.distinct_n(["abab", "abc"], 2) == pytest.approx(3 / 5)  # ab ba ab | ab bc
+    assert metrics.edit_distance("kitten", "sitting") == 3
+    assert metrics.pairwise_distance(["abcd", "abcd", "abxy"]) == pytest.approx((0 + 2 / 4 + 2 / 4) / 3)
 
 
 def test_cosine_distance_is_the_mean_over_pairs_of_one_minus_cosine():
     e = np.array([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0]])  # lengths ignored: orthogonal, opposite, orthogonal
-    assert tasks.cosine_distance(e) == pytest.approx((1 + 2 + 1) / 3)
-    assert tasks.cosine_distance(np.array([[1.0, 1.0], [3.0, 3.0]])) == pytest.approx(0, abs=1e-12)
+    assert metrics.cosine_distance(e) == pytest.approx((1 + 2 + 1) / 3)
+    assert metrics.cosine_distance(np.array([[1.0, 1.0], [3.0, 3.0]])) == pytest.approx(0, abs=1e-12)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(5, 7))
     u = x / np.linalg.norm(x, axis=1, keepdims=True)
     pairs = [1 - u[i] @ u[j] for i in range(5) for j in range(i + 1, 5)]
-    assert tasks.cosine_distance(x) == pytest.approx(np.mean(pairs))
+    assert metrics.cosine_distance(x) == pytest.approx(np.mean(pairs))
 
 
 def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
@@ -346,7 +346,7 @@ def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     texts = [dec(model.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
     correct = [tasks.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
     assert out["pairwise_edit"] == 0.0 and out["pass@1"] == out["pass@3"] == sum(correct) / 2
-    assert out["distinct_4"] == pytest.approx(sum(tasks.distinct_n([t] * 3, 4) for t in texts) / 2)
+    assert out["distinct_4"] == pytest.approx(sum(metrics.distinct_n([t] * 3, 4) for t in texts) / 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

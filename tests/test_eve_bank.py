@@ -2,6 +2,8 @@
 gradient, the clip binding on both sides, every configuration, decode steps), and its written-out backward passes
 gradcheck; its in-place scan equals the recurrence run either way."""
 
+import functools
+
 import pytest
 import torch
 
@@ -12,10 +14,15 @@ from test_eve import (BANKS, SMALL, gen, kv_decode, make, make_with_memory, sequ
 
 
 def fused_copy(model):
-    """A deep copy of model with the fused bank swapped in: the same parameters, values and buffers."""
+    """A deep copy of model with the fused bank in place of the current plain bank, put there without the probe of
+    fused_banks (so that what is compared below is always the fused bank against model_eve.py's bank as it is now):
+    the same parameters, values and buffers."""
     copy = model_eve.Model(model.config).to(next(model.parameters()).dtype)
     copy.load_state_dict(model.state_dict())
-    return eve_bank.fused_banks(copy.train(model.training))
+    for m in copy.modules():
+        if isinstance(m, model_eve.VariationalMLP):
+            m.bank = functools.partial(eve_bank.fused_bank, m)
+    return copy.train(model.training)
 
 
 def grads(scalar, params):
@@ -38,7 +45,7 @@ def test_fused_bank_equals_the_plain_bank_in_float64_values_and_every_gradient(o
     plain = make_with_memory(**overrides).double().train()
     with_clipped_logvar(plain.blocks[0].mlp)
     fused = fused_copy(plain)
-    assert fused.blocks[0].mlp.bank.__func__ is eve_bank.fused_bank  # swapped
+    assert fused.blocks[0].mlp.bank.func is eve_bank.fused_bank  # swapped
     assert plain.blocks[0].mlp.bank.__func__ is model_eve.VariationalMLP.bank  # the original untouched
     u = torch.randn(3, 20, SMALL["n_embd"], dtype=torch.double, generator=gen(1))
     eps = torch.randn(3, 20, plain.config.n_latent, dtype=torch.double, generator=gen(2))
@@ -142,13 +149,11 @@ def test_fused_banks_leaves_a_model_without_neurons_unchanged():
     assert all(torch.equal(v, state[k]) for k, v in twin.state_dict().items())
 
 
-def test_fused_banks_applies_only_to_the_plain_bank_it_was_written_for(monkeypatch):
-    """The fused bank stands for today's VariationalMLP.bank, prior_mean and scan: after an edit of any of them (their
-    source's hash differs; update PLAIN_SOURCE once the tests above pass again) the plain bank trains, with a
-    warning."""
-    assert eve_bank.plain_source() == eve_bank.PLAIN_SOURCE
-    monkeypatch.setattr(eve_bank, "PLAIN_SOURCE", "an edited bank")
-    model = make()
-    with pytest.warns(UserWarning, match="edited"):
-        assert eve_bank.fused_banks(model) is model
-    assert not any("bank" in vars(m) for m in model.modules())  # the class's plain bank everywhere
+@pytest.mark.parametrize("overrides", BANKS, ids=str)
+def test_fused_banks_swaps_every_bank_of_model_eve_as_it_is_in_float32_and_float64(overrides):
+    """fused_banks' probe passes the model file's own bank in every configuration (the memory, the clip and the AR
+    prior all active), so train.py trains the fused bank; nothing is said."""
+    for dtype in (torch.float32, torch.float64):
+        model = make_with_memory(**overrides).to(dtype)
+        assert eve_bank.fused_banks(model, log=pytest.fail) is model
+        assert all(isinstance(vars(block.mlp).get("bank"), functools.partial) for block in model.blocks)

@@ -15,7 +15,7 @@ from conftest import LOCAL_DATA
 
 import evaluate
 from experiments import eve_uncertainty as eu
-from nanolatent import models, tokendata
+from nanolatent import metrics, models, tokendata
 
 
 def pairwise_auroc(scores, positive):
@@ -56,7 +56,7 @@ def test_token_scores_are_evaluates_definitions_token_by_token():
         np.testing.assert_allclose(got[key], value.double().numpy(), atol=1e-6, err_msg=key)
     assert 0 < got["wrong"].mean() < 1 and got["flip"].max() > 0
     # and their means are evaluate.py's metrics of the same passes
-    whole = evaluate.mc_metrics(log_p, targets)
+    whole = metrics.mc_metrics(log_p, targets)
     for key, metric in (("mi", "mi"), ("flip", "flip_rate"), ("entropy", "entropy")):
         assert got[key].mean() == pytest.approx(whole[metric], abs=1e-6), key
     assert 1 - got["wrong"].mean() == pytest.approx(whole["acc"], abs=1e-12)

@@ -15,7 +15,7 @@ from conftest import LOCAL_DATA, TINY, records, run_script, start_script, wait_f
 
 from experiments import smollm2_embedding
 from experiments import study
-from nanolatent import ckpt, tasks, tokendata
+from nanolatent import ckpt, metrics, tasks, tokendata
 
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
@@ -29,7 +29,7 @@ needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m
 
 def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
     # n = 4 samples; prompt A 1 correct, prompt B 4 correct, prompt C none
-    curve = tasks.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
+    curve = metrics.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
     assert curve[1] == pytest.approx((0.25 + 1.0 + 0.0) / 3)
     assert curve[2] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0 + 0.0) / 3)  # A: 1 - 3/6
     assert curve[4] == pytest.approx(2 / 3)

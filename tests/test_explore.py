@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import TINY, run_script, start_script, wait_for_line
-from nanolatent import tasks
+from nanolatent import metrics, tasks
 
 pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
 TIMEOUT = 120  # seconds for any one request or wait; every request goes to 127.0.0.1
@@ -133,7 +133,7 @@ def test_minds_of_a_det_run_are_sample_py_minds_with_evaluate_py_nll_under_the_m
             per_token = json.load(f)["results"][str(runs / "det")]["nll"]
         assert nll == sum(per_token) / len(per_token)
     answers = [tasks.letters_answer(t[len("K>"):]) for t in minds["texts"]]  # the synthetic task's answers
-    assert minds["answers"] == answers and minds["majority"] == tasks.majority_answer(answers)
+    assert minds["answers"] == answers and minds["majority"] == metrics.majority_answer(answers)
 
 
 def test_z_shows_the_bits_and_texts_of_sample_py_show_latents(server, runs, data_root, tmp_path):

@@ -72,14 +72,14 @@ def test_given_codes_replace_the_drawn_z_and_kl_bits_is_eq4_of_the_encoder():
     assert np.allclose(sampling.posterior_kl_bits(model, ids), (8 - h.sum(-1)).tolist(), atol=1e-5)
 
 
-def test_top_predictions_are_each_pass_probabilities_of_the_top_tokens_of_their_mean():
+def test_top_predictions_are_each_pass_probabilities_of_the_top_tokens_of_their_mean(plain_kernels):
     model, ids, M = tiny("eve"), [3, 1, 4, 1, 5, 9, 2, 6], 5
-    top = sampling.top_predictions(model, ids, M, torch.Generator().manual_seed(7), decode, k=4, onednn=False)
+    top = sampling.top_predictions(model, ids, M, torch.Generator().manual_seed(7), decode, k=4)
     generator, x, y = torch.Generator().manual_seed(7), torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     with torch.no_grad():  # the passes directly; targets ask for every position's logits
         p = torch.stack([F.softmax(model(x, y, latents=model.sample_latents(1, generator))[0][0], -1)
                          for _ in range(M)])  # (M, T, V)
-    scores = sampling.token_uncertainty(model, ids, M, torch.Generator().manual_seed(7), onednn=False)
+    scores = sampling.token_uncertainty(model, ids, M, torch.Generator().manual_seed(7))
     for t, position in enumerate(top):
         mean, order = p[:, t].mean(0).topk(4)
         assert position["tokens"] == [decode([i]) for i in order.tolist()]

@@ -1,17 +1,16 @@
 # GRPO (B-Trans §5.2) on a pretrained chat model: SmolLM2-135M-Instruct imported offline (README, "B-Trans minds on a
 # pretrained model"), full fine-tuning (every weight; the paper fine-tunes LoRA adapters).
 # python -m scripts.rlvr config/rlvr_smollm2.py [--rollout=temperature] [--task=gsm8k --dataset=DIR_WITH_GSM8K_JSONL]
-from nanolatent import tokendata as _tokendata
-
 init_from = "out-smollm2"
 out_dir = "out-rlvr-smollm2"
 # HellaSwag as lettered multiple choice, the reply's first token the answer: SmolLM2-135M answers almost no GSM8K
 # problem (README), so a GSM8K group has no reward to learn from. Held out: the first eval_prompts items; RL prompts:
 # the items past them (HellaSwag's labelled items are its validation split).
 task = "hellaswag"
-# the hub's HellaSwag; offline, the 1,000-item validation sample under $NANOLATENT_LOCAL_DATA (what the README's
-# numbers were measured on: a random subset of the validation split, so its first items are not the hub's)
-dataset = _tokendata.local_data("hellaswag/hellaswag_val_sample1000.jsonl", "hellaswag")
+# the hub's HellaSwag; offline, the 1,000-item validation sample under $NANOLATENT_LOCAL_DATA, read in its place
+# (multiple_choice.LOCAL_COPIES; what the README's numbers were measured on: a random subset of the validation split,
+# so its first items are not the hub's)
+dataset = "hellaswag"
 train_prompts = "val"
 eval_prompts = 100
 eval_samples = 4

@@ -1,6 +1,6 @@
 """What every script shares: one-line errors (die), seeded draws, devices, dtypes and autocast, GPUs' peak FLOPs, a
 progress line (and a log line's times and width), matplotlib if present, free disk space, a training loop's stop on a
-signal. Model files never import this module."""
+signal, the CPU's thread count. Model files never import this module."""
 
 import contextlib
 import os
@@ -12,8 +12,6 @@ import time
 
 import numpy as np
 import torch
-
-from nanolatent import cpu
 
 
 # Peak dense bf16 tensor throughput by device name, for MFU; None where unknown (and on CPU).
@@ -193,7 +191,20 @@ def check_device(device):
             die(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s): use cuda:0 to "
                 f"cuda:{torch.cuda.device_count() - 1}")
     if str(device) == "cpu":
-        cpu.cpu_threads()
+        cpu_threads()
+
+
+def cpu_threads():
+    """Threads for torch's CPU kernels. torch takes one per core, which on a machine shared with other work makes
+    each thread wait for a core and the run several times slower (docs/training.md, Shared CPUs). Unless
+    OMP_NUM_THREADS says otherwise: the cores not busy when the script starts, at least one."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    idle = cores - round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else cores
+    threads = max(1, min(cores, idle))
+    torch.set_num_threads(threads)
+    return threads
 
 
 class Stop:

@@ -250,12 +250,13 @@ def usage(namespace, argv, positional):
 
 
 def apply(namespace, argv=None, model_fields=None, positional=None):
-    """configure() on the caller's module globals (their public int/float/bool/str/tuple names), which it updates.
+    """configure() on the caller's module globals (their lower-case int/float/bool/str/tuple names: an upper-case
+    name is a constant, never a setting), which it updates.
     Returns (config, model values): config is every script value after overrides, as a checkpoint records it. The
     defaults are those the module had at its first call, so a main() called twice (in tests) starts afresh."""
     if "_config_defaults" not in namespace:
         namespace["_config_defaults"] = {k: v for k, v in namespace.items() if not k.startswith("_")
-                                         and isinstance(v, TYPES)}
+                                         and k == k.lower() and isinstance(v, TYPES)}
     defaults = namespace["_config_defaults"]
     argv = sys.argv[1:] if argv is None else argv
     if "--quiet" in argv:  # no progress lines, in this process and in those it starts (they inherit the variable)

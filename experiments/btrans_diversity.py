@@ -3,10 +3,10 @@ temperature sampling at the same per-token quality?
 
     python -m experiments.btrans_diversity          # trains config/det_shakespeare_char.py first if needed (~8 min)
 
-One det model trained on character-level Tiny Shakespeare, K generations per prompt from
+One det model trained on character-level Tiny Shakespeare, k generations per prompt from
   (a) the det model with temperature sampling, over a sweep of temperatures,
   (b) B-Trans minds: the same weights wrapped plug-and-play, one eps per sequence (§4.3), greedy decoding, so every
-      difference between the K generations comes from the minds,
+      difference between the k generations comes from the minds,
   (c) token-wise noise: the same wrapper with a fresh eps at every step (§6.1), greedy decoding.
 Diversity: distinct-n pooled over the group and mean pairwise normalised edit distance. Quality: the mean per-token
 NLL of the generated characters under the det model (a coherence proxy: lower reads more like Shakespeare). The
@@ -26,7 +26,7 @@ from nanolatent.tasks import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
 prompts = ("ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY VI:\n", "MENENIUS:\n", "LADY CAPULET:\n")
-K = 8  # generations (minds) per prompt
+k = 8  # generations (minds) per prompt
 max_new_tokens = 100
 temperatures = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
 sigmas = (0.1, 0.2, 0.4)
@@ -54,12 +54,12 @@ def nll_under_det(rows, prompt_len):
 
 @torch.no_grad()
 def run(model, temperature):
-    """Generate K continuations per prompt; average the metrics over prompts."""
+    """Generate k continuations per prompt; average the metrics over prompts."""
     generator = torch.Generator(device).manual_seed(seed)
     metrics = []
     for prompt in prompts:
-        idx = torch.tensor([encode(prompt)] * K, device=device)
-        latents = model.sample_latents(K, generator)
+        idx = torch.tensor([encode(prompt)] * k, device=device)
+        latents = model.sample_latents(k, generator)
         rows = model.generate(idx, max_new_tokens, temperature=temperature, latents=latents, generator=generator).tolist()
         texts = [decode(r[idx.size(1):]) for r in rows]
         metrics.append([nll_under_det(rows, idx.size(1)), distinct_n(texts, 2), distinct_n(texts, 3),
@@ -77,7 +77,7 @@ for mode in ("sequence", "token"):
                          **run(minds.eval(), 0.0)))
 
 det_rows = sorted((r for r in rows if r["source"] == "det"), key=lambda r: r["nll"])
-print(f"{K} generations of {max_new_tokens} characters for each of {len(prompts)} prompts, {out_dir}\n")
+print(f"{k} generations of {max_new_tokens} characters for each of {len(prompts)} prompts, {out_dir}\n")
 print("| source | setting | NLL under det | distinct-2 | distinct-3 | pairwise edit | det distinct-2 at equal NLL |")
 print("|---|---|---|---|---|---|---|")
 for r in rows:
@@ -92,7 +92,7 @@ for r in rows:
 data = os.path.splitext(figure)[0] + ".json"  # the table's rows, beside the figure
 os.makedirs(os.path.dirname(data) or ".", exist_ok=True)
 with open(data, "w") as f:
-    json.dump({"out_dir": out_dir, "K": K, "max_new_tokens": max_new_tokens, "prompts": list(prompts), "seed": seed,
+    json.dump({"out_dir": out_dir, "K": k, "max_new_tokens": max_new_tokens, "prompts": list(prompts), "seed": seed,
                "rows": rows}, f, indent=1, default=float)
 print(f"\nwrote {data}")
 
@@ -103,7 +103,7 @@ for source, style in (("det", "o-"), ("minds", "s"), ("token", "^")):
     ax.plot(*zip(*points), style, label={"det": "det, temperature sweep", "minds": "B-Trans minds (greedy)",
                                          "token": "token-wise noise (greedy)"}[source])
 ax.set_xlabel("NLL of the generations under det (nats/char)")
-ax.set_ylabel(f"distinct-2 over {K} generations")
+ax.set_ylabel(f"distinct-2 over {k} generations")
 ax.legend()
 fig.tight_layout()
 os.makedirs(os.path.dirname(figure), exist_ok=True)

@@ -8,9 +8,9 @@ at T = 1 and at the temperature whose generations have the minds' NLL.
 
 Prompts: the first `num_prompts` WritingPrompts test prompts (their [ WP ] tag and the dataset's spaced punctuation
 removed), INFINITY-CHAT's open-ended queries' stand-in, each asked in the model's chat template as "Write a short
-story: <prompt>". K generations of max_new_tokens per prompt, cut at the end of the turn. Arms, per seed:
+story: <prompt>". k generations of max_new_tokens per prompt, cut at the end of the turn. Arms, per seed:
   det at T = 1     the det model (B-Trans with its offsets at their mean, 0: det's logits), §5.1's comparison,
-  minds at T = 1   K minds (sigma of each gain), one eps each, frozen for the sequence (§4.3); a seed draws its K minds
+  minds at T = 1   k minds (sigma of each gain), one eps each, frozen for the sequence (§4.3); a seed draws its k minds
                    once, a population that answers every prompt (§5.1),
   det at T*        the temperature whose generations' mean NLL under det equals the minds' (quality matched), found
                    by a direct search (study.match_temperature): det at T = 1 is the first probe, each further probe
@@ -18,7 +18,7 @@ story: <prompt>". K generations of max_new_tokens per prompt, cut at the end of 
                    `tolerance`; the arm is the probe closest in NLL, its gap printed.
 Every arm of a seed draws prompt i's tokens from the same stream (common random numbers: the probes' NLL moves
 smoothly with T). Diversity (§5.1): 1 - cosine similarity of the generations' all-MiniLM-L6-v2 embeddings
-(mean-pooled over tokens, L2-normalised: sentence-transformers' recipe for it), averaged over the K(K-1)/2 pairs of a
+(mean-pooled over tokens, L2-normalised: sentence-transformers' recipe for it), averaged over the k(k-1)/2 pairs of a
 prompt, then over prompts. Quality: the generations' mean per-token NLL under det (the end-of-turn token counted when
 drawn). The effect, paired by seed: minds(T=1) - det(T*), and minds(T=1) - det(T=1) as the paper's raw comparison;
 mean and 95% t interval over seeds and a bootstrap over prompts (experiments/stats.py). Fig. 4: the first
@@ -44,7 +44,7 @@ from nanolatent import ckpt, common, cpu, metrics, speedups, tokendata
 out_dir = "out-smollm2"
 prompts_file = tokendata.local_data("writingprompts/wp_sample_test.jsonl")  # WritingPrompts' {prompt, story} lines
 num_prompts = 32
-K = 8  # generations per prompt and arm: the group whose pairwise distances are averaged
+k = 8  # generations per prompt and arm: the group whose pairwise distances are averaged
 max_new_tokens = 32
 sigma = 0.03  # the minds' sigma, relative to each gain (docs/pretrained.md, choosing sigma: 0.03 costs +0.08 nats)
 sigma_scale = "gain"
@@ -59,11 +59,11 @@ json_out = "assets/btrans_diversity_smollm2.json"  # the figure beside it, .png
 device = "cpu"
 kernels = "fast"  # 'plain': the model file's own modules, no speed-up applied from outside (docs/models.md)
 config, _ = configurator.apply(globals())
-configurator.require(config, positive=("num_prompts", "K", "max_new_tokens", "sigma", "temperature", "max_probes",
+configurator.require(config, positive=("num_prompts", "k", "max_new_tokens", "sigma", "temperature", "max_probes",
                                        "tolerance", "slope"), choices={"kernels": speedups.KERNELS})
 speedups.use(kernels)
-if K < 2:
-    common.die(f"K={K}: a pairwise distance needs K >= 2 generations per prompt")
+if k < 2:
+    common.die(f"--k={k}: a pairwise distance needs k >= 2 generations per prompt")
 EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
 MINDS, DET, MATCHED = f"minds, T={temperature:g}", f"det, T={temperature:g}", "det, T*"  # the arms, in the JSON
 
@@ -124,7 +124,7 @@ def report(record):
     arms, out = effects(record)
     runs = record["runs"]
     seeds = [r["seed"] for r in runs]
-    print(f"\n{record['num_prompts']} prompts x K={record['K']} generations of {record['max_new_tokens']} tokens, "
+    print(f"\n{record['num_prompts']} prompts x k={record['K']} generations of {record['max_new_tokens']} tokens, "
           f"minds sigma={record['sigma']:g} ({record['sigma_scale']}), seeds {seeds}; diversity: mean pairwise cosine "
           f"distance of {record['embedder']} embeddings\n")
     print("| seed | det T = 1: NLL, diversity | minds T = 1: NLL, diversity | probes T (NLL) | T* | NLL gap | "
@@ -153,7 +153,7 @@ def report(record):
             ax.scatter(arms[name]["nll"][s], arms[name]["diversity"][s], color=color[name], s=30,
                        marker="s" if name == MINDS else "o", label=name if s == 0 else None)
     ax.set_xlabel("NLL of the generations under det (nats/token)")
-    ax.set_ylabel(f"mean pairwise cosine distance (K={record['K']})")
+    ax.set_ylabel(f"mean pairwise cosine distance (k={record['K']})")
     ax.set_title(f"each seed ({', '.join(map(str, seeds))})", fontsize=9)
     ax.legend(fontsize=7)
     for ax, panel in zip(axes[1:], pca):
@@ -194,7 +194,7 @@ def group(i, minds, t, population, seed):
     """K generations for prompt i, by the minds (population) or by det, at temperature t: their texts and their mean
     per-token NLL under det."""
     model.config.noise_mode = "sequence" if minds else "mean"
-    idx = torch.tensor([ids[i]], device=device).expand(K, -1)
+    idx = torch.tensor([ids[i]], device=device).expand(k, -1)
     tokens = torch.Generator(device).manual_seed(common.seed_of(seed, 1, i))  # every arm: prompt i's stream
     rows = model.generate(idx, max_new_tokens, t, latents=population if minds else None, generator=tokens)
     targets = rows[:, 1:].clone()
@@ -215,7 +215,7 @@ def arm(seed, name, minds, t, population):
     out, embeddings = {"temperature": t, "nll": [], "diversity": []}, []
     for i in common.progress(range(len(prompts)), desc=f"seed {seed}, {name} at T={t:.3f}: prompts"):
         texts, nll = group(i, minds, t, population, seed)
-        e = embed(texts)  # (K, 384)
+        e = embed(texts)  # (k, 384)
         out["nll"].append(round(nll, 6))
         out["diversity"].append(round(metrics.cosine_distance(e), 6))
         embeddings.append(e)
@@ -229,7 +229,7 @@ def arm(seed, name, minds, t, population):
 def run(seed):
     """One seed: minds at T = 1, then the search for T* from det at T = 1; Fig. 4's PCA of the first prompts."""
     model.config.noise_mode = "sequence"
-    population = model.sample_latents(K, torch.Generator().manual_seed(common.seed_of(seed, 0)))  # (K, n_norms, C)
+    population = model.sample_latents(k, torch.Generator().manual_seed(common.seed_of(seed, 0)))  # (k, n_norms, C)
     minds = arm(seed, "minds", True, temperature, population)
     target = float(np.mean(minds[0]["nll"]))
     probes, best = study.match_temperature(
@@ -240,8 +240,8 @@ def run(seed):
     print(f"seed {seed}: T* = {probes[best][0]:.3f}, NLL gap {gap:+.3f} after {len(probes)} probes", flush=True)
     pca = []
     for i in range(min(pca_prompts, len(prompts))):
-        xy = pca_2d(np.concatenate([a[1][i] for a in chosen.values()]))  # (3 K, 2)
-        pca.append({"prompt": prompts[i], "points": {name: xy[j * K:(j + 1) * K].round(4).tolist()
+        xy = pca_2d(np.concatenate([a[1][i] for a in chosen.values()]))  # (3 k, 2)
+        pca.append({"prompt": prompts[i], "points": {name: xy[j * k:(j + 1) * k].round(4).tolist()
                                                      for j, name in enumerate(chosen)}})
     return {"seed": seed, "minutes": (time.time() - t0) / 60, "arms": {name: a[0] for name, a in chosen.items()},
             "probes": [{"temperature": t, "nll": nll, "diversity": float(np.mean(a[0]["diversity"]))}
@@ -250,12 +250,12 @@ def run(seed):
             "samples": {name: a[2] for name, a in chosen.items()}}
 
 
-print(f"{out_dir}: {len(prompts)} prompts x K={K} x {max_new_tokens} tokens, minds sigma={sigma:g} ({sigma_scale}) "
+print(f"{out_dir}: {len(prompts)} prompts x k={k} x {max_new_tokens} tokens, minds sigma={sigma:g} ({sigma_scale}) "
       f"at T={temperature:g} against det at T={temperature:g} and at T*, seeds {list(seeds)}")
 t0 = time.time()
 with cpu.inference_linears(model):
     new = {seed: run(seed) for seed in seeds}
-setup = {"out_dir": out_dir, "prompts_file": os.path.basename(prompts_file), "num_prompts": len(prompts), "K": K,
+setup = {"out_dir": out_dir, "prompts_file": os.path.basename(prompts_file), "num_prompts": len(prompts), "K": k,
          "max_new_tokens": max_new_tokens, "sigma": sigma, "sigma_scale": sigma_scale, "temperature": temperature,
          "max_probes": max_probes, "tolerance": tolerance, "slope": slope, "embedder": EMBEDDER}
 os.makedirs(os.path.dirname(json_out) or ".", exist_ok=True)

@@ -108,7 +108,7 @@ def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(smo
     out = tmp_path / "div.json"
     for seed in (1, 2):  # two invocations, as two processes would run them: the second joins the first's JSON
         run_script(sys.executable, "-m", "experiments.btrans_diversity_smollm2", f"--out_dir={model}",
-                   "--num_prompts=2", "--K=3", "--max_new_tokens=4", "--max_probes=3", "--sigma=0.06",
+                   "--num_prompts=2", "--k=3", "--max_new_tokens=4", "--max_probes=3", "--sigma=0.06",
                    f"--seeds={seed},", "--pca_prompts=1", f"--json_out={out}", data_dir=tmp_path)
     with open(out) as f:
         result = json.load(f)

@@ -19,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a copy absent from it skips, naming the file.
 LOCAL_DATA = os.environ.setdefault("NANOLATENT_LOCAL_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))  # the process helpers (tests/support/README.md)
+FORKRUN, KILL_IN_SAVE = "tests/support/forkrun.py", "tests/support/kill_in_save.py"  # run_script's paths to them
 torch.set_num_threads(2)
 
 
@@ -30,7 +32,7 @@ def script_env(data_dir, **extra):
 def run_script(*args, data_dir, cwd=ROOT, check=True, timeout=600, env=()):
     """Run `python <script>.py args...` or `python -m <module> args...` (torchrun's too) with prepared data under
     data_dir and env's variables, or a command; returns the CompletedProcess. Python scripts run as forks of
-    tests/launcher.py (torch imported once)."""
+    tests/support/launcher.py (torch imported once)."""
     env = script_env(data_dir, **dict(env))
     cmd = [str(arg) for arg in args]
     cmd = [sys.executable, *cmd] if cmd[0].endswith(".py") or cmd[0] == "-m" else cmd
@@ -62,9 +64,9 @@ def wait_for_line(path, prefix, job, timeout=300):
 
 
 class Launcher:
-    """tests/launcher.py, started once for each value of the variables read at start: each script a fork of a process
-    that has imported torch (most of a tiny run's time on two cores), its exit code, stdout and stderr as its own
-    process would give them."""
+    """tests/support/launcher.py, started once for each value of the variables read at start: each script a fork of a
+    process that has imported torch (most of a tiny run's time on two cores), its exit code, stdout and stderr as its
+    own process would give them."""
     # what torch (dynamo's and inductor's configs included), its libraries and Python read at start; not the cache
     # folder, read at each compile (and set in the suite's own process by the first)
     IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "LD_", "PYTHON")
@@ -73,7 +75,8 @@ class Launcher:
 
     def __init__(self, env):
         self.lock, self.jobs = threading.Lock(), {}  # request id -> Forked
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launcher.py")], cwd=ROOT, env=env,
+        launcher = os.path.join(ROOT, "tests", "support", "launcher.py")
+        self.proc = subprocess.Popen([sys.executable, launcher], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self.read, daemon=True).start()
 
@@ -147,7 +150,7 @@ class Forked:
     def wait(self, timeout=None):
         if not self.ended.wait(timeout):
             raise subprocess.TimeoutExpired(self.cmd, timeout)
-        assert self.returncode is not None, f"tests/launcher.py ended during {' '.join(self.cmd)}"
+        assert self.returncode is not None, f"tests/support/launcher.py ended during {' '.join(self.cmd)}"
         return self.returncode
 
 

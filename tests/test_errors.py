@@ -20,7 +20,7 @@ import torch
 
 from nanolatent import ckpt, models
 
-from conftest import ROOT, TINY, records, run_script, start_script, train_det, wait_for_line
+from conftest import FORKRUN, ROOT, TINY, records, run_script, start_script, train_det, wait_for_line
 
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
@@ -858,7 +858,7 @@ def test_an_error_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys)
 @pytest.mark.slow
 def test_an_error_under_torchrun_is_one_line(tmp_path):
     """Both processes meet the missing dataset; the job fails with one line, rank 0's."""
-    proc = run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", "--dataset=no_such_data", *TINY,
+    proc = run_script(FORKRUN, "--nproc_per_node=2", "train.py", "--dataset=no_such_data", *TINY,
                       "--gradient_accumulation_steps=2",
                       data_dir=tmp_path, check=False, timeout=300)
     assert proc.returncode != 0 and proc.stderr.count("error: ") == 1, proc.stderr[-2000:]

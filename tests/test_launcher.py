@@ -1,12 +1,12 @@
-"""The suite's launcher (tests/launcher.py): a script run as its fork gives what its own process gives; tests/forkrun.py
-gives its workers torchrun's variables and ends the job when one fails."""
+"""The suite's launcher (tests/support/launcher.py): a script run as its fork gives what its own process gives;
+tests/support/forkrun.py gives its workers torchrun's variables and ends the job when one fails."""
 
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY, Launcher, run_script, script_env
+from conftest import FORKRUN, ROOT, TINY, Launcher, run_script, script_env
 
 
 @pytest.mark.slow
@@ -31,5 +31,5 @@ def test_forkrun_gives_each_worker_its_rank_and_a_failed_worker_ends_the_job(tmp
     worker.write_text("import os, sys, time\n"
                       "print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')))\n"
                       "sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(600)\n")
-    proc = run_script("tests/forkrun.py", "--nproc_per_node=2", worker, data_dir=tmp_path, check=False, timeout=60)
+    proc = run_script(FORKRUN, "--nproc_per_node=2", worker, data_dir=tmp_path, check=False, timeout=60)
     assert proc.returncode == 1 and sorted(proc.stdout.splitlines()) == ["0 0 2 2", "1 1 2 2"], proc

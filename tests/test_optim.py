@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, records, run_script, train_det
+from conftest import FORKRUN, TINY, records, run_script, train_det
 
 from nanolatent import models, optim
 
@@ -142,7 +142,7 @@ def test_two_process_ddp_with_muon_gives_the_weights_of_one_process_with_the_sam
     args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2",
             "--optimizer=muon"]
     train_det(data_root, tmp_path / "single", *args)
-    run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", "--model_type=det",
+    run_script(FORKRUN, "--nproc_per_node=2", "train.py", "--model_type=det",
                f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
     a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -150,7 +150,7 @@ def test_two_process_ddp_with_muon_gives_the_weights_of_one_process_with_the_sam
 
 @pytest.mark.slow
 def test_muon_under_fsdp_is_refused_in_one_line_before_anything_is_written(data_root, tmp_path):
-    proc = run_script(sys.executable, "tests/forkrun.py", "--nproc_per_node=2", "train.py", "--model_type=det",
+    proc = run_script(sys.executable, FORKRUN, "--nproc_per_node=2", "train.py", "--model_type=det",
                       f"--out_dir={tmp_path / 'run'}", *TINY, "--fsdp=True", "--optimizer=muon", "--gradient_accumulation_steps=2",
                       data_dir=data_root,
                       check=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import TINY, records, run_script, start_script, train_det, wait_for_line
+from conftest import FORKRUN, KILL_IN_SAVE, TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt, lock
@@ -25,11 +25,11 @@ TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ bet
 
 def command(mode, out_dir, *args, kill_in_save=False, torchrun=True):
     """train.py --init_from=auto on the tiny det model, 2 micro-batches per step: one process, or two under torchrun
-    (or tests/forkrun.py: its workers forked, not started); through tests/kill_in_save.py to inject a kill."""
+    (or support/forkrun.py: its workers forked, not started); through support/kill_in_save.py to inject a kill."""
     flags, nproc = MODES[mode]
-    starter = ["-m", "torch.distributed.run", "--standalone"] if torchrun else ["tests/forkrun.py"]
+    starter = ["-m", "torch.distributed.run", "--standalone"] if torchrun else [FORKRUN]
     launcher = [*starter, f"--nproc_per_node={nproc}"] if nproc else []
-    script = ["tests/kill_in_save.py", "train.py"] if kill_in_save else ["train.py"]
+    script = [KILL_IN_SAVE, "train.py"] if kill_in_save else ["train.py"]
     return [sys.executable, *launcher, *script, f"--out_dir={out_dir}", "--model_type=det", *TINY, *flags,
             "--gradient_accumulation_steps=2", "--init_from=auto", *args]
 
@@ -102,7 +102,7 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
     """Kill the whole job before the 1st, 2nd, ... change train.py makes to its checkpoints, up to the last one that
     the run makes unkilled; each time the same command resumes from the newest folder committed before the kill (or
     starts, when none was) and ends as the uninterrupted run did. The kill points are independent jobs, two at a
-    time, their 2 processes forked by tests/forkrun.py: 36 jobs a mode spend most of their time starting."""
+    time, their 2 processes forked by tests/support/forkrun.py: 36 jobs a mode spend most of their time starting."""
     full, out_dir, ops = tmp_path / "full", tmp_path / "unkilled", tmp_path / "ops.txt"
     with ThreadPoolExecutor(2) as pool:
         uninterrupted = pool.submit(finish, command(mode, full, *SAVES, torchrun=False), data_root)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, TINY, run_script
+from conftest import FORKRUN, ROOT, TINY, run_script
 
 from nanolatent import ckpt, models
 
@@ -24,8 +24,8 @@ STEPS = ["--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accum
 
 
 def train(data_root, out_dir, *args, nproc=0):
-    """train.py on a tiny model: one plain process, or nproc processes as torchrun starts them (tests/forkrun.py)."""
-    torchrun = ["tests/forkrun.py", f"--nproc_per_node={nproc}"]
+    """train.py on a tiny model: one plain process, or nproc processes as torchrun starts them (support/forkrun.py)."""
+    torchrun = [FORKRUN, f"--nproc_per_node={nproc}"]
     return run_script(*(torchrun if nproc else []), "train.py", f"--out_dir={out_dir}", *TINY, *STEPS, *args,
                       data_dir=data_root)
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, records, run_script, train_det as train
+from conftest import FORKRUN, TINY, records, run_script, train_det as train
 
 from nanolatent import ckpt, models
 
@@ -109,7 +109,7 @@ def test_a_stochastic_model_trains_to_the_same_weights_on_one_and_two_processes(
             *{"eve": ["--homeostat_warmup=1", "--homeostat_every=1"], "btrans": ["--train_noise_mode=sequence"]}.get(
                 model_type, [])]
     run_script("train.py", f"--out_dir={tmp_path / 'single'}", *args, data_dir=data_root)
-    run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path / 'ddp'}", *args,
+    run_script(FORKRUN, "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path / 'ddp'}", *args,
                data_dir=data_root)
     a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
     assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

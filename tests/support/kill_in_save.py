@@ -1,14 +1,14 @@
 """Run a script (train.py) with a SIGKILL of the whole job injected before its Nth change to a checkpoint: the
 test harness of test_resume.py, which kills a save at each of its steps.
 
-    NANOLATENT_KILL_AT=N NANOLATENT_KILL_LOG=ops.txt python tests/kill_in_save.py train.py ARGS...
-    ... python -m torch.distributed.run --nproc_per_node=2 tests/kill_in_save.py train.py ARGS...
-    ... python tests/forkrun.py --nproc_per_node=2 tests/kill_in_save.py train.py ARGS...
+    NANOLATENT_KILL_AT=N NANOLATENT_KILL_LOG=ops.txt python tests/support/kill_in_save.py train.py ARGS...
+    ... python -m torch.distributed.run --nproc_per_node=2 tests/support/kill_in_save.py train.py ARGS...
+    ... python tests/support/forkrun.py --nproc_per_node=2 tests/support/kill_in_save.py train.py ARGS...
 
 A change is a call of os.makedirs, os.replace, os.remove, os.symlink, shutil.rmtree, torch.save or
 torch.distributed.checkpoint.save naming a path under out_dir/checkpoints or out_dir/ckpt*. Rank 0 counts them and
 appends each one done to the log; at the Nth it kills every process of the job before the call (torchrun or
-tests/forkrun.py and its workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists
+forkrun.py and its workers, or itself), as a scheduler's SIGKILL leaves them. N=0 kills nothing: the log lists
 every change of the run.
 """
 
@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def job(pid):
@@ -34,13 +34,13 @@ def job(pid):
 
 def kill_job(pids):
     """SIGKILL to every process of a job still running (its command names train.py, or it is a fork of the suite's
-    tests/launcher.py: a pid that ended may have been given to another process), torchrun first (it would restart or
+    launcher.py: a pid that ended may have been given to another process), torchrun first (it would restart or
     tear down the rest)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read()
-            if b"train.py" in command or b"tests/launcher.py" in command:
+            if b"train.py" in command or b"tests/support/launcher.py" in command:
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -54,7 +54,7 @@ def watched(module, name, path_arg):
         if not (counted and named and ("/checkpoints" in str(path) or os.path.basename(path).startswith("ckpt"))):
             return call(*args, **kwargs)
         done += 1
-        if done == kill_at:  # a worker's parent (torchrun, tests/forkrun.py) started the job; a plain run dies alone
+        if done == kill_at:  # a worker's parent (torchrun, forkrun.py) started the job; a plain run dies alone
             kill_job(job(os.getppid()) if "RANK" in os.environ else [os.getpid()])
         with open(log, "a") as f:  # before the call: a call that raises (a missing file to remove) counts too
             f.write(f"{name} {' '.join(str(a) for a in args if isinstance(a, (str, os.PathLike)))}\n")

@@ -1,12 +1,12 @@
 """torchrun --standalone for the suite's multi-process runs: the workers are forks of this process, which (run by
-tests/conftest.py's run_script, a fork of tests/launcher.py) has imported torch; under torchrun each worker is a new
+tests/conftest.py's run_script, a fork of launcher.py) has imported torch; under torchrun each worker is a new
 interpreter that imports it, most of a tiny run's time on two cores. Each worker gets the variables train.py reads
 from torchrun (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); as under torchrun, the
 first worker to fail ends the others and the job exits 1. The job is this process and its workers, parent first, as
-torchrun's is (tests/kill_in_save.py kills it whole). torchrun itself runs test_resume's jobs SIGKILLed at random
+torchrun's is (kill_in_save.py kills it whole). torchrun itself runs test_resume's jobs SIGKILLed at random
 steps, SIGTERMed, or losing a process, and test_train's DDP run.
 
-    python tests/forkrun.py --nproc_per_node=2 train.py ARGS...
+    python tests/support/forkrun.py --nproc_per_node=2 train.py ARGS...
 """
 
 import os

@@ -1,7 +1,8 @@
 """The regime check's no-model baselines (docs/reproductions.md, rule 3) for the language-model studies: the add-one
-unigram and bigram models counted on a study's training tokens, scored on exactly the tokens its evaluate.py JSON
-scored (its dataset, window length and number of windows), written to assets/regime_baselines.json, which
-experiments/results.py reads.
+unigram and bigram, the interpolated Kneser–Ney bigram (discount 0.75, not tuned) and the unigram with the same
+discount (experiments/stats.py), counted on a study's training tokens and scored on exactly the tokens its evaluate.py
+JSON scored (its dataset, window length and number of windows), written to assets/regime_baselines.json, one entry
+per study's evaluation, which experiments/results.py reads.
 
     python -m experiments.baselines                                   # every evaluation named in `evals`
     python -m experiments.baselines --evals=eve_primary_m1.json,      # one more, joining the others in the file
@@ -17,7 +18,7 @@ import configurator
 from experiments import stats
 from nanolatent import tokendata
 
-evals = ("eve_study_m1.json", "eve_paper_protocol_m1.json", "eve_paper_protocol_trained5_m1.json",
+evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json", "eve_paper_protocol_trained5_m1.json",
          "eve_paper_protocol_trained16_m1.json")  # evaluate.py JSON in assets/
 out = "assets/regime_baselines.json"
 configurator.apply(globals())
@@ -36,11 +37,11 @@ for name in evals:
     train, val = (np.fromfile(os.path.join(tokendata.data_dir(dataset), f"{split}.bin"), dtype=meta["dtype"])
                   for split in ("train", "val"))
     starts = list(range(0, len(val) - T, T))[:windows]  # evaluate.py's non-overlapping windows, the first `windows`
-    unigram, bigram, tokens = stats.ngram_baselines(train, val, starts, T, meta["vocab_size"])
-    table[name] = {"dataset": dataset, "train_tokens": len(train), "seq_len": T, "windows": windows,
-                   "tokens": tokens, "unigram": unigram, "bigram": bigram}
-    print(f"{name}: {dataset}, {tokens:,} tokens in {windows} windows of {T}: add-one unigram {unigram:.3f}, "
-          f"bigram {bigram:.3f} nats/token (counted on {len(train):,} training tokens)")
+    base = stats.ngram_baselines(train, val, starts, T, meta["vocab_size"])
+    table[name] = {"dataset": dataset, "train_tokens": len(train), "seq_len": T, "windows": windows, **base}
+    print(f"{name}: {dataset}, {base['tokens']:,} tokens in {windows} windows of {T}, counted on {len(train):,} "
+          f"training tokens: add-one unigram {base['unigram']:.3f}, bigram {base['bigram']:.3f}; discounted unigram "
+          f"{base['kn_unigram']:.3f}, Kneser–Ney bigram {base['kn_bigram']:.3f} nats/token")
 with open(path + ".tmp", "w") as f:
     json.dump(table, f, indent=1)
 os.replace(path + ".tmp", path)

@@ -425,7 +425,7 @@ def ttrl_toy():
     at_start = sum(r["peak step"] == 0 for mode in ("ttrl-minds", "ttrl-temperature") for r in runs[mode])
     # the floor clause of rule 4 was written on 2026-11-29, after these runs: no run ever moved from step 0
     flat = stats.floor(minds, temp)
-    regime = {**regime, "text": regime["text"] + ("; floor: both 0 in every seed" if flat else "")}
+    regime = {**regime, "text": regime["text"] + ("; floor: all 0" if flat else "")}
     return row("B-Trans: minds train better without labels (§5.3), toy", "higher peak accuracy",
                f"peak: step 0 in {at_start}/{2 * len(minds)} runs",  # chosen on the selection set
                link("GRPO", REPRO, GRPO_HEADING), minds, temp, regime, items=(minds_items, temp_items),

@@ -7,7 +7,8 @@ per study's evaluation, which experiments/results.py reads.
     python -m experiments.baselines                                   # every evaluation named in `evals`
     python -m experiments.baselines --evals=eve_primary_m1.json,      # one more, joining the others in the file
 
-Each dataset must be prepared as its study's section in docs/reproductions.md says (wp25_cpu, wp_sample_cpu)."""
+Each dataset must be prepared as its study's section in docs/reproductions.md (wp25_cpu, wp_sample_cpu) or
+docs/free_text.md (shakespeare_char) says."""
 
 import json
 import os
@@ -19,7 +20,10 @@ from experiments import stats
 from nanolatent import tokendata
 
 evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json", "eve_paper_protocol_trained5_m1.json",
-         "eve_paper_protocol_trained16_m1.json")  # evaluate.py JSON in assets/
+         "eve_paper_protocol_trained16_m1.json", "free_text.json")  # evaluate.py JSON in assets/, or a study's
+# experiments/free_text.py calls evaluate.py on the first max_tokens of the split in windows of its runs' block_size
+# (config/det_text.py), which its JSON does not record
+block_size = {"free_text.json": 128}
 out = "assets/regime_baselines.json"
 configurator.apply(globals())
 
@@ -32,7 +36,9 @@ if os.path.exists(path):
 for name in evals:
     with open(os.path.join(ROOT, "assets", name)) as f:
         record = json.load(f)
-    dataset, T, windows = record["dataset"], record["seq_len"], record["windows"]
+    dataset = record["dataset"]
+    T = record.get("seq_len") or block_size[name]
+    windows = record.get("windows") or -(-record["max_tokens"] // T)  # evaluate.py's ceil(max_tokens / T)
     meta = tokendata.load_meta(dataset)
     train, val = (np.fromfile(os.path.join(tokendata.data_dir(dataset), f"{split}.bin"), dtype=meta["dtype"])
                   for split in ("train", "val"))

@@ -19,10 +19,10 @@ import configurator
 from experiments import stats
 from nanolatent import tokendata
 
-evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json", "eve_paper_protocol_trained5_m1.json",
-         "eve_paper_protocol_trained16_m1.json", "free_text.json")  # evaluate.py JSON in assets/, or a study's
-# experiments/free_text.py calls evaluate.py on the first max_tokens of the split in windows of its runs' block_size
-# (config/det_text.py), which its JSON does not record
+evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json",
+         "eve_paper_protocol_trained5_m1.json", "eve_paper_protocol_trained16_m1.json", "free_text.json")
+# evaluate.py JSON in assets/, or a study's: experiments/free_text.py calls evaluate.py on the first max_tokens of the
+# split in windows of its runs' block_size (config/det_text.py), which its JSON does not record
 block_size = {"free_text.json": 128}
 out = "assets/regime_baselines.json"
 configurator.apply(globals())

@@ -108,8 +108,8 @@ def ngram_baselines(train, val, starts, T, vocab_size):
     p_bi = (pair_counts + 1) / (context[prev] + V)
     kn_uni, kn_bi = kneser_ney(train, V)
     nll = lambda p: float(-np.log(p).mean())
-    return dict(unigram=nll(p_uni), bigram=nll(p_bi), kn_unigram=nll(kn_uni(targets)), kn_bigram=nll(kn_bi(prev, targets)),
-                tokens=len(targets))
+    return dict(unigram=nll(p_uni), bigram=nll(p_bi), kn_unigram=nll(kn_uni(targets)),
+                kn_bigram=nll(kn_bi(prev, targets)), tokens=len(targets))
 
 
 BASELINES = ("unigram", "bigram", "kn_unigram", "kn_bigram")  # the keys of ngram_baselines' no-model CEs

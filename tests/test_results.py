@@ -93,7 +93,8 @@ def own_row(claim, measured, paper, other, reached=True, regime="–", items=Non
 
 
 def row_free_kappa():
-    runs = sorted((r for r in load("free_synthetic_encoder_z.json")["runs"] if r["kappa"] == "1"), key=lambda r: r["seed"])
+    runs = sorted((r for r in load("free_synthetic_encoder_z.json")["runs"] if r["kappa"] == "1"),
+                  key=lambda r: r["seed"])
     shared, indep = [r["spread_shared"] for r in runs], [r["spread_independent"] for r in runs]
     kl = sum(r["kl_bits"] for r in runs) / len(runs)
     ddof = runs[0].get("spread_ddof", 0)
@@ -176,8 +177,8 @@ def row_eve_weights():
     e = eve_primary()
     top = [max(e["weights"][f"eve-s{s}"]) for s in e["seeds"]]
     det = [max(e["weights"][f"det-s{s}"]) for s in e["seeds"]]
-    return own_row("EVE: layer weights concentrate (§4.5)", f"largest {fmt_mean(top, 2)} (det {fmt_mean(det, 2)})", top,
-                   [0.94] * len(top), **e["regime"])
+    return own_row("EVE: layer weights concentrate (§4.5)", f"largest {fmt_mean(top, 2)} (det {fmt_mean(det, 2)})",
+                   top, [0.94] * len(top), **e["regime"])
 
 
 def uncertainty(question):
@@ -199,8 +200,9 @@ def uncertainty(question):
 def row_mi_errors():
     mi, det, flip, regime = uncertainty("errors")
     above = sum(v > 0.5 for v in mi)
-    return own_row("EVE: MI ranks its errors (§5)", f"AUROC: MI {fmt_mean(mi)}, > chance in {above}/{len(mi)}, < det's "
-                   f"max-softmax {fmt_mean(det)}", mi, det, **regime)
+    return own_row("EVE: MI ranks its errors (§5)",
+                   f"AUROC: MI {fmt_mean(mi)}, > chance in {above}/{len(mi)}, < det's max-softmax {fmt_mean(det)}", mi,
+                   det, **regime)
 
 
 def row_mi_ood():
@@ -273,9 +275,9 @@ def grpo(mode, at):
 
 def row_grpo():
     (minds, mi, base), (temp, ti, _) = grpo("minds", "after"), grpo("temperature", "after")
-    return own_row("B-Trans: minds' rollouts train better (§5.2), toy", f"σ, T by rule; greedy change {fmt_mean(minds)} "
-                   f"vs {fmt_mean(temp)}", minds, temp, base >= 0.3, f"{'yes' if base >= 0.3 else 'no'}: base {base:.2f}",
-                   items=(mi, ti))
+    return own_row("B-Trans: minds' rollouts train better (§5.2), toy",
+                   f"σ, T by rule; greedy change {fmt_mean(minds)} vs {fmt_mean(temp)}", minds, temp, base >= 0.3,
+                   f"{'yes' if base >= 0.3 else 'no'}: base {base:.2f}", items=(mi, ti))
 
 
 def row_ttrl():
@@ -349,7 +351,7 @@ def rule4(c, reached, tested, structural, flat, tie_counts_for_paper=False):
 
 
 def own_table():
-    """Each row's cells as the README must show them: claim, measured, n, interval, regime, verdict (with †), Holm p."""
+    """Each row's cells as the README must show them: claim, measured, n, interval, regime, verdict (†), Holm p."""
     out = []
     for make in OWN_ROWS:
         r = make()
@@ -544,8 +546,9 @@ def test_diversity_row_from_the_studys_probes():
 
 
 def test_passk_smollm2_curves_recomputed_from_the_studys_counts():
-    """SmolLM2's Pass@K row reads the study's pass@k curves: each equals the unbiased estimator 1 - C(n - c, k) / C(n, k)
-    averaged over items, computed here from the correct counts (16 answers per arm, item and seed)."""
+    """SmolLM2's Pass@K row reads the study's pass@k curves: each equals the unbiased estimator
+    1 - C(n - c, k) / C(n, k) averaged over items, computed here from the correct counts (16 answers per arm, item
+    and seed)."""
     record = load("btrans_passk_pretrained_hellaswag_mc_char100.json")
     n, arms, counts = record["n"], record["arms"], record["correct_per_seed_problem_arm"]
     assert (record["score"], n, record["temperature"]) == ("char", 16, 1.0)
@@ -560,7 +563,8 @@ def test_passk_smollm2_curves_recomputed_from_the_studys_counts():
 def test_passk_toy_curves_end_at_the_share_of_problems_solved():
     for r in load("btrans_passk.json")["runs"]:
         for curve, problems in zip(r["pass_at_k_per_seed"], r["correct_per_seed_problem"]):
-            assert curve[-1] == pytest.approx(sum(c > 0 for c in problems) / len(problems), abs=1e-6)  # kept to 6 places
+            # the JSON keeps 6 places
+            assert curve[-1] == pytest.approx(sum(c > 0 for c in problems) / len(problems), abs=1e-6)
 
 
 def test_eve_arms_table_recomputed_from_evaluates_json():
@@ -584,15 +588,20 @@ def test_eve_arms_table_recomputed_from_evaluates_json():
 @pytest.mark.slow
 def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
     """assets/regime_baselines.json against a count made here (add-one and Kneser–Ney, dictionaries), on the
-    WritingPrompts samples prepared afresh as docs/reproductions.md prepares them, from the offline copy
-    NANOLATENT_LOCAL_DATA points at: every evaluation of the EVE settings."""
+    WritingPrompts samples and Tiny Shakespeare's characters prepared afresh as the docs prepare them, from the offline
+    copies NANOLATENT_LOCAL_DATA points at: every evaluation of the EVE settings and the Free text study's."""
     files = [os.path.join(LOCAL_DATA, "writingprompts", f"wp_sample_{split}.jsonl") for split in ("train", "test")]
     if not all(os.path.exists(f) for f in files):
         pytest.skip(f"no WritingPrompts sample under NANOLATENT_LOCAL_DATA={LOCAL_DATA} (its README names the files)")
     table = load("regime_baselines.json")
-    for name, docs in (("wp_sample_cpu", 100), ("wp25_cpu", 25)):
-        run_script("prepare.py", "text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
-                   f"--max_docs={docs}", "--vocab=used", f"--name={name}", data_dir=tmp_path)
+    shakespeare = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")  # docs/free_text.md's characters
+    prepare = {name: ["text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
+                      f"--max_docs={docs}", "--vocab=used"]
+               for name, docs in (("wp_sample_cpu", 100), ("wp25_cpu", 25))}
+    if os.path.exists(shakespeare):
+        prepare["shakespeare_char"] = ["text", f"--input={shakespeare}", "--tokenizer=char"]
+    for name, args in prepare.items():
+        run_script("prepare.py", *args, f"--name={name}", data_dir=tmp_path)
         folder = tmp_path / name
         train, val = (np.fromfile(folder / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val"))
         with open(folder / "meta.json") as f:
@@ -612,7 +621,8 @@ def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
             targets = [(val[s + j - 1], val[s + j]) for s in range(0, T * entry["windows"], T) for j in range(1, T + 1)]
             assert len(targets) == entry["tokens"]
             nll = lambda p: -sum(math.log(p(a, w)) for a, w in targets) / len(targets)
-            assert entry["unigram"] == pytest.approx(nll(lambda a, w: (counts.get(w, 0) + 1) / (len(train) + V)), rel=1e-9)
+            assert entry["unigram"] == pytest.approx(nll(lambda a, w: (counts.get(w, 0) + 1) / (len(train) + V)),
+                                                     rel=1e-9)
             assert entry["bigram"] == pytest.approx(
                 nll(lambda a, w: (pairs.get((a, w), 0) + 1) / (contexts.get(a, 0) + V)), rel=1e-9)
             assert entry["kn_unigram"] == pytest.approx(nll(lambda a, w: kn_uni[w]), rel=1e-9)
@@ -647,7 +657,8 @@ def test_eve_uncertainty_aurocs_recomputed_from_the_per_document_scores():
             for key, value in run["document_auroc"][text].items():
                 assert len(ind[key]) == p["windows"] == 339 and len(run["documents"][text][key]) >= 100
                 ood = run["documents"][text][key]
-                assert value == pytest.approx(own_auroc(ind[key] + ood, [0] * len(ind[key]) + [1] * len(ood)), abs=1e-12)
+                want = own_auroc(ind[key] + ood, [0] * len(ind[key]) + [1] * len(ood))
+                assert value == pytest.approx(want, abs=1e-12)
     evaluated = {name.rsplit("/", 1)[1]: r for name, r in load("eve_primary_m8.json")["results"].items()}
     checked = [name for name in runs if name in evaluated]
     assert checked, "no run of the study is in evaluate.py's JSON"

@@ -7,7 +7,7 @@ per study's evaluation, which experiments/results.py reads.
     python -m experiments.baselines                                   # every evaluation named in `evals`
     python -m experiments.baselines --evals=eve_primary_m1.json,      # one more, joining the others in the file
 
-Each dataset must be prepared as its study's section in docs/reproductions.md (wp25_cpu, wp_sample_cpu) or
+Each dataset must be prepared as its study's section in docs/reproductions.md (wp25_cpu, wp_sample_cpu, wp500_cpu) or
 docs/free_text.md (shakespeare_char) says."""
 
 import json
@@ -20,7 +20,8 @@ from experiments import stats
 from nanolatent import tokendata
 
 evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json",
-         "eve_paper_protocol_trained5_m1.json", "eve_paper_protocol_trained16_m1.json", "free_text.json")
+         "eve_paper_protocol_trained5_m1.json", "eve_paper_protocol_trained16_m1.json", "eve_second_pilot_m1.json",
+         "free_text.json")
 # evaluate.py JSON in assets/, or a study's: experiments/free_text.py calls evaluate.py on the first max_tokens of the
 # split in windows of its runs' block_size (config/det_text.py), which its JSON does not record
 block_size = {"free_text.json": 128}

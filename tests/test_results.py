@@ -597,7 +597,7 @@ def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
     shakespeare = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")  # docs/free_text.md's characters
     prepare = {name: ["text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
                       f"--max_docs={docs}", "--vocab=used"]
-               for name, docs in (("wp_sample_cpu", 100), ("wp25_cpu", 25))}
+               for name, docs in (("wp_sample_cpu", 100), ("wp25_cpu", 25), ("wp500_cpu", 0))}
     if os.path.exists(shakespeare):
         prepare["shakespeare_char"] = ["text", f"--input={shakespeare}", "--tokenizer=char"]
     for name, args in prepare.items():

@@ -24,7 +24,7 @@ evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json
          "free_text.json")
 # evaluate.py JSON in assets/, or a study's: experiments/free_text.py calls evaluate.py on the first max_tokens of the
 # split in windows of its runs' block_size (config/det_text.py), which its JSON does not record
-block_size = {"free_text.json": 128}
+BLOCK_SIZE = {"free_text.json": 128}
 out = "assets/regime_baselines.json"
 configurator.apply(globals())
 
@@ -38,7 +38,7 @@ for name in evals:
     with open(os.path.join(ROOT, "assets", name)) as f:
         record = json.load(f)
     dataset = record["dataset"]
-    T = record.get("seq_len") or block_size[name]
+    T = record.get("seq_len") or BLOCK_SIZE[name]
     windows = record.get("windows") or -(-record["max_tokens"] // T)  # evaluate.py's ceil(max_tokens / T)
     meta = tokendata.load_meta(dataset)
     train, val = (np.fromfile(os.path.join(tokendata.data_dir(dataset), f"{split}.bin"), dtype=meta["dtype"])

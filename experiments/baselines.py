@@ -1,12 +1,14 @@
 """The regime check's no-model baselines (docs/reproductions.md, rule 3) for the language-model studies: the add-one
-unigram and bigram models counted on a study's training tokens, scored on exactly the tokens its evaluate.py JSON
-scored (its dataset, window length and number of windows), written to assets/regime_baselines.json, which
-experiments/results.py reads.
+unigram and bigram, the interpolated Kneser–Ney bigram (discount 0.75, not tuned) and the unigram with the same
+discount (experiments/stats.py), counted on a study's training tokens and scored on exactly the tokens its evaluate.py
+JSON scored (its dataset, window length and number of windows), written to assets/regime_baselines.json, one entry
+per study's evaluation, which experiments/results.py reads.
 
     python -m experiments.baselines                                   # every evaluation named in `evals`
     python -m experiments.baselines --evals=eve_primary_m1.json,      # one more, joining the others in the file
 
-Each dataset must be prepared as its study's section in docs/reproductions.md says (wp25_cpu, wp_sample_cpu)."""
+Each dataset must be prepared as its study's section in docs/reproductions.md (wp25_cpu, wp_sample_cpu, wp500_cpu) or
+docs/free_text.md (shakespeare_char) says."""
 
 import json
 import os
@@ -17,8 +19,12 @@ import configurator
 from experiments import stats
 from nanolatent import tokendata
 
-evals = ("eve_study_m1.json", "eve_paper_protocol_m1.json", "eve_paper_protocol_trained5_m1.json",
-         "eve_paper_protocol_trained16_m1.json")  # evaluate.py JSON in assets/
+evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json",
+         "eve_paper_protocol_trained5_m1.json", "eve_paper_protocol_trained16_m1.json", "eve_second_pilot_m1.json",
+         "free_text.json")
+# evaluate.py JSON in assets/, or a study's: experiments/free_text.py calls evaluate.py on the first max_tokens of the
+# split in windows of its runs' block_size (config/det_text.py), which its JSON does not record
+BLOCK_SIZE = {"free_text.json": 128}
 out = "assets/regime_baselines.json"
 configurator.apply(globals())
 
@@ -31,16 +37,18 @@ if os.path.exists(path):
 for name in evals:
     with open(os.path.join(ROOT, "assets", name)) as f:
         record = json.load(f)
-    dataset, T, windows = record["dataset"], record["seq_len"], record["windows"]
+    dataset = record["dataset"]
+    T = record.get("seq_len") or BLOCK_SIZE[name]
+    windows = record.get("windows") or -(-record["max_tokens"] // T)  # evaluate.py's ceil(max_tokens / T)
     meta = tokendata.load_meta(dataset)
     train, val = (np.fromfile(os.path.join(tokendata.data_dir(dataset), f"{split}.bin"), dtype=meta["dtype"])
                   for split in ("train", "val"))
     starts = list(range(0, len(val) - T, T))[:windows]  # evaluate.py's non-overlapping windows, the first `windows`
-    unigram, bigram, tokens = stats.ngram_baselines(train, val, starts, T, meta["vocab_size"])
-    table[name] = {"dataset": dataset, "train_tokens": len(train), "seq_len": T, "windows": windows,
-                   "tokens": tokens, "unigram": unigram, "bigram": bigram}
-    print(f"{name}: {dataset}, {tokens:,} tokens in {windows} windows of {T}: add-one unigram {unigram:.3f}, "
-          f"bigram {bigram:.3f} nats/token (counted on {len(train):,} training tokens)")
+    base = stats.ngram_baselines(train, val, starts, T, meta["vocab_size"])
+    table[name] = {"dataset": dataset, "train_tokens": len(train), "seq_len": T, "windows": windows, **base}
+    print(f"{name}: {dataset}, {base['tokens']:,} tokens in {windows} windows of {T}, counted on {len(train):,} "
+          f"training tokens: add-one unigram {base['unigram']:.3f}, bigram {base['bigram']:.3f}; discounted unigram "
+          f"{base['kn_unigram']:.3f}, Kneser–Ney bigram {base['kn_bigram']:.3f} nats/token")
 with open(path + ".tmp", "w") as f:
     json.dump(table, f, indent=1)
 os.replace(path + ".tmp", path)

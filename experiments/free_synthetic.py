@@ -8,8 +8,9 @@ config/free_synthetic_k<κ>.py generates, for one prompt, an independent-Z group
 and shared-Z groups (one Z for the whole group, the green boxes). Numbers per run:
   well-formed  share of independent-Z generations that are a valid sequence of the prompt's letter (evaluate.py's
                letters verifier: one run of 8 letters, '!' noise allowed);
-  spread       standard deviation of the target's start position within each shared-Z group (averaged over groups)
-               and across the independent-Z samples. Z encoding the position makes the first much smaller;
+  spread       sample standard deviation (ddof 1) of the target's start position within each shared-Z group
+               (averaged over groups) and across the independent-Z samples, the starts kept in the JSON; runs without
+               spread_ddof = 1 in it were analysed with ddof 0. Z encoding the position makes the first much smaller;
   KL           bits/token of the encoder's posterior, and the CE with Z from the posterior, from the prior, and the
                -ELBO, from the run's last evaluation (train.py's metrics.jsonl).
 The numbers go to the JSON beside --figure; runs already in that file with the same generation settings stay in it,
@@ -83,7 +84,8 @@ def analyse(kappa, seed):
     groups = [generate(model, models.repeat_latents(draw(1), show), encode, decode, seed + g)
               for g in range(shared_groups)]
     starts = lambda texts: [s for s in map(target_start, texts) if s is not None]
-    spread = lambda texts: float(np.std(starts(texts))) if len(starts(texts)) >= 2 else float("nan")
+    # the sample SD (ddof 1), rule 1's convention: with ddof 0 a group of 8 would read smaller than the 64 independent
+    spread = lambda texts: float(np.std(starts(texts), ddof=1)) if len(starts(texts)) >= 2 else float("nan")
     group_spreads = [spread(g) for g in groups if len(starts(g)) >= 2]
     last_eval = [r for r in records.read_records(os.path.join(run_dir(kappa, seed), "metrics.jsonl"))
                  if "val_loss" in r][-1]
@@ -91,7 +93,8 @@ def analyse(kappa, seed):
                 ce_posterior=last_eval["val_ce"], ce_prior=last_eval["val_ce_prior"], neg_elbo=last_eval["val_elbo"],
                 well_formed=np.mean([letters_answer(t) == letter for t in indep]),
                 spread_shared=float(np.mean(group_spreads)) if group_spreads else float("nan"),
-                spread_independent=spread(indep), indep=indep[:show], groups=groups[:2])
+                spread_independent=spread(indep), spread_ddof=1, starts_shared=[starts(g) for g in groups],
+                starts_independent=starts(indep), indep=indep[:show], groups=groups[:2])
 
 
 study.train_all_missing({run_dir(k, s): [config_file(k), f"--seed={s}", f"--device={device}", *train_args.split()]

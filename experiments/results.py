@@ -7,9 +7,10 @@ verdict given by the rules of docs/reproductions.md ("How a verdict is given"), 
 Each row is a function of the JSON that returns a dict (row() below): its cells (claim, paper, measured, study), the
 per-seed values of the paper's arm and of the arm it is compared with, signed so that larger is the paper's way
 (their paired difference is the effect, experiments/stats.py), per-item values where the items are few (the
-bootstrap), the regime (for a language model: every arm's CE and the add-one unigram and bigram of
-assets/regime_baselines.json), and whether the paper's own measure was taken or the claim is against a structural
-zero. tests/test_results.py recomputes each row's effect, interval and regime check with its own lines.
+bootstrap), the regime (for a language model: every arm's CE and the no-model baselines of
+assets/regime_baselines.json), whether the paper's own measure was taken or the claim is against a structural zero,
+and which rules written after its numbers were seen decide it (`late`, marked † in the table). tests/test_results.py
+recomputes every row from the JSON with its own lines.
 """
 
 import json
@@ -50,26 +51,34 @@ def link(text, doc, heading):
 
 
 def row(claim, paper, measured, study, paper_arm=(), other=(), regime=None, items=None, tested=True,
-        structural=False):
+        structural=False, late=()):
     """A row. paper_arm, other: per-seed values, same seed order, signed so that larger is the paper's way; items:
     (paper, other) per-item arrays (seeds, items) for the bootstrap, or a note why there are none; regime: {"reached",
-    "text"} and, for a language model, "ces" (every arm's CE, every seed), "unigram", "bigram"."""
+    "text"} and, for a language model, "ces" (every arm's CE, every seed) and the baselines; late: the rules that decide
+    the verdict and were written after the row's numbers were seen (docs/reproductions.md, rule 5)."""
     return dict(claim=claim, paper=paper, measured=measured, study=study, paper_arm=[float(v) for v in paper_arm],
                 other=[float(v) for v in other], items=items, tested=tested, structural=structural,
-                regime=regime or {"reached": True, "text": "–"})
+                regime=regime or {"reached": True, "text": "–"}, late=tuple(late))
+
+
+BASELINE_NAMES = {"unigram": "unigram", "bigram": "add-one bigram", "kn_unigram": "unigram", "kn_bigram": "KN bigram"}
 
 
 def lm_regime(ces, evaluation, turned=None):
-    """Rule 3 for a language-model study: every arm's CE (flat list) against the baselines counted for the
-    evaluate.py JSON `evaluation`; turned: (seeds whose det turned, seeds) for a claim about over-fitting."""
+    """Rule 3 for a language-model study: every arm's CE (flat list) against the best no-model baseline counted for
+    the evaluate.py JSON `evaluation`; turned: (seeds whose det turned, seeds) for a claim about over-fitting."""
     base = load("regime_baselines.json")[evaluation]
-    reached = stats.regime(ces, base["unigram"], base["bigram"])
-    text = f"{'yes' if reached else 'no'}: worst {max(ces):.2f}, unigram {base['unigram']:.2f}"
+    reached, best = stats.regime(ces, base)
+    # every study read here ran before the Kneser–Ney baselines joined rule 3 (2026-11-29): where they alone decide
+    # that the regime is not reached, the row says so (†)
+    addone = max(ces) <= min(base["unigram"], base["bigram"]) - stats.MARGIN  # rule 3 as written on 2026-11-28
+    late = ("Kneser–Ney baseline",) if addone and not reached else ()
+    text = f"{'yes' if reached else 'no'}: worst {max(ces):.2f}, {BASELINE_NAMES[best]} {base[best]:.2f}"
     if turned is not None:
         text += f", turned {turned[0]}/{turned[1]}"
         reached = reached and 2 * turned[0] > turned[1]
-    return {"reached": reached, "text": text, "ces": [float(c) for c in ces], "unigram": base["unigram"],
-            "bigram": base["bigram"]}
+    return {"reached": reached, "text": text, "ces": [float(c) for c in ces], "late": late,
+            **{k: base[k] for k in stats.BASELINES}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,7 +142,8 @@ def eve_effect(setting, key):
 
 def eve_settings_table():
     """Every EVE setting, EVE - det in CE paired by seed, the regime: the table in docs/reproductions.md."""
-    lines = ["| setting | seeds | CE, EVE − det (95% interval) | ECE, EVE − det | regime (arms vs add-one unigram) |",
+    lines = ["| setting | seeds | CE, EVE − det (95% interval) | ECE, EVE − det | regime (arms vs the best no-model "
+             "baseline) |",
              "|---|---|---|---|---|"]
     for prefix, label in EVE_SETTINGS:
         if not exists(f"{prefix}.json"):
@@ -183,8 +193,10 @@ def free_kappa():
     kl = np.mean([r["kl_bits"] for r in runs])
     # the paper's Fig. 3: at a middle κ a shared Z pins the position (a smaller spread than independent draws);
     # the regime: Z carries the κ bits the free bits allow (no language-model baseline: the claim is about Z)
+    ddof = runs[0].get("spread_ddof", 0)  # the study's runs of 2026-11-2x kept no starts to take ddof 1 from
     return row("Free: κ decides what Z carries (§4.1)", "Fig. 3's pictures",
-               f"κ = 1 bit, spread, shared vs independent Z: {mean(shared, 1)} vs {mean(independent, 1)}",
+               f"κ = 1 bit, spread (SD, ddof {ddof}), shared vs independent Z: {mean(shared, 1)} vs "
+               f"{mean(independent, 1)}",
                link("Fig. 3", REPRO, "Free Transformer, synthetic task (§4.1, Fig. 3)"),
                [-v for v in shared], [-v for v in independent],
                {"reached": kl >= 0.9, "text": f"{'yes' if kl >= 0.9 else 'no'}: KL {kl:.2f} of 1 bit"})
@@ -198,9 +210,10 @@ def free_text():
     seeds = sorted(det)
     measured = (f"char model: best honest bound {mean([best[s] for s in seeds])} vs det {mean([det[s] for s in seeds])}; "
                 f"Z ignored in {sum(r['z_ignored'] for r in free)}/{len(free)}")
-    # the paper's measure is downstream benchmarks of 1.5B-8B models: not taken
+    # the paper's measure is downstream benchmarks of 1.5B-8B models: not taken; the regime is shown for context
+    regime = lm_regime([det[s] for s in seeds] + [r["best_bound"] for r in free], "free_text.json")
     return row("Free: Z used on text (§4.4)", "gains at 1.5B, 8B", measured, "[text](docs/free_text.md)",
-               [-best[s] for s in seeds], [-det[s] for s in seeds], tested=False)
+               [-best[s] for s in seeds], [-det[s] for s in seeds], regime, tested=False)
 
 
 def eve_ce():
@@ -208,7 +221,7 @@ def eve_ce():
     eve, det, regime = eve_effect(setting, "CE")
     return row("EVE: lower CE than det (Table 4)", "5.29 vs 5.54", f"{label.split(', 16')[0]}: {mean([-v for v in eve])} vs "
                f"{mean([-v for v in det])}", link("EVE", REPRO, EVE_HEADING), eve, det,
-               regime)
+               regime, late=regime["late"])
 
 
 def eve_mi():
@@ -225,7 +238,7 @@ def eve_ece():
     eve, det, regime = eve_effect(setting, "ECE")
     return row("EVE: better calibration (Table 4)", "ECE 0.044 vs 0.060",
                f"ECE {mean([-v for v in eve])} vs {mean([-v for v in det])}", link("EVE", REPRO, EVE_HEADING), eve, det,
-               regime)
+               regime, late=regime["late"])
 
 
 PAPER_TOP_WEIGHT = 0.94  # EVE §4.5: w = 0.94/0.03/0.03
@@ -239,7 +252,7 @@ def eve_layer_weights():
     _, _, regime = eve_effect(setting, "CE")
     # judged against the paper's figure (EVE's largest weight - 0.94); det's, under the same head, is context only
     return row("EVE: layer weights concentrate (§4.5)", "0.94/0.03/0.03", f"largest {mean(top, 2)} (det {mean(det, 2)})",
-               link("EVE", REPRO, EVE_HEADING), top, [PAPER_TOP_WEIGHT] * len(top), regime)
+               link("EVE", REPRO, EVE_HEADING), top, [PAPER_TOP_WEIGHT] * len(top), regime, late=regime["late"])
 
 
 UNCERTAINTY_HEADING = "EVE's uncertainty on its errors and on out-of-domain text (EVE §5)"
@@ -269,14 +282,18 @@ def eve_uncertainty(question):
 
 def eve_mi_errors():
     mi, det, flip, regime = eve_uncertainty("errors")
-    return row("EVE: MI ranks its errors (§5)", "\"informative\"", f"AUROC: MI {mean(mi)}, flip {mean(flip)}; det "
-               f"{mean(det)}", link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime)
+    # what holds (MI ranks errors above chance, 0.5, in every seed) and what is judged (against det's better baseline)
+    above = sum(v > 0.5 for v in mi)
+    return row("EVE: MI ranks its errors (§5)", "\"informative\"",
+               f"AUROC: MI {mean(mi)}, > chance in {above}/{len(mi)}, < det's max-softmax {mean(det)}",
+               link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime, late=regime["late"])
 
 
 def eve_mi_ood():
     mi, det, flip, regime = eve_uncertainty("ood")
     return row("EVE: MI flags out-of-domain text (§5)", "\"informative\"", f"AUROC: MI {mean(mi)}, flip "
-               f"{mean(flip)}; det {mean(det)}", link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime)
+               f"{mean(flip)}; det {mean(det)}", link("§5", REPRO, UNCERTAINTY_HEADING), mi, det, regime,
+               late=regime["late"])
 
 
 def uncertainty_table():
@@ -312,8 +329,10 @@ def btrans_diversity():
     gap = max(abs(r["nll_gap"]) for r in runs)
     t_star = float(np.mean([r["matched_temperature"] for r in runs]))
     reached = gap < NLL_MATCH
+    # the paper's raw comparison, minds against det at T = 1: shown with its interval (rule 2's wider), not judged
+    raw = stats.widest(stats.paired(minds, det), stats.bootstrap(prompts[DIVERSITY_MINDS], prompts[DIVERSITY_DET]))
     return row("B-Trans: minds more diverse than temperature (§5.1)", "more diverse",
-               f"{mean(minds)} vs {mean(matched)} (T*={t_star:.2f}); T=1 {float(np.mean(minds - det)):+.3f}",
+               f"{mean(minds)} vs {mean(matched)} (T*={t_star:.2f}); T=1 {stats.interval(raw)}, n {raw['n']}",
                link("diversity", PRETRAINED, "Minds' semantic diversity on SmolLM2 (B-Trans §5.1, Fig. 3 and 4)"),
                minds, matched, {"reached": reached, "text": f"{'yes' if reached else 'no'}: gap {gap:.2f}"},
                items=(prompts[DIVERSITY_MINDS], prompts[DIVERSITY_MATCHED]))
@@ -364,7 +383,15 @@ def passk_smollm2():
                                            "ranking"),
                minds[:, -1], temp[:, -1],
                {"reached": reached, "text": f"{'yes' if reached else 'no'}: pass@1 {pass1:.3f} (low {low:.3f})"},
-               items=((arm["minds"] > 0).astype(float), (arm["temperature"] > 0).astype(float)))  # pass@n per problem
+               items=((arm["minds"] > 0).astype(float), (arm["temperature"] > 0).astype(float)),  # pass@n per problem
+               late=("ties",) if tied_decides(minds[:, -1] - temp[:, -1]) else ())
+
+
+def tied_decides(diffs):
+    """Whether the tie clause of rule 4 (a seed with difference 0 is not the paper's way; written 2026-11-29, after
+    SmolLM2's Pass@K runs, as the verdict code had read ties since 2026-11-28) decides between *direction only* and
+    *not shown*: some seed ties and none goes against the paper."""
+    return any(d == 0 for d in diffs) and all(d >= 0 for d in diffs)
 
 
 GRPO_HEADING = "GRPO with B-Trans minds (B-Trans §5.2, §5.3)"
@@ -399,9 +426,13 @@ def ttrl_toy():
     (minds, minds_items), (temp, temp_items) = (change(runs, mode, "at peak") for mode in ("ttrl-minds",
                                                                                           "ttrl-temperature"))
     at_start = sum(r["peak step"] == 0 for mode in ("ttrl-minds", "ttrl-temperature") for r in runs[mode])
+    # the floor clause of rule 4 was written on 2026-11-29, after these runs: no run ever moved from step 0
+    flat = stats.floor(minds, temp)
+    regime = {**regime, "text": regime["text"] + ("; floor: all 0" if flat else "")}
     return row("B-Trans: minds train better without labels (§5.3), toy", "higher peak accuracy",
                f"peak: step 0 in {at_start}/{2 * len(minds)} runs",  # chosen on the selection set
-               link("GRPO", REPRO, GRPO_HEADING), minds, temp, regime, items=(minds_items, temp_items))
+               link("GRPO", REPRO, GRPO_HEADING), minds, temp, regime, items=(minds_items, temp_items),
+               late=("floor",) if flat else ())
 
 
 def grpo_smollm2():
@@ -426,23 +457,34 @@ def judged(r):
     if r["items"] is not None:
         boot = stats.bootstrap(*r["items"])
         effect = stats.widest(effect, boot)
-    v = stats.verdict(effect, r["regime"]["reached"], r["tested"], r["structural"])
-    return {**r, "effect": effect, "bootstrap": boot, "verdict": v}
+    degenerate = stats.floor(r["paper_arm"], r["other"])
+    v = stats.verdict(effect, r["regime"]["reached"], r["tested"], r["structural"], degenerate)
+    return {**r, "effect": effect, "bootstrap": boot, "verdict": v, "degenerate": degenerate}
 
 
 def rows():
-    return [judged(f()) for f in ROWS]
+    """Every row judged, with Holm's adjustment of the paired t test's p over the family of rows whose verdict is read
+    off their interval (stats.JUDGED; rule 6): "holm" is None for the others."""
+    out = [judged(f()) for f in ROWS]
+    family = [r for r in out if r["verdict"] in stats.JUDGED and r["effect"]["p"] is not None]
+    adjusted = dict(zip(map(id, family), stats.holm([r["effect"]["p"] for r in family])))
+    return [{**r, "holm": adjusted.get(id(r))} for r in out]
+
+
+def p_cell(p):
+    return "–" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def table():
     """The README's results table, markdown."""
-    lines = ["| paper claim | paper reports | we measured | n | paper's way − other, 95% | regime | verdict | study |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| paper claim | paper reports | we measured | n | paper's way − other, 95% | regime | verdict | Holm p "
+             "| study |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows():
         cell = stats.interval(r["effect"]) + {"bootstrap": " (bootstrap)", "t": " (t ≥ boot.)"}.get(
             r["effect"].get("source") if r["bootstrap"] is not None else None, "")
         lines.append(f"| {r['claim']} | {r['paper']} | {r['measured']} | {r['effect']['n']} | {cell} | "
-                     f"{r['regime']['text']} | {r['verdict']} | {r['study']} |")
+                     f"{r['regime']['text']} | {r['verdict']}{'†' if r['late'] else ''} | {p_cell(r['holm'])} | "
+                     f"{r['study']} |")
     return "\n".join(lines)
 
 

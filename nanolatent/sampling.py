@@ -166,15 +166,15 @@ def agreement(rows):
 
 
 def letter_spread(groups):
-    """The synthetic task's measure (docs/reproductions.md, Free §4.1): the standard deviation of the target's start
-    position over the well-formed continuations of each group, averaged over groups with at least 2 of them (None
-    where none has). [[str]] -> (spread, well-formed count)."""
+    """The synthetic task's measure (docs/reproductions.md, Free §4.1): the sample standard deviation (ddof 1) of the
+    target's start position over the well-formed continuations of each group, averaged over groups with at least 2 of
+    them (None where none has). [[str]] -> (spread, well-formed count)."""
     spreads, formed = [], 0
     for texts in groups:
         starts = [t.index(tasks.letters_answer(t)) for t in texts if tasks.letters_answer(t)]
         formed += len(starts)
         if len(starts) >= 2:
-            spreads.append(float(np.std(starts)))
+            spreads.append(float(np.std(starts, ddof=1)))
     return (float(np.mean(spreads)) if spreads else None), formed
 
 
@@ -208,7 +208,7 @@ def summary_lines(s):
              f"{s['k']}; per new position: {per(s['within'])})",
              f"agreement of pairs with a draw each: {f(s['across_mean'], 4)} (per new position: {per(s['across'])})"]
     if "spread_shared" in s:
-        lines.append(f"target start spread (std, well-formed only): sharing a draw {f(s['spread_shared'], 2)} "
+        lines.append(f"target start spread (std, ddof 1, well-formed only): sharing a draw {f(s['spread_shared'], 2)} "
                      f"({s['formed_shared']} of {s['groups'] * s['k']} well-formed), a draw each "
                      f"{f(s['spread_independent'], 2)} ({s['formed_independent']} of {s['k']})")
     if s["identical"]:

@@ -171,10 +171,10 @@ def test_groups_agreement_is_sample_py_summary_and_counts_pairs(server, runs, da
     assert np.allclose(summary["summary"]["within"], within, rtol=0, atol=1e-12)
     assert np.allclose(summary["summary"]["across"], across, rtol=0, atol=1e-12)
     assert math.isclose(summary["summary"]["within_mean"], np.mean(within), abs_tol=1e-12)
-    # the reproduction's spread: std of the target's start over the well-formed samples
+    # the reproduction's spread: sample std (ddof 1) of the target's start over the well-formed samples
     starts = [t.index(tasks.letters_answer(t)) for t in new(blocks[-1]) if tasks.letters_answer(t)]
     assert summary["summary"]["formed_independent"] == len(starts)
-    assert summary["summary"]["spread_independent"] == (float(np.std(starts)) if len(starts) >= 2 else None)
+    assert summary["summary"]["spread_independent"] == (float(np.std(starts, ddof=1)) if len(starts) >= 2 else None)
     assert not summary["summary"]["identical"] and not any(line.startswith("warning") for line in summary["lines"])
 
 

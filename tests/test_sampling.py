@@ -43,11 +43,11 @@ def test_group_summary_of_identical_blocks_warns_and_of_shared_positions_agrees_
     assert one["within_mean"] is None and "n/a" in sampling.summary_lines(one)[0]
 
 
-def test_letter_spread_is_the_std_of_the_target_start_over_well_formed_texts():
+def test_letter_spread_is_the_sample_std_of_the_target_start_over_well_formed_texts():
     text = lambda start, letter="K": "_" * start + letter * 8 + "_" * (56 - start)
     groups = [[text(3), text(7), "not well formed"], [text(10), text(10)], [text(20)]]
     spread, formed = sampling.letter_spread(groups)
-    assert formed == 5 and spread == np.mean([np.std([3, 7]), 0.0])  # the one-text group has no spread
+    assert formed == 5 and spread == np.mean([np.std([3, 7], ddof=1), 0.0])  # the one-text group has no spread
     assert sampling.letter_spread([["nothing"]]) == (None, 0)
 
 

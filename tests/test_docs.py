@@ -408,6 +408,8 @@ def shell_made(words):
         made.append(plain[2] if len(plain) > 2 else plain[1].rstrip("/").rsplit("/", 1)[-1].removesuffix(".git"))
     elif name == "mkdir":
         made += plain
+    elif name == "pip" and plain[:1] == ["install"]:  # a package's files, as PACKAGE/FILE (scripts.convert gguf --src)
+        made += [re.split(r"[=<>\[]", w)[0].replace("-", "_") + "/" for w in plain[1:] if "/" not in w]
     elif name in ("python", "python3") and args[:1] == ["-c"] and len(args) > 1:
         made += re.findall(r"""['"]([\w{}./-]+\.(?:jsonl|json|txt|npy|bin))['"]""", args[1])
         made += re.findall(r"""makedirs\(['"]([\w./-]+)['"]""", args[1])

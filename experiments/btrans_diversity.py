@@ -22,7 +22,7 @@ import torch
 import configurator
 from experiments import study
 from nanolatent import ckpt, common, tokendata
-from nanolatent.tasks import distinct_n, pairwise_distance
+from nanolatent.metrics import distinct_n, pairwise_distance
 
 out_dir = "out-det-shakespeare-char"
 prompts = ("ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY VI:\n", "MENENIUS:\n", "LADY CAPULET:\n")

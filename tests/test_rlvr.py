@@ -387,15 +387,16 @@ def test_every_rlvr_config_sets_known_keys_of_the_right_types(config):
     assert all({**values, **model_values}[k] == v for k, v in file_values.items())
 
 
-def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_without_the_local_copies(tmp_path, monkeypatch):
-    monkeypatch.delenv(tokendata.LOCAL_DATA_ENV, raising=False)  # a user's machine: no folder of local copies
-    assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
-    monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, str(tmp_path))  # set, but without the file: still the hub's
+def test_smollm2_rlvr_config_reads_the_hubs_hellaswag_offline_its_local_copy(tmp_path, monkeypatch):
+    """The config names the hub's HellaSwag (it only assigns); its problems come from the local copy under
+    NANOLATENT_LOCAL_DATA where there is one (multiple_choice.LOCAL_COPIES), as evaluate.py's --mc_file=hellaswag."""
     assert configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"] == "hellaswag"
     (tmp_path / "hellaswag").mkdir()
-    (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text("")
-    assert (configurator.read_config_file(os.path.join(ROOT, "config/rlvr_smollm2.py"))["dataset"]
-            == str(tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl"))
+    item = {"context": "A man", "choices": ["walks.", "flies.", "sings.", "swims."], "label": 0}
+    (tmp_path / "hellaswag" / "hellaswag_val_sample1000.jsonl").write_text(json.dumps(item) + "\n")
+    monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, str(tmp_path))
+    assert tasks.chat_problems("hellaswag", "hellaswag", "val") == [(tasks.lettered_question("A man", item["choices"]),
+                                                                    "A")]
 
 
 @pytest.mark.slow

@@ -28,10 +28,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, speedups, tokendata
@@ -223,31 +220,10 @@ model_config = models.config_dict(model.config)
 # EVE's neurons with their backward written out (eve_bank.py), where a probe shows they compute the model file's bank
 eve_bank.fused_banks(model, log=print if master else None)
 
-# One block wraps the model for training. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
-# all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
-# head, final norm, the Free Transformer's post-sampler), and each process keeps a 1/world_size shard of every
-# parameter as a DTensor, its gradient and its AdamW moments. Under bf16, blocks are gathered in bf16 and gradients
-# reduce-scattered in fp32; autocast stays on as under DDP (inputs are not cast, so the RoPE tables and the models'
-# own noise keep their dtypes). Otherwise: torch.compile, then DDP, which replicates it. Activation checkpointing
-# wraps each block's forward first, so compilation and FSDP's units see the recomputing block (as torchtitan orders it).
-if activation_checkpointing:
-    models.checkpoint_blocks(model)
-if fsdp:
-    mesh = init_device_mesh(device_type, (world_size,))
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                     cast_forward_inputs=False) if ptdtype == torch.bfloat16 else MixedPrecisionPolicy()
-    for block in models.transformer_blocks(model):
-        if compile:
-            block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    train_model = model
-else:
-    if device_type == "cpu" and not compile:
-        cpu.training_kernels(model, log=print if master else None)  # oneDNN's products, RMSNorm's backward
-    train_model = torch.compile(model) if compile else model
-    if ddp:
-        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+if device_type == "cpu" and not compile and not fsdp:
+    cpu.training_kernels(model, log=print if master else None)  # oneDNN's products, RMSNorm's closed-form backward
+train_model = distributed.wrap(model, device_type, world_size, local_rank, fsdp, ddp, compile, ptdtype,
+                               activation_checkpointing)  # FSDP2, or torch.compile then DDP
 # the first step compiles (a minute or more on a CPU): a progress line says so where one is shown (common.phase)
 step_forward = common.first_call(train_model, "first training step (torch.compile compiles it)") if compile \
     else train_model
@@ -373,8 +349,7 @@ while True:
         if master and eval_only:  # printed in full, logged nowhere: the run's records stay as they are
             print(f"{saver.file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
         elif master:
-            shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
-            print(common.fit_line((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
+            print(records.eval_line(evals, iter_num, max_iters))
             log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
         value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
@@ -445,15 +420,9 @@ while True:
                   "tokens_per_s": tokens_per_iter / dt, "mfu": mfu, "nonfinite": nonfinite_total}
         if device_type == "cuda":  # the dry run's "memory per GPU" plan, measured (weights, optimizer, activations)
             record["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        elapsed = time.time() - t_start
         paced = iter_num - start_iter  # steps since the first, evaluations between them included
         eta = ((time.time() - t_paced) / paced if paced else dt) * (max_iters - iter_num - 1)
-        speed = f"| {dt * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu else "")
-        speed += f", peak {record['peak_mib']:,.0f} MiB" if "peak_mib" in record else ""
-        skipped = f", skipped {nonfinite_total}" if nonfinite_total else ""
-        print(common.fit_line((f"iter {iter_num}/{max_iters}: loss {record['loss']:.4f}",
-                               [f"{k} {float(v):.4f}" for k, v in stats.items()],
-                               f"{speed}{skipped} | {common.duration(elapsed)} elapsed, ETA {common.duration(eta)}")))
+        print(records.step_line(record, stats, dt, max_iters, time.time() - t_start, eta))
         log_record(record)
     iter_num += 1
 

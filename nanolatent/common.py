@@ -1,5 +1,5 @@
 """What every script shares: one-line errors (die), seeded draws, devices, dtypes and autocast, GPUs' peak FLOPs, a
-progress line (and a log line's times and width), matplotlib if present, free disk space, a training loop's stop on a
+progress line, matplotlib if present, free disk space, a training loop's stop on a
 signal, the CPU's thread count. Model files never import this module."""
 
 import contextlib
@@ -85,21 +85,6 @@ def first_call(fn, desc):
         with phase(desc):
             return fn(*args, **kwargs)
     return call
-
-
-def duration(seconds):
-    """h:mm:ss, or m:ss under an hour: a training log line's elapsed time and ETA."""
-    minutes, s = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
-
-
-def fit_line(parts, width=120):
-    """Join the parts (head, [optional, ...], tail) of a log line, dropping from the end of the optional ones until
-    the line fits `width`."""
-    head, optional, tail = parts
-    while optional and len(" ".join([head, *optional, tail])) > width:
-        optional = optional[:-1]
-    return " ".join([head, *optional, tail])
 
 
 def pyplot(who):

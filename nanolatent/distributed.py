@@ -1,5 +1,6 @@
-"""train.py's processes under torchrun: the process group, one line when a peer is lost (not a traceback per process),
-and what every process decides together (a stop on a signal, the evaluation's averages)."""
+"""train.py's processes under torchrun: the process group, the model wrapped for them (FSDP2 or DDP), one line when a
+peer is lost (not a traceback per process), and what every process decides together (a stop on a signal, the
+evaluation's averages)."""
 
 import datetime
 import functools
@@ -9,6 +10,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanolatent import models
 
 
 def init(device, dist_timeout):
@@ -31,6 +37,31 @@ def init(device, dist_timeout):
     rank = dist.get_rank()
     sys.excepthook = functools.partial(lost_peer, rank=rank, dist_timeout=dist_timeout)
     return True, rank, dist.get_world_size(), local_rank, device
+
+
+def wrap(model, device_type, world_size, local_rank, fsdp, ddp, compile, dtype, activation_checkpointing):
+    """The model as train.py's step calls it. FSDP2 (ZeRO-3) shards it in place: every Transformer block is one unit,
+    all-gathered just before its forward and backward and freed after; the root unit holds the rest (embedding, tied
+    head, final norm, the Free Transformer's post-sampler), and each process keeps a 1/world_size shard of every
+    parameter as a DTensor, its gradient and its optimizer state. Under bf16, blocks are gathered in bf16 and gradients
+    reduce-scattered in fp32; autocast stays on as under DDP (inputs are not cast, so the RoPE tables and the models'
+    own noise keep their dtypes). Otherwise: torch.compile, then DDP, which replicates it. Activation checkpointing
+    wraps each block's forward first, so compilation and FSDP's units see the recomputing block (as torchtitan orders
+    it)."""
+    if activation_checkpointing:
+        models.checkpoint_blocks(model)
+    if not fsdp:
+        model = torch.compile(model) if compile else model
+        return DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+    mesh = init_device_mesh(device_type, (world_size,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False) if dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in models.transformer_blocks(model):
+        if compile:
+            block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
 
 
 def lost_peer(kind, error, traceback, rank, dist_timeout):

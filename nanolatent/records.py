@@ -1,4 +1,5 @@
-"""Run records: metrics.jsonl, one JSON line per evaluation or log step, appended, read, and cut back on resume."""
+"""Run records: metrics.jsonl, one JSON line per evaluation or log step, appended, read, and cut back on resume; and
+the line train.py prints for each."""
 
 import contextlib
 import json
@@ -48,3 +49,34 @@ def keep_records(path, before_iter):
             os.remove(tmp)
         die(f"could not write {path}: {e.strerror or e}{free_space(path)}; free some space or choose another out_dir "
             f"(the run there is unchanged)")
+
+
+def duration(seconds):
+    """h:mm:ss, or m:ss under an hour: a training log line's elapsed time and ETA."""
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
+
+
+def fit_line(head, optional, tail, width=120):
+    """head, the optional parts and tail joined, dropping from the end of the optional ones until it fits `width`."""
+    while optional and len(" ".join([head, *optional, tail])) > width:
+        optional = optional[:-1]
+    return " ".join([head, *optional, tail])
+
+
+def step_line(record, stats, seconds, max_iters, elapsed, eta):
+    """A training step's line from its record: the loss and the model's stats (as many as fit), the step's time and
+    speed, skipped steps, the run's elapsed time and ETA."""
+    speed = f"| {seconds * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s"
+    speed += (f", mfu {record['mfu']:.1%}" if record["mfu"] else "") + (
+        f", peak {record['peak_mib']:,.0f} MiB" if "peak_mib" in record else "")
+    skipped = f", skipped {record['nonfinite']}" if record["nonfinite"] else ""
+    return fit_line(f"iter {record['iter']}/{max_iters}: loss {record['loss']:.4f}",
+                    [f"{k} {record[k]:.4f}" for k in stats], f"{speed}{skipped} | {duration(elapsed)} elapsed, ETA "
+                    f"{duration(eta)}")
+
+
+def eval_line(evals, iter_num, max_iters):
+    """An evaluation's line: the losses that fit (every value is in metrics.jsonl)."""
+    shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
+    return fit_line(f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")

@@ -130,7 +130,7 @@ def check_world_size(processes):
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
-    planned = dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    planned = dry_run_world_size or distributed.env_world_size()
     check_world_size(planned)
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     planned, dry_run_mfu, activation_checkpointing, dry_run_gpu_gib)
@@ -371,12 +371,13 @@ while True:
         elif master:
             shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
             print(common.fit_line((f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")))
-            log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
         value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
         if not eval_only and (value < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, value)
             save_checkpoint(selected=True)
+        if master and not eval_only:  # after the first save: records in out_dir come with a checkpoint (saves.start)
+            log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
     # On schedule whatever the val loss, and the last step: the same command run again finds the run complete.
     scheduled = checkpoint_interval and iter_num % checkpoint_interval == 0
     if not eval_only and (scheduled or iter_num == max_iters) and saver.saved_iter != iter_num:

@@ -29,6 +29,16 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
             f"with --overwrite=True")
 
 
+def refuse_unwritable_checkpoints(out_dir):
+    """out_dir/checkpoints, where train.py saves, a file or a folder it cannot write into: one line before the run
+    starts, not a traceback at its first save."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    if os.path.exists(root) and not os.path.isdir(root):
+        die(f"{root} is a file, where train.py keeps its saves: move it away, or choose another --out_dir")
+    if os.path.isdir(root) and not os.access(root, os.W_OK | os.X_OK):
+        die(f"{root} is read-only: train.py saves there; make it writable, or choose another --out_dir")
+
+
 def refuse_nonempty_dir(dst, overwrite, what="--dst"):
     """The guard of a writer whose output is a whole folder of someone else's format (scripts/convert.py to_hf): a file, or
     a folder that holds anything, is written into only with --overwrite=True."""

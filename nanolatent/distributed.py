@@ -10,6 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from nanolatent.common import die
+
 
 def init(device, dist_timeout):
     """(ddp, rank, world_size, local_rank, device): one process without torchrun's RANK; under it the process group,
@@ -31,6 +33,16 @@ def init(device, dist_timeout):
     rank = dist.get_rank()
     sys.excepthook = functools.partial(lost_peer, rank=rank, dist_timeout=dist_timeout)
     return True, rank, dist.get_world_size(), local_rank, device
+
+
+def env_world_size():
+    """torchrun's $WORLD_SIZE, 1 without it (what a dry run plans for): one line for a value that is no number of
+    processes."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        die(f"WORLD_SIZE={text!r} in the environment is no number of processes (torchrun sets it to 1 or more): unset "
+            f"it, or give --dry_run_world_size=N")
+    return int(text)
 
 
 def lost_peer(kind, error, traceback, rank, dist_timeout):

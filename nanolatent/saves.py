@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from nanolatent import ckpt, lock
+from nanolatent import ckpt, lock, records
 from nanolatent.common import die
 
 
@@ -39,6 +39,7 @@ class Saves:
                 die(f"eval_only reads {self.file}, which does not exist: train first, or point --out_dir at a run")
             folder = os.path.dirname(os.path.realpath(self.file))
         elif self.master:
+            ckpt.refuse_unwritable_checkpoints(out_dir)  # before the lock, which clears what killed saves left there
             lock.lock_out_dir(out_dir, "train.py")
             if init_from != "scratch":
                 ckpt.adopt_single_file(out_dir)
@@ -50,6 +51,7 @@ class Saves:
                 folder = saved[max(saved)]
             else:
                 ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
+                records.refuse_earlier_records(os.path.join(out_dir, "metrics.jsonl"), overwrite)
                 ckpt.prune(out_dir, keep=0)  # --overwrite=True: the old run's saves must not be resumed later
         if self.ddp:  # every process reads rank 0's choice, so out_dir must be on storage that every node sees
             folder = [folder]
@@ -94,7 +96,11 @@ class Saves:
         if written:
             tmp = f"{folder}.tmp"
             if self.master:
-                os.makedirs(tmp, exist_ok=True)
+                try:
+                    os.makedirs(tmp, exist_ok=True)
+                except OSError as e:  # its folder made read-only, or replaced by a file, while the run trained
+                    die(f"could not write {tmp}: {e.strerror or e}; make {os.path.dirname(tmp)} writable and resume "
+                        f"with --init_from=auto (the previous checkpoint there, if any, is unchanged)")
             if self.fsdp:
                 dist.barrier()  # the folder exists before any process writes into it
                 # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with

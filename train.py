@@ -193,8 +193,8 @@ def get_batch(split, *key):
 # memory-mapped: tensors read on load; a save of the other parallel mode (ckpt.pt or FSDP's ckpt_meta.pt) is converted
 checkpoint = ckpt.load_checkpoint(ckpt.run_file(start_dir), device) if resume else None
 if checkpoint is not None:  # the run's own architecture, optimizer and frozen embeddings, saved again as they were
-    model_config, freeze_embeddings, optimizer = saver.resumed_settings(checkpoint, model_type, model_config, dataset,
-                                                                        meta, max_iters, eval_only)
+    model_config, freeze_embeddings, optimizer = saver.resumed_settings(checkpoint, model_type, model_config, config,
+                                                                        configurator.given(globals()), meta, eval_only)
     config.update(freeze_embeddings=freeze_embeddings, optimizer=optimizer)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids

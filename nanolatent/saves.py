@@ -62,12 +62,13 @@ class Saves:
                     f"storage that every node sees (a shared filesystem), for DDP and FSDP")
         return folder
 
-    def resumed_settings(self, checkpoint, model_type, model_config, dataset, meta, max_iters, eval_only):
+    def resumed_settings(self, checkpoint, model_type, model_config, config, given, meta, eval_only):
         """(model_config, freeze_embeddings, optimizer) of the run `checkpoint` resumes: its architecture with the
         overrides that leave every saved tensor's shape unchanged (ckpt.resume_config), and the optimizer and frozen
         embeddings its saved optimizer state was made with (a run saved before --optimizer existed trained with
-        AdamW). A run of another model type or vocabulary, or past max_iters, is one line."""
-        out_dir, saved = self.out_dir, checkpoint["config"]
+        AdamW); `given` (the keys the user set) another of those two is one line, as is a run of another model type
+        or vocabulary, one past max_iters, and what train.py refuses of a fresh run's optimizer."""
+        out_dir, saved, dataset, max_iters = self.out_dir, checkpoint["config"], config["dataset"], config["max_iters"]
         if checkpoint["model_type"] != model_type:
             die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with "
                 f"--model_type={checkpoint['model_type']}")
@@ -78,7 +79,18 @@ class Saves:
             die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                 f"--max_iters to train on, or --eval_only=True to evaluate it")
         model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
-        return model_config, saved["freeze_embeddings"], saved.get("optimizer", "adamw")
+        optimizer = saved.get("optimizer", "adamw")
+        for key, value in (("optimizer", optimizer), ("freeze_embeddings", saved["freeze_embeddings"])):
+            if key in given and config[key] != value and not eval_only:  # the saved state is of that optimizer
+                die(f"--{key}={config[key]}: {out_dir} trained with {key}={value}, whose optimizer state its save "
+                    f"holds; resume with --{key}={value} (or without --{key}), or train afresh into another out_dir")
+        if optimizer == "muon" and self.fsdp:  # train.py's checks of a fresh run, on the optimizer resumed
+            die(f"{out_dir} trained with optimizer=muon, which orthogonalises whole matrices and fsdp=True splits "
+                f"them across processes: resume it with DDP (drop --fsdp)")
+        if optimizer == "muon" and not config["learning_rate"]:
+            die(f"{out_dir} trained with optimizer=muon, which schedules muon_lr as a multiple of learning_rate: "
+                f"resume with learning_rate > 0")
+        return model_config, saved["freeze_embeddings"], optimizer
 
     def save(self, model, optimizer, info, selected):
         """Save step info["iter_num"] as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed
@@ -129,6 +141,9 @@ class Saves:
         full_state_dict=True). Then, unless eval_only, what a save killed after its commit left undone: the best
         save's link and the deletions. Returns (iter_num, best_val_loss)."""
         sharded = "model" not in checkpoint  # ckpt_meta.pt: the tensors are the folder's shards
+        # this run's hyper-parameters (muon_lr's lr_scale, weight_decay, betas), which load_state_dict would replace
+        # by the save's: a resume trains with the settings it was given and saves again
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         if self.master and sharded != self.fsdp:
             print(f"resuming {'an FSDP (sharded)' if sharded else 'a full (DDP or one-process)'} save under "
                   f"{'FSDP' if self.fsdp else 'DDP' if self.ddp else 'one process'}: "
@@ -151,6 +166,8 @@ class Saves:
             state = {"model": model_state, "optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=folder)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        for group, given in zip(optimizer.param_groups, settings):
+            group.update(given)
         iter_num, self.selected_iter = checkpoint["iter_num"], checkpoint["selected_iter"]
         self.saved_iter = iter_num
         if self.master and not eval_only:

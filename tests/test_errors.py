@@ -82,6 +82,12 @@ TRAIN_CASES = {
     "keep_checkpoints zero": (["--init_from=auto", "--keep_checkpoints=0"], ("keep_checkpoints", "0")),
     "shape-changing override on resume": (["--init_from=resume", "--n_layer=3"], ("n_layer", "3", "shape")),
     "resume on another vocabulary": (["--init_from=resume", "--dataset=tiny_vocab"], ("tiny_vocab", "--dataset=")),
+    "resume as another model type": (["--init_from=resume", "--model_type=free"], ("det run", "--model_type=det")),
+    # the optimizer state a save holds is of its optimizer and its groups of parameters
+    "resume with another optimizer": (["--init_from=resume", "--optimizer=muon"], ("--optimizer=muon",
+                                                                                  "optimizer=adamw")),
+    "resume with embeddings frozen": (["--init_from=resume", "--freeze_embeddings=True"],
+                                      ("--freeze_embeddings=True", "freeze_embeddings=False")),
     "config file with a syntax error": (["{tmp}/bad_syntax.py"], ("{tmp}/bad_syntax.py", "line 1")),
     "config file with a NameError": (["{tmp}/bad_name.py"], ("{tmp}/bad_name.py", "NameError")),
     "config file that is a directory": (["{tmp}"], ("{tmp}", "directory")),
@@ -299,6 +305,42 @@ def test_records_of_an_earlier_run_whose_checkpoints_were_deleted_are_kept(init_
     assert_one_line_error(subprocess.CompletedProcess([], code, out, err), str(run / "metrics.jsonl"), "0 to 4",
                           "--overwrite=True")
     assert snapshot(run) == before
+
+
+@pytest.fixture(scope="module")
+def trained_muon(data_root, tmp_path_factory):
+    """A finished tiny det run trained with --optimizer=muon: 4 steps, saved at 0, 2 and 4."""
+    out = tmp_path_factory.mktemp("trained_muon")
+    train_det(data_root, out, *RUN_ARGS, "--optimizer=muon")
+    return out
+
+
+def test_a_muon_run_resumed_with_adamw_is_one_line_and_changes_nothing(trained_muon, data_root, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The reverse of TRAIN_CASES' "resume with another optimizer": not Muon kept without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_muon, run)
+    before = snapshot(run)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=6",
+                                      "--optimizer=adamw")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), "--optimizer=adamw", "optimizer=muon",
+                          "--optimizer=muon")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_muon_run_resumed_under_fsdp_is_one_line_and_changes_nothing(trained_muon, data_root, tmp_path):
+    """--optimizer not given: the check reads the optimizer the save resumes, not the default (a KeyError in the
+    optimizer's load before)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_muon, run)
+    before = snapshot(run)
+    proc = run_script("tests/forkrun.py", "--nproc_per_node=2", "train.py", "--model_type=det", f"--out_dir={run}",
+                      *TINY, "--fsdp=True", "--init_from=resume", "--max_iters=6", "--gradient_accumulation_steps=2",
+                      data_dir=data_root, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "optimizer=muon" in errors[0] and "drop --fsdp" in errors[0]
+    assert "Traceback" not in proc.stderr and snapshot(run) == before
 
 
 @pytest.mark.slow

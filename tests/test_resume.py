@@ -1,6 +1,7 @@
 """Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
 steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
 
+import math
 import os
 import random
 import re
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
-from nanolatent import ckpt, lock
+from nanolatent import ckpt, lock, optim
 
 MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
@@ -170,6 +171,46 @@ def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type,
         run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
         full.result()
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a resume can change takes effect (docs/training.md's table; what it cannot is refused: tests/test_errors.py)
+
+
+@pytest.mark.slow
+def test_a_resume_takes_its_new_steps_intervals_and_learning_rate_schedule(data_root, tmp_path):
+    out_dir = tmp_path / "run"
+    train_det(data_root, out_dir, "--max_iters=2", "--eval_interval=2")
+    out = train_det(data_root, out_dir, "--init_from=resume", "--max_iters=7", "--eval_interval=3",
+                    "--checkpoint_interval=5", "--keep_checkpoints=1", "--learning_rate=0.002", "--min_lr=0.0001",
+                    "--warmup_iters=1", "--lr_decay_iters=6").stdout
+    assert [r["iter"] for r in records(out_dir) if "val_loss" in r] == [0, 3, 6, 7]
+    assert f"saved checkpoint {out_dir / ckpt.CHECKPOINTS / 'iter_0000005'}" in out
+    cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 1) / 5)) * (2e-3 - 1e-4) if it < 6 else 1e-4
+    assert [(r["iter"], r["lr"]) for r in records(out_dir) if "lr" in r][2:] == [(it, pytest.approx(cosine(it)))
+                                                                                 for it in range(2, 7)]
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given(data_root, tmp_path):
+    """A Muon run resumed with --muon_lr=0 --weight_decay=0.05 --beta2=0.9: the save's values of these (its groups'
+    lr_scale above all) give way to the ones given. Muon's matrices stay as saved, the rest moves, and the next save
+    holds the new values in its config and its optimizer's groups."""
+    out_dir = tmp_path / "run"
+    args = ["--optimizer=muon", "--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=5"]
+    train_det(data_root, out_dir, *args, "--max_iters=2")
+    train_det(data_root, out_dir, *args, "--max_iters=4", "--init_from=resume", "--muon_lr=0.0", "--weight_decay=0.05",
+              "--beta2=0.9")
+    before, after = (torch.load(out_dir / ckpt.CHECKPOINTS / f"iter_000000{it}" / "ckpt.pt", weights_only=True)
+                     for it in (2, 4))
+    model, _ = ckpt.load_model(out_dir / "ckpt.pt")
+    hidden = {id(p) for p in optim.muon_params(model)}
+    names = {name: id(p) in hidden for name, p in model.named_parameters()}
+    assert sum(names.values()) == 7 * 2 and all(
+        torch.equal(before["model"][name], after["model"][name]) == muon for name, muon in names.items())
+    groups = [*after["optimizer"]["muon"]["param_groups"], *after["optimizer"]["adamw"]["param_groups"]]
+    assert [g["lr_scale"] for g in groups] == [0.0, 1.0, 1.0] and after["config"]["muon_lr"] == 0.0
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.05, 0.0] and tuple(groups[1]["betas"]) == (0.9, 0.9)
 
 
 def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_folders(tmp_path):

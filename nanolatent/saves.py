@@ -97,7 +97,7 @@ class Saves:
         once whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume
         the newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run: info); under FSDP every
         process writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0
-        ckpt_meta.pt (the rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the `keep`
+        ckpt_meta.pt (the rest of ckpt.pt); then SHA256SUMS, every file's checksum, which a resume checks. selected: out_dir/ckpt.pt then links to it. Last, all but the `keep`
         newest folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just
         before its evaluation) is only linked."""
         iter_num = info["iter_num"]
@@ -120,10 +120,13 @@ class Saves:
                 state = {"model": get_model_state_dict(model)} if not optimizer.state else \
                     dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
                 dcp.save(state, checkpoint_id=tmp)
+                sums = self.shard_sums(tmp)
             if self.master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
                 tensors = {} if self.fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                 ckpt.save_checkpoint({**tensors, **info, "selected_iter": self.selected_iter},
                                      os.path.join(tmp, self.pointer))
+                sums = {**(sums if self.fsdp else {}), self.pointer: ckpt.sha256(os.path.join(tmp, self.pointer))}
+                ckpt.write_sums(tmp, sums)  # what a resume checks (ckpt.unreadable) before it trains from the save
                 os.replace(tmp, folder)
             self.saved_iter = iter_num
         if self.master:
@@ -132,6 +135,17 @@ class Saves:
             ckpt.prune(self.out_dir, self.keep, self.pointer)
             if written:
                 print(f"saved checkpoint {folder}" + (f" ({self.file} links to it)" if selected else ""))
+
+    def shard_sums(self, folder):
+        """{name: sha256} of the files dcp.save wrote into folder: each process hashes a share of them (rank 0's
+        listing), so the shards are read once and in parallel; every process gets them all."""
+        names = [sorted(os.listdir(folder)) if self.master else None]
+        dist.broadcast_object_list(names, src=0)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        shares = [None] * world_size
+        dist.all_gather_object(shares, {name: ckpt.sha256(os.path.join(folder, name))
+                                        for name in names[0][rank::world_size]})
+        return {name: digest for share in shares for name, digest in share.items()}
 
     def load(self, model, optimizer, checkpoint, folder, eval_only):
         """Load the weights and AdamW state of `checkpoint`, the run file of `folder`: a full save's (ckpt.pt), or

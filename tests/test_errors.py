@@ -375,6 +375,20 @@ def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, d
     assert snapshot(run) == before
 
 
+def test_a_save_that_resumes_to_nan_is_named_in_the_line_that_stops_the_run(run, data_root, monkeypatch, capsys):
+    """A whole save (its checksums match) whose weights hold a NaN: every step after the resume is non-finite, and the
+    line that stops the run names that save, not only the learning rate."""
+    folder = run / ckpt.CHECKPOINTS / "iter_0000004"
+    checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
+    checkpoint["model"]["blocks.0.attn.wq.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, folder / "ckpt.pt")
+    ckpt.write_sums(folder, {"ckpt.pt": ckpt.sha256(folder / "ckpt.pt")})
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=8",
+                                      "--max_nonfinite=2")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"since the resume from {folder}",
+                          "blocks.0.attn.wq.weight", "move it aside")
+
+
 @pytest.mark.slow
 def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
     with open(run / ".lock", "w") as lock:  # as a running train.py holds it

@@ -1,6 +1,7 @@
 """Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
 steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
 
+import hashlib
 import math
 import os
 import random
@@ -369,6 +370,67 @@ def test_auto_resumes_from_the_newest_whole_save_when_the_newest_is_damaged(dama
     a, b = (torch.load(d / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt", weights_only=True)["model"]
             for d in (out_dir, saved_run[0]))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def overwrite_tensor_bytes(path):
+    """64 bytes of the token embedding's values in a ckpt.pt overwritten with 0xff (NaNs in float32): the file still
+    loads, and only its checksum tells."""
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.load(path, weights_only=True)["model"]["tok_emb.weight"].numpy().tobytes()[:256])
+    assert at > 0
+    data[at:at + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_save_whose_bytes_changed_is_set_aside_each_time_under_a_fresh_name(saved_run, data_root, tmp_path):
+    """The newest save's tensor bytes overwritten, twice (the run resumed from the older save writes iter 4 again):
+    each time it is moved aside (iter_N.unreadable, then iter_N.unreadable2), the newest whole save resumes, saying
+    so, and the run ends as the uninterrupted one did."""
+    out_dir = copy_run(saved_run, tmp_path)
+    newest = out_dir / ckpt.CHECKPOINTS / "iter_0000004"
+    for aside in ("iter_0000004.unreadable", "iter_0000004.unreadable2"):
+        overwrite_tensor_bytes(newest / "ckpt.pt")
+        out = train_det(data_root, out_dir, *saved_run[1]).stdout
+        assert f"resuming from {out_dir / ckpt.CHECKPOINTS / 'iter_0000003'} at iter 3" in out
+        assert f"does not match its checksum in {ckpt.SUMS}" in out and f"moved to {ckpt.CHECKPOINTS}/{aside}," in out
+        assert untimed(out_dir) == untimed(saved_run[0])
+    assert os.path.isdir(f"{newest}.unreadable") and os.path.isdir(f"{newest}.unreadable2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_every_file_of_a_save_has_its_checksum_written_with_it(mode, data_root, tmp_path):
+    """One process, DDP and FSDP (every process's shards, the .metadata and ckpt_meta.pt): SHA256SUMS lists every
+    other file of each save folder with its SHA-256, as hashlib computes it."""
+    out_dir = tmp_path / "run"
+    finish(command(mode, out_dir, *SAVES, "--keep_checkpoints=2", torchrun=False), data_root)
+    for folder in ckpt.saved_steps(out_dir).values():
+        with open(os.path.join(folder, ckpt.SUMS)) as f:
+            listed = dict(reversed(line.split()) for line in f)
+        assert sorted(listed) == sorted(name for name in os.listdir(folder) if name != ckpt.SUMS)
+        for name, digest in listed.items():
+            with open(os.path.join(folder, name), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == digest
+        if mode == "fsdp":
+            assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "ckpt_meta.pt"} <= set(listed)
+
+
+@pytest.mark.slow
+def test_an_fsdp_save_with_a_truncated_shard_is_set_aside_and_the_older_one_resumes(data_root, tmp_path):
+    args = ["--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    finish(command("fsdp", full, *args, "--max_iters=3", torchrun=False), data_root)
+    finish(command("fsdp", part, *args, "--max_iters=2", torchrun=False), data_root)
+    shard = part / ckpt.CHECKPOINTS / "iter_0000002" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    out = finish(command("fsdp", part, *args, "--max_iters=3", torchrun=False), data_root)
+    assert "skipping the save of iter 2: its __1_0.distcp does not match its checksum" in out
+    assert f"resuming from {part / ckpt.CHECKPOINTS / 'iter_0000001'} at iter 1" in out and "Traceback" not in out
+    assert untimed(part) == untimed(full)
+    a, b = newest_weights(part, tmp_path), newest_weights(full, tmp_path)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

@@ -409,12 +409,18 @@ while True:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item() == 0:
         optimizer.zero_grad(set_to_none=True)
+        if hasattr(model, "update_controllers"):  # the step leaves no trace: its measurements go too
+            model.update_controllers(skipped=True)
         nonfinite_total, nonfinite_streak = nonfinite_total + 1, nonfinite_streak + 1
         if nonfinite_streak >= max_nonfinite:  # hyper-parameters are checked finite and in range at the start
             bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged"
-                       + (f" (weight {bad} holds NaN or inf)" if bad else "") + "; lower learning_rate, keep "
-                       f"grad_clip on, or resume from the last checkpoint in {out_dir}")
+            at_resume = resume and nonfinite_streak == iter_num - start_iter + 1  # every step since the resume
+            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}"
+                       + (f", every step since the resume from {start_dir}" if at_resume else ": the run diverged")
+                       + (f" (weight {bad} holds NaN or inf)" if bad else "")
+                       + (f": that save may be damaged; move it aside to resume from an older one, or lower "
+                          f"learning_rate" if at_resume else f"; lower learning_rate, keep grad_clip on, or resume "
+                          f"from the last checkpoint in {out_dir}"))
     else:
         nonfinite_streak = 0
         if grad_clip:

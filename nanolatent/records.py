@@ -41,8 +41,8 @@ def refuse_earlier_records(path, overwrite):
     held = read_records(path) if os.path.exists(path) else []
     if held and not overwrite:
         iters = [r["iter"] for r in held if "iter" in r] or [0]
-        die(f"{path} holds {len(held)} records of an earlier run (iters {min(iters)} to {max(iters)}) and "
-            f"{os.path.dirname(path) or '.'} no checkpoint to resume: choose another --out_dir, or replace those "
+        die(f"{path} holds {len(held)} records of an earlier run (iters {min(iters)} to {max(iters)}), but "
+            f"{os.path.dirname(path) or '.'} holds no checkpoint to resume: choose another --out_dir, or replace those "
             f"records with --overwrite=True")
 
 

@@ -97,8 +97,9 @@ class Saves:
         once whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume
         the newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run: info); under FSDP every
         process writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0
-        ckpt_meta.pt (the rest of ckpt.pt); then SHA256SUMS, every file's checksum, which a resume checks. selected: out_dir/ckpt.pt then links to it. Last, all but the `keep`
-        newest folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just
+        ckpt_meta.pt (the rest of ckpt.pt); then SHA256SUMS, every file's checksum, which a resume checks.
+        selected: out_dir/ckpt.pt then links to it. Last, all but the `keep` newest folders and the linked one are
+        deleted. A step saved already (resumed from the save of a stop, just
         before its evaluation) is only linked."""
         iter_num = info["iter_num"]
         folder = os.path.join(self.out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
@@ -106,7 +107,7 @@ class Saves:
             self.selected_iter = iter_num
         written = self.saved_iter != iter_num
         if written:
-            tmp = f"{folder}.tmp"
+            tmp, sums = f"{folder}.tmp", {}
             if self.master:
                 try:
                     os.makedirs(tmp, exist_ok=True)
@@ -125,7 +126,7 @@ class Saves:
                 tensors = {} if self.fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                 ckpt.save_checkpoint({**tensors, **info, "selected_iter": self.selected_iter},
                                      os.path.join(tmp, self.pointer))
-                sums = {**(sums if self.fsdp else {}), self.pointer: ckpt.sha256(os.path.join(tmp, self.pointer))}
+                sums[self.pointer] = ckpt.sha256(os.path.join(tmp, self.pointer))
                 ckpt.write_sums(tmp, sums)  # what a resume checks (ckpt.unreadable) before it trains from the save
                 os.replace(tmp, folder)
             self.saved_iter = iter_num

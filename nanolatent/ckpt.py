@@ -151,7 +151,7 @@ def unreadable(folder):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        return f"its {name} is unreadable ({type(e).__name__})"
+        return f"its {name} is unreadable ({type(e).__name__}: truncated, or not a torch file)"
     if not isinstance(checkpoint, dict) or "iter_num" not in checkpoint:
         return f"its {name} is a torch file but not a nanolatent checkpoint of train.py"
     return damaged(folder)

@@ -76,8 +76,9 @@ def parse(key, text, default):
 
 def check(key, value, default, source=None):
     """The value must have the default's type; an int may stand for a float; a None default takes anything; a
-    tuple's elements must have the type of the default's first element. source: the config file that set it."""
-    if default is None or value is None:
+    tuple's elements must have the type of the default's first element (a None value only where the default is
+    None). source: the config file that set it."""
+    if default is None:
         return value
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -278,11 +279,13 @@ def given(namespace):
 
 def require(config, positive=(), non_negative=(), choices=None, within=None):
     """Refuse values that parse but make no sense (--max_iters=-5, --eval_interval=0, --dtype=float64, --beta1=1.5,
-    learning_rate=float('nan') in a config file), one line each. within: {key: interval} written as in mathematics,
-    "[0, 1)" or "(0, 1]"."""
+    learning_rate=float('nan') or max_iters = 10**400 in a config file), one line each. within: {key: interval}
+    written as in mathematics, "[0, 1)" or "(0, 1]"."""
     for key, value in config.items():
         if isinstance(value, float) and math.isnan(value):
             common.die(f"--{key} is nan: give a number")
+        if isinstance(value, int) and abs(value) >= 2**63:  # 10**400 in a config file: no tensor or float holds it
+            common.die(f"--{key} is a number of {value.bit_length()} bits: give one below 2**63")
     for key in positive:
         if not config[key] > 0 or config[key] == math.inf:
             common.die(f"--{key} must be > 0, got {config[key]!r}")

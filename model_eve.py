@@ -499,9 +499,10 @@ class Model(nn.Module):
         return loss, stats
 
     @torch.no_grad()
-    def update_controllers(self, all_reduce=None):
+    def update_controllers(self, all_reduce=None, skipped=False):
         """§3.3 control after each optimizer step, from the KL_u and mu2_u each block measured over the step's training
-        forwards (all_reduce averages them over processes: every rank updates alike, as one process would): mu2_ema,
+        forwards (all_reduce averages them over processes: every rank updates alike, as one process would); skipped:
+        the step was not taken (a non-finite loss), its measurements are dropped and the controllers stay: mu2_ema,
         an EMA of each neuron's mu^2; beta_control: a unit's beta times or divided by 1 + beta_rate while its KL is
         above or below kl_band;
         homeostat: from homeostat_warmup on, every homeostat_every steps, each neuron's w_mu rows (and EMA) scaled by
@@ -510,6 +511,10 @@ class Model(nn.Module):
         mlps = [block.mlp for block in self.blocks]
         if not cfg.variational or any(m.stash is None for m in mlps):
             return  # no training forward since the last update
+        if skipped:  # a NaN measured there would reach mu2_ema and, at the next rescale, w_mu
+            for m in mlps:
+                m.stash = m.stash_forwards = None
+            return
         measured = torch.stack([m.stash for m in mlps]).to(mlps[0].mu2_ema.dtype)  # (L, 2, N), as the buffers
         if all_reduce is not None:
             all_reduce(measured)

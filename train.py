@@ -130,7 +130,7 @@ def check_world_size(processes):
 if dry_run:  # plan the run: the model is built on the meta device (shapes, no memory, no data beyond meta.json)
     if "vocab_size" not in model_config:  # the data's only when the config does not say
         model_config["vocab_size"] = tokendata.load_meta(dataset)["vocab_size"]
-    planned = dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    planned = dry_run_world_size or distributed.env_world_size()
     check_world_size(planned)
     plan.plan_run(model_type, model_config, batch_size, gradient_accumulation_steps, max_iters, fsdp, device,
                     planned, dry_run_mfu, activation_checkpointing, dry_run_gpu_gib)
@@ -193,8 +193,8 @@ def get_batch(split, *key):
 # memory-mapped: tensors read on load; a save of the other parallel mode (ckpt.pt or FSDP's ckpt_meta.pt) is converted
 checkpoint = ckpt.load_checkpoint(ckpt.run_file(start_dir), device) if resume else None
 if checkpoint is not None:  # the run's own architecture, optimizer and frozen embeddings, saved again as they were
-    model_config, freeze_embeddings, optimizer = saver.resumed_settings(checkpoint, model_type, model_config, dataset,
-                                                                        meta, max_iters, eval_only)
+    model_config, freeze_embeddings, optimizer = saver.resumed_settings(checkpoint, model_type, model_config, config,
+                                                                        configurator.given(globals()), meta, eval_only)
     config.update(freeze_embeddings=freeze_embeddings, optimizer=optimizer)
 model_config.setdefault("vocab_size", meta["vocab_size"])
 if model_config["vocab_size"] < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
@@ -350,12 +350,13 @@ while True:
             print(f"{saver.file} at iter {iter_num}:\n" + "\n".join(f"  {k} {v:.4f}" for k, v in evals.items()))
         elif master:
             print(records.eval_line(evals, iter_num, max_iters))
-            log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
         # evals are all-reduced, so every process takes the same decision (under FSDP they all write)
         value = evals[f"val_{select_by}"]  # the loss includes KL and control terms for EVE; ce is CE alone
         if not eval_only and (value < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, value)
             save_checkpoint(selected=True)
+        if master and not eval_only:  # after the first save: records in out_dir come with a checkpoint (saves.start)
+            log_record({"iter": iter_num, "tokens": iter_num * tokens_per_iter, **evals})
     # On schedule whatever the val loss, and the last step: the same command run again finds the run complete.
     scheduled = checkpoint_interval and iter_num % checkpoint_interval == 0
     if not eval_only and (scheduled or iter_num == max_iters) and saver.saved_iter != iter_num:
@@ -387,12 +388,18 @@ while True:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item() == 0:
         optimizer.zero_grad(set_to_none=True)
+        if hasattr(model, "update_controllers"):  # the step leaves no trace: its measurements go too
+            model.update_controllers(skipped=True)
         nonfinite_total, nonfinite_streak = nonfinite_total + 1, nonfinite_streak + 1
         if nonfinite_streak >= max_nonfinite:  # hyper-parameters are checked finite and in range at the start
             bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}: the run diverged"
-                       + (f" (weight {bad} holds NaN or inf)" if bad else "") + "; lower learning_rate, keep "
-                       f"grad_clip on, or resume from the last checkpoint in {out_dir}")
+            at_resume = resume and nonfinite_streak == iter_num - start_iter + 1  # every step since the resume
+            common.die(f"{nonfinite_streak} non-finite losses in a row at iter {iter_num}"
+                       + (f", every step since the resume from {start_dir}" if at_resume else ": the run diverged")
+                       + (f" (weight {bad} holds NaN or inf)" if bad else "")
+                       + (f": that save may be damaged; move it aside to resume from an older one, or lower "
+                          f"learning_rate" if at_resume else f"; lower learning_rate, keep grad_clip on, or resume "
+                          f"from the last checkpoint in {out_dir}"))
     else:
         nonfinite_streak = 0
         if grad_clip:

@@ -2,6 +2,7 @@
 asked to be replaced, and a model loaded from a checkpoint (into its own type or another). The lock: lock.py."""
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ from nanolatent.common import die, free_space
 
 
 CHECKPOINTS = "checkpoints"  # train.py's saves: out_dir/checkpoints/iter_0000300/, one folder per step
+SUMS = "SHA256SUMS"  # a save's every other file and its SHA-256, as sha256sum writes them (sha256sum -c checks them)
 RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), as does
 # a whole folder of train.py's checkpoints (saved_steps)
 
@@ -27,6 +29,16 @@ def refuse_existing_run(out_dir, overwrite, resumable=False):
         die(f"{out_dir} already holds a run ({held[0]}): "
             f"{'continue it with --init_from=resume, ' if resumable else ''}choose another --out_dir, or replace it "
             f"with --overwrite=True")
+
+
+def refuse_unwritable_checkpoints(out_dir):
+    """out_dir/checkpoints, where train.py saves, a file or a folder it cannot write into: one line before the run
+    starts, not a traceback at its first save."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    if os.path.exists(root) and not os.path.isdir(root):
+        die(f"{root} is a file, where train.py keeps its saves: move it away, or choose another --out_dir")
+    if os.path.isdir(root) and not os.access(root, os.W_OK | os.X_OK):
+        die(f"{root} is read-only: train.py saves there; make it writable, or choose another --out_dir")
 
 
 def refuse_nonempty_dir(dst, overwrite, what="--dst"):
@@ -93,9 +105,41 @@ def saved_steps(out_dir):
     return {int(m.group(1)): os.path.join(root, name) for name in names if (m := re.fullmatch(r"iter_(\d+)", name))}
 
 
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_sums(folder, sums):
+    """folder/SHA256SUMS from {file name: its sha256}: written into the save's folder before the rename that commits
+    it, so a save's files and their checksums come whole together."""
+    with open(os.path.join(folder, SUMS), "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
+
+
+def damaged(folder):
+    """Why the files of folder differ from its SHA256SUMS (a byte changed, a file cut short or gone), or None when they
+    all match, or when the save has no SHA256SUMS (written before saves had one)."""
+    path = os.path.join(folder, SUMS)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        listed = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
+    for digest, name in listed:
+        if not os.path.exists(os.path.join(folder, name)):
+            return f"its {name}, listed in {SUMS}, is missing"
+        if sha256(os.path.join(folder, name)) != digest:
+            return f"its {name} does not match its checksum in {SUMS} (changed or cut short since it was saved)"
+    return None
+
+
 def unreadable(folder):
     """Why train.py's save in folder cannot be resumed (its ckpt.pt, or ckpt_meta.pt and the shards' .metadata under
-    FSDP, missing, empty or not a checkpoint: a disk that lost data, a copy cut short), or None when it can."""
+    FSDP, missing, empty or not a checkpoint: a disk that lost data, a copy cut short; any file that differs from
+    its SHA256SUMS), or None when it can."""
     name = next((name for name in RUN_FILES if os.path.exists(os.path.join(folder, name))), None)
     if name is None:
         return f"it holds neither {' nor '.join(RUN_FILES)}"
@@ -107,29 +151,36 @@ def unreadable(folder):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        return f"its {name} is unreadable ({type(e).__name__})"
+        return f"its {name} is unreadable ({type(e).__name__}: truncated, or not a torch file)"
     if not isinstance(checkpoint, dict) or "iter_num" not in checkpoint:
-        return f"its {name} is not a checkpoint of train.py"
-    return None
+        return f"its {name} is a torch file but not a nanolatent checkpoint of train.py"
+    return damaged(folder)
 
 
 def resumable_steps(out_dir):
     """saved_steps, less the newest folders that cannot be resumed (unreadable) where an older one can: each of those
-    is renamed iter_N.unreadable, kept for a look, not deleted, and named in one line; a resume then takes the newest
-    whole save. Where none is whole, all stay, and loading the newest says what is wrong with it."""
+    is renamed iter_N.unreadable (iter_N.unreadable2, ... when a save of that step was set aside before), kept for a
+    look, not deleted, and named in one line; a resume then takes the newest whole save. Where none is whole, all
+    stay, and one line says what is wrong with the newest."""
     steps = saved_steps(out_dir)
-    damaged = {}
+    bad = {}
     for it in sorted(steps, reverse=True):
         reason = unreadable(steps[it])
         if reason is None:
             break
-        damaged[it] = reason
-    if len(damaged) == len(steps):
-        return steps
-    for it, reason in damaged.items():
-        os.replace(steps[it], f"{steps.pop(it)}.unreadable")
-        print(f"skipping the save of iter {it}: {reason}; moved to {os.path.join(CHECKPOINTS, f'iter_{it:07d}')}"
-              f".unreadable, an older save resumes")
+        bad[it] = reason
+    if bad and len(bad) == len(steps):
+        newest = max(steps)
+        die(f"no save in {os.path.join(out_dir, CHECKPOINTS)} can be resumed; the newest, {run_file(steps[newest])}: "
+            f"{bad[newest]}; restore it from a copy, or train afresh with --init_from=scratch --overwrite=True")
+    for it, reason in bad.items():
+        aside, n = f"{steps[it]}.unreadable", 1
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{steps[it]}.unreadable{n}"
+        os.replace(steps.pop(it), aside)
+        print(f"skipping the save of iter {it}: {reason}; moved to {os.path.join(CHECKPOINTS, os.path.basename(aside))}"
+              f", an older save resumes")
     return steps
 
 

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanolatent import models
+from nanolatent.common import die
 
 
 def init(device, dist_timeout):
@@ -62,6 +63,16 @@ def wrap(model, device_type, world_size, local_rank, fsdp, ddp, compile, dtype, 
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def env_world_size():
+    """torchrun's $WORLD_SIZE, 1 without it (what a dry run plans for): one line for a value that is no number of
+    processes."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        die(f"WORLD_SIZE={text!r} in the environment is no number of processes (torchrun sets it to 1 or more): unset "
+            f"it, or give --dry_run_world_size=N")
+    return int(text)
 
 
 def lost_peer(kind, error, traceback, rank, dist_timeout):

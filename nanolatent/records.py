@@ -36,6 +36,17 @@ def read_records(path):
     return records
 
 
+def refuse_earlier_records(path, overwrite):
+    """A run started afresh where metrics.jsonl holds an earlier run's records (its checkpoints deleted) replaces
+    them only with --overwrite=True; otherwise one line, and they stay as they are."""
+    held = read_records(path) if os.path.exists(path) else []
+    if held and not overwrite:
+        iters = [r["iter"] for r in held if "iter" in r] or [0]
+        die(f"{path} holds {len(held)} records of an earlier run (iters {min(iters)} to {max(iters)}), but "
+            f"{os.path.dirname(path) or '.'} holds no checkpoint to resume: choose another --out_dir, or replace those "
+            f"records with --overwrite=True")
+
+
 def keep_records(path, before_iter):
     """Rewrite metrics.jsonl with only the records of iterations before `before_iter` (0: none), atomically."""
     kept = [r for r in read_records(path) if r.get("iter", 0) < before_iter] if os.path.exists(path) else []

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from nanolatent import ckpt, lock
+from nanolatent import ckpt, lock, records
 from nanolatent.common import die
 
 
@@ -39,6 +39,7 @@ class Saves:
                 die(f"eval_only reads {self.file}, which does not exist: train first, or point --out_dir at a run")
             folder = os.path.dirname(os.path.realpath(self.file))
         elif self.master:
+            ckpt.refuse_unwritable_checkpoints(out_dir)  # before the lock, which clears what killed saves left there
             lock.lock_out_dir(out_dir, "train.py")
             if init_from != "scratch":
                 ckpt.adopt_single_file(out_dir)
@@ -50,6 +51,7 @@ class Saves:
                 folder = saved[max(saved)]
             else:
                 ckpt.refuse_existing_run(out_dir, overwrite, resumable=True)
+                records.refuse_earlier_records(os.path.join(out_dir, "metrics.jsonl"), overwrite)
                 ckpt.prune(out_dir, keep=0)  # --overwrite=True: the old run's saves must not be resumed later
         if self.ddp:  # every process reads rank 0's choice, so out_dir must be on storage that every node sees
             folder = [folder]
@@ -60,12 +62,13 @@ class Saves:
                     f"storage that every node sees (a shared filesystem), for DDP and FSDP")
         return folder
 
-    def resumed_settings(self, checkpoint, model_type, model_config, dataset, meta, max_iters, eval_only):
+    def resumed_settings(self, checkpoint, model_type, model_config, config, given, meta, eval_only):
         """(model_config, freeze_embeddings, optimizer) of the run `checkpoint` resumes: its architecture with the
         overrides that leave every saved tensor's shape unchanged (ckpt.resume_config), and the optimizer and frozen
         embeddings its saved optimizer state was made with (a run saved before --optimizer existed trained with
-        AdamW). A run of another model type or vocabulary, or past max_iters, is one line."""
-        out_dir, saved = self.out_dir, checkpoint["config"]
+        AdamW); `given` (the keys the user set) another of those two is one line, as is a run of another model type
+        or vocabulary, one past max_iters, and what train.py refuses of a fresh run's optimizer."""
+        out_dir, saved, dataset, max_iters = self.out_dir, checkpoint["config"], config["dataset"], config["max_iters"]
         if checkpoint["model_type"] != model_type:
             die(f"{out_dir} holds a {checkpoint['model_type']} run; resume it with "
                 f"--model_type={checkpoint['model_type']}")
@@ -76,15 +79,27 @@ class Saves:
             die(f"{out_dir} is at iter {checkpoint['iter_num']}, past --max_iters={max_iters}: give a larger "
                 f"--max_iters to train on, or --eval_only=True to evaluate it")
         model_config = ckpt.resume_config(model_type, checkpoint["model_config"], model_config, out_dir)
-        return model_config, saved["freeze_embeddings"], saved.get("optimizer", "adamw")
+        optimizer = saved.get("optimizer", "adamw")
+        for key, value in (("optimizer", optimizer), ("freeze_embeddings", saved["freeze_embeddings"])):
+            if key in given and config[key] != value and not eval_only:  # the saved state is of that optimizer
+                die(f"--{key}={config[key]}: {out_dir} trained with {key}={value}, whose optimizer state its save "
+                    f"holds; resume with --{key}={value} (or without --{key}), or train afresh into another out_dir")
+        if optimizer == "muon" and self.fsdp:  # train.py's checks of a fresh run, on the optimizer resumed
+            die(f"{out_dir} trained with optimizer=muon, which orthogonalises whole matrices and fsdp=True splits "
+                f"them across processes: resume it with DDP (drop --fsdp)")
+        if optimizer == "muon" and not config["learning_rate"]:
+            die(f"{out_dir} trained with optimizer=muon, which schedules muon_lr as a multiple of learning_rate: "
+                f"resume with learning_rate > 0")
+        return model_config, saved["freeze_embeddings"], optimizer
 
     def save(self, model, optimizer, info, selected):
         """Save step info["iter_num"] as out_dir/checkpoints/iter_N/. The folder is written as iter_N.tmp/ and renamed
         once whole: the rename is the commit, so a kill at any instant (any process, SIGKILL included) leaves a resume
         the newest whole checkpoint. Rank 0 writes ckpt.pt (weights, AdamW state, the run: info); under FSDP every
         process writes its shards of the weights and AdamW state (torch.distributed.checkpoint) and rank 0
-        ckpt_meta.pt (the rest of ckpt.pt). selected: out_dir/ckpt.pt then links to it. Last, all but the `keep`
-        newest folders and the linked one are deleted. A step saved already (resumed from the save of a stop, just
+        ckpt_meta.pt (the rest of ckpt.pt); then SHA256SUMS, every file's checksum, which a resume checks.
+        selected: out_dir/ckpt.pt then links to it. Last, all but the `keep` newest folders and the linked one are
+        deleted. A step saved already (resumed from the save of a stop, just
         before its evaluation) is only linked."""
         iter_num = info["iter_num"]
         folder = os.path.join(self.out_dir, ckpt.CHECKPOINTS, f"iter_{iter_num:07d}")
@@ -92,9 +107,13 @@ class Saves:
             self.selected_iter = iter_num
         written = self.saved_iter != iter_num
         if written:
-            tmp = f"{folder}.tmp"
+            tmp, sums = f"{folder}.tmp", {}
             if self.master:
-                os.makedirs(tmp, exist_ok=True)
+                try:
+                    os.makedirs(tmp, exist_ok=True)
+                except OSError as e:  # its folder made read-only, or replaced by a file, while the run trained
+                    die(f"could not write {tmp}: {e.strerror or e}; make {os.path.dirname(tmp)} writable and resume "
+                        f"with --init_from=auto (the previous checkpoint there, if any, is unchanged)")
             if self.fsdp:
                 dist.barrier()  # the folder exists before any process writes into it
                 # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
@@ -102,10 +121,13 @@ class Saves:
                 state = {"model": get_model_state_dict(model)} if not optimizer.state else \
                     dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
                 dcp.save(state, checkpoint_id=tmp)
+                sums = self.shard_sums(tmp)
             if self.master:  # dcp.save returns once every process has written its files and rank 0 the .metadata
                 tensors = {} if self.fsdp else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                 ckpt.save_checkpoint({**tensors, **info, "selected_iter": self.selected_iter},
                                      os.path.join(tmp, self.pointer))
+                sums[self.pointer] = ckpt.sha256(os.path.join(tmp, self.pointer))
+                ckpt.write_sums(tmp, sums)  # what a resume checks (ckpt.unreadable) before it trains from the save
                 os.replace(tmp, folder)
             self.saved_iter = iter_num
         if self.master:
@@ -115,6 +137,17 @@ class Saves:
             if written:
                 print(f"saved checkpoint {folder}" + (f" ({self.file} links to it)" if selected else ""))
 
+    def shard_sums(self, folder):
+        """{name: sha256} of the files dcp.save wrote into folder: each process hashes a share of them (rank 0's
+        listing), so the shards are read once and in parallel; every process gets them all."""
+        names = [sorted(os.listdir(folder)) if self.master else None]
+        dist.broadcast_object_list(names, src=0)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        shares = [None] * world_size
+        dist.all_gather_object(shares, {name: ckpt.sha256(os.path.join(folder, name))
+                                        for name in names[0][rank::world_size]})
+        return {name: digest for share in shares for name, digest in share.items()}
+
     def load(self, model, optimizer, checkpoint, folder, eval_only):
         """Load the weights and AdamW state of `checkpoint`, the run file of `folder`: a full save's (ckpt.pt), or
         the shards of an FSDP save (torch.distributed.checkpoint), whatever world size wrote them (DCP reshards). A
@@ -123,6 +156,9 @@ class Saves:
         full_state_dict=True). Then, unless eval_only, what a save killed after its commit left undone: the best
         save's link and the deletions. Returns (iter_num, best_val_loss)."""
         sharded = "model" not in checkpoint  # ckpt_meta.pt: the tensors are the folder's shards
+        # this run's hyper-parameters (muon_lr's lr_scale, weight_decay, betas), which load_state_dict would replace
+        # by the save's: a resume trains with the settings it was given and saves again
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         if self.master and sharded != self.fsdp:
             print(f"resuming {'an FSDP (sharded)' if sharded else 'a full (DDP or one-process)'} save under "
                   f"{'FSDP' if self.fsdp else 'DDP' if self.ddp else 'one process'}: "
@@ -145,6 +181,8 @@ class Saves:
             state = {"model": model_state, "optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=folder)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        for group, given in zip(optimizer.param_groups, settings):
+            group.update(given)
         iter_num, self.selected_iter = checkpoint["iter_num"], checkpoint["selected_iter"]
         self.saved_iter = iter_num
         if self.master and not eval_only:

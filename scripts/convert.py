@@ -108,20 +108,30 @@ def config_from_hf(hf, block_size=0):
     if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
         refuse("layer_types", "model_det attends to every earlier position in every layer")
     # transformers 5 nests rope_theta and the RoPE type under rope_parameters; older configs have rope_theta at the
-    # top level and a rope_scaling that is null for plain RoPE. Read both.
+    # top level and a rope_scaling that is null for plain RoPE. A config with both is read as transformers 5 reads it
+    # (PreTrainedConfig.convert_rope_params_to_dict): a rope_scaling that is set replaces rope_parameters whole, and
+    # the dict read takes its own rope_theta, else the top-level one, else 10000.
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(field) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        refuse(field, "model_det computes plain RoPE and Llama 3.1's remap (rope_type llama3), no other")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(field, "model_det rotates every channel of a head")
     scaling = None
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(field) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            refuse(field, "model_det computes plain RoPE and Llama 3.1's remap (rope_type llama3), no other")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            refuse(field, "model_det rotates every channel of a head")
-        if kind == "llama3":  # transformers' defaults for the keys a config leaves out
-            scaling = (float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
-                       float(rope.get("high_freq_factor", 4.0)), int(rope.get("original_max_position_embeddings",
-                                                                              8192)))
-    rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    if kind == "llama3":  # transformers' defaults for the keys a config leaves out
+        scaling = (float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
+                   float(rope.get("high_freq_factor", 4.0)), int(rope.get("original_max_position_embeddings", 8192)))
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    # what each convention alone says (transformers 4 read rope_scaling and rope_theta only): a config whose two
+    # disagree reads differently in another version, so the line says which one this import took
+    newer, older = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    readings = {(rope.get("rope_type", rope.get("type", "default")), float(rope.get("rope_theta", theta)))
+                for rope, theta in ((newer, hf.get("rope_theta", 10000.0)), (older, hf.get("rope_theta", 10000.0)))}
+    if "rope_parameters" in hf and {"rope_scaling", "rope_theta"} & set(hf) and len(readings) > 1:
+        print(f"config.json has rope_parameters={json.dumps(hf['rope_parameters'])} and the older rope_scaling="
+              f"{json.dumps(hf.get('rope_scaling'))}, rope_theta={json.dumps(hf.get('rope_theta'))}, which disagree: "
+              f"read as transformers 5 reads them, from {field}: {kind} RoPE, rope_theta {rope_theta:g}")
     missing = [f for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if f not in hf]
     if missing:
@@ -137,7 +147,7 @@ def config_from_hf(hf, block_size=0):
         qk_norm=family == "qwen3",
         ffn_hidden=hf["intermediate_size"],
         block_size=block_size or hf.get("max_position_embeddings", 2048),  # sizes the RoPE tables (KV caches too)
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig and Qwen3Config defaults
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -192,6 +193,26 @@ TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--batch_si
 def train_det(data_root, out_dir, *args, check=True):
     """train.py on the tiny det model."""
     return run_script("train.py", "--model_type=det", f"--out_dir={out_dir}", *TINY, *args, data_dir=data_root, check=check)
+
+
+def train_in_process(monkeypatch, capsys, data_root, out_dir, *args):
+    """train.py run in this process (runpy), as `python train.py` on the tiny det model: (exit code, stdout, stderr).
+    What train.py sets for the process (signal handlers, threads) is put back."""
+    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
+    monkeypatch.setattr(sys, "argv", ["train.py", "--model_type=det", f"--out_dir={out_dir}", *TINY, *args])
+    handlers, threads = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def records(out_dir):

@@ -440,6 +440,35 @@ def test_rlvr_reads_the_same_arith_problems_in_the_model_vocabulary(imported, tm
         assert bpe == char and len(char) == {"train": 300, "val": 40}[split]
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("edit, theta, scaled", [
+    ({"rope_scaling": {"rope_type": "default"}, "rope_theta": 50.0}, 50.0, False),  # rope_scaling set: it wins
+    ({"rope_scaling": None, "rope_theta": 50.0}, 500.0, False),  # rope_scaling null: rope_parameters' theta
+    ({"rope_scaling": LLAMA3, "rope_theta": 50.0}, 50.0, True),  # the remap, with the top-level theta
+    ({"rope_scaling": {**LLAMA3, "rope_theta": 70.0}, "rope_theta": 50.0}, 70.0, True),  # the remap's own theta
+], ids=["scaling-default", "scaling-null", "scaling-llama3", "scaling-llama3-own-theta"])
+def test_a_config_with_both_rope_conventions_imports_as_transformers_reads_it(tmp_path, tokenizer_file, capsys,
+                                                                                edit, theta, scaled):
+    """config.json with transformers 5's rope_parameters (theta 500) and the older rope_scaling and rope_theta
+    beside it: the theta and remap transformers takes, and its logits; a disagreement is said in one line."""
+    hf_llama(tmp_path / "hf", tokenizer_file, tie=True)
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert reference.config.rope_parameters["rope_theta"] == theta  # what transformers reads, independently
+    capsys.readouterr()
+    convert.main(["hf", f"--src={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'ours'}"])
+    assert "which disagree: read as transformers 5 reads them" in capsys.readouterr().out
+    ours, _ = ckpt.load_model(tmp_path / "ours")
+    assert (ours.config.rope_theta, ours.config.rope_scaling is not None) == (theta, scaled)
+    idx = torch.randint(ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(idx, idx)[0], reference(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # refusals: one line naming the field, file or tensor
 

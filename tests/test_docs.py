@@ -591,3 +591,17 @@ python -m scripts.convert to_hf --out_dir=out-smollm2 --dst=hf-det
                       "SmolLM2.gguf", "input.txt", "my_tasks", "nanoGPT/model.py", "data/wp25_cpu", "my_tasks", "hf-det"]
     # made first, in any order: the shipped config file is read as it is; convert's run folder holds tokenizer.json
     assert unmade_reads(inputs_made_and_read(makes + reads)) == []
+
+
+def test_every_row_of_the_resume_table_names_tests_that_exist():
+    """docs/training.md's table of what a resume can change: each row names its tests (functions of the file named,
+    or, quoted, cases of test_errors.py's TRAIN_CASES), and each of them exists."""
+    text = read("docs/training.md")
+    rows = text[text.index("| Setting, on resume |"):].split("\n\n")[0].splitlines()[2:]
+    assert len(rows) >= 10
+    for row in rows:
+        cell = row.rstrip(" |").rsplit("|", 1)[1]
+        source = read(os.path.join("tests", re.search(r"`(test_\w+\.py)", cell).group(1)))
+        named = [f"def {name}(" for name in re.findall(r"\b(test_\w+)`", cell)]
+        named += [f'"{case}": (' for case in re.findall(r'"([^"]+)"', cell)]
+        assert named and all(n in source for n in named), row

@@ -3,12 +3,12 @@ changed. Then the cases that must be accepted and do the right thing (eval_only,
 stopping: Ctrl-C, SIGTERM and a full disk (simulated by a sitecustomize.py the subprocess imports) leave a loadable
 checkpoint at the expected step and no temporary file."""
 
+import contextlib
 import fcntl
 import json
 import math
 import os
 import re
-import runpy
 import shutil
 import signal
 import subprocess
@@ -20,7 +20,8 @@ import torch
 
 from nanolatent import ckpt, models
 
-from conftest import FORKRUN, ROOT, TINY, records, run_script, start_script, train_det, wait_for_line
+from conftest import (FORKRUN, ROOT, TINY, records, run_script, start_script, train_det, train_in_process,
+                      wait_for_line)
 
 
 RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
@@ -81,6 +82,12 @@ TRAIN_CASES = {
     "keep_checkpoints zero": (["--init_from=auto", "--keep_checkpoints=0"], ("keep_checkpoints", "0")),
     "shape-changing override on resume": (["--init_from=resume", "--n_layer=3"], ("n_layer", "3", "shape")),
     "resume on another vocabulary": (["--init_from=resume", "--dataset=tiny_vocab"], ("tiny_vocab", "--dataset=")),
+    "resume as another model type": (["--init_from=resume", "--model_type=free"], ("det run", "--model_type=det")),
+    # the optimizer state a save holds is of its optimizer and its groups of parameters
+    "resume with another optimizer": (["--init_from=resume", "--optimizer=muon"], ("--optimizer=muon",
+                                                                                  "optimizer=adamw")),
+    "resume with embeddings frozen": (["--init_from=resume", "--freeze_embeddings=True"],
+                                      ("--freeze_embeddings=True", "freeze_embeddings=False")),
     "config file with a syntax error": (["{tmp}/bad_syntax.py"], ("{tmp}/bad_syntax.py", "line 1")),
     "config file with a NameError": (["{tmp}/bad_name.py"], ("{tmp}/bad_name.py", "NameError")),
     "config file that is a directory": (["{tmp}"], ("{tmp}", "directory")),
@@ -90,6 +97,8 @@ TRAIN_CASES = {
     "config file value a torch dtype": ([FRESH, "{tmp}/dtype_torch.py"], ("{tmp}/dtype_torch.py", "dtype",
                                                                            "torch.bfloat16")),
     "config file value of another type": ([FRESH, "{tmp}/iters_str.py"], ("{tmp}/iters_str.py", "max_iters", "'300'")),
+    "config file value None": (["{tmp}/out_dir_none.py"], ("{tmp}/out_dir_none.py", "out_dir", "None")),
+    "config file value beyond 64 bits": ([FRESH, "{tmp}/iters_huge.py"], ("max_iters", "1329 bits", "2**63")),
     "out_dir under a file": (["--out_dir={tmp}/a_file/run"], ("{tmp}/a_file/run",)),
     "dataset too small": ([FRESH, "--dataset=tiny_vocab"], ("tiny_vocab", "block_size")),
     "dataset not prepared": ([FRESH, "--dataset=mystuff"], ("mystuff", "python prepare.py")),
@@ -219,6 +228,8 @@ def mistakes(tmp_path):
     write(tmp_path / "lr_dict.py", "learning_rate = {'peak': 3e-3}\n")
     write(tmp_path / "dtype_torch.py", "import torch\ndtype = torch.bfloat16\n")
     write(tmp_path / "iters_str.py", "max_iters = '300'\n")
+    write(tmp_path / "out_dir_none.py", "out_dir = None\n")
+    write(tmp_path / "iters_huge.py", "max_iters = 10**400\n")
     write(tmp_path / "a_file", "")
     write(tmp_path / "nan_theta.py", "rope_theta = float('nan')\n")
     write(tmp_path / "nan_kappa.py", "kappa_bits = float('nan')\n")
@@ -226,26 +237,6 @@ def mistakes(tmp_path):
     write(tmp_path / "notes.npy", "my embeddings, to do\n")
     np.savez(tmp_path / "emb.npz", emb=np.zeros((3, 32), dtype=np.float32))
     np.save(tmp_path / "words.npy", np.array(["alpha", "beta"]))
-
-
-def train_in_process(monkeypatch, capsys, data_root, out_dir, *args):
-    """train.py run in this process (runpy), as `python train.py` on the tiny det model: (exit code, stdout, stderr).
-    What train.py sets for the process (signal handlers, threads) is put back."""
-    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
-    monkeypatch.setattr(sys, "argv", ["train.py", "--model_type=det", f"--out_dir={out_dir}", *TINY, *args])
-    handlers, threads = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, torch.get_num_threads()
-    capsys.readouterr()
-    try:
-        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES)
@@ -260,6 +251,96 @@ def test_train_mistake_is_one_line_naming_key_and_value_and_changes_nothing(case
                                                                              for n in named])
     assert snapshot(run) == before
     assert not (tmp_path / "fresh" / "ckpt.pt").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2", "two"])
+def test_a_dry_run_under_a_world_size_that_is_no_number_of_processes_is_one_line(world_size, data_root, tmp_path,
+                                                                                   monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, tmp_path / "fresh", "--dry_run=True")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"WORLD_SIZE={world_size!r}",
+                          "--dry_run_world_size")
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """folder made read-only: its mode, and for root (whom modes do not stop) the immutable attribute."""
+    os.chmod(folder, 0o555)
+    immutable = os.geteuid() == 0
+    if immutable and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        os.chmod(folder, 0o755)
+        pytest.skip("root, and chattr +i (which stops root) does not work here")
+    try:
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        os.chmod(folder, 0o755)
+
+
+@pytest.mark.parametrize("fault", ["a file", "read-only"])
+def test_a_checkpoints_folder_that_cannot_be_written_is_one_line_before_any_step(fault, run, data_root, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """A fresh run whose out_dir holds a file named checkpoints, or a run resumed where checkpoints/ is read-only:
+    one line naming the folder, before any step is trained, and nothing there changes."""
+    out_dir, args = (tmp_path / "fresh", []) if fault == "a file" else (run, ["--init_from=resume", "--max_iters=6"])
+    if fault == "a file":
+        write(out_dir / ckpt.CHECKPOINTS, "not a folder")
+    before = snapshot(out_dir)
+    with contextlib.nullcontext() if fault == "a file" else read_only(run / ckpt.CHECKPOINTS):
+        code, out, err = train_in_process(monkeypatch, capsys, data_root, out_dir, *args)
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), str(out_dir / ckpt.CHECKPOINTS), fault)
+    assert snapshot(out_dir) == before
+
+
+@pytest.mark.parametrize("init_from", ["scratch", "auto"])
+def test_records_of_an_earlier_run_whose_checkpoints_were_deleted_are_kept(init_from, run, data_root, monkeypatch,
+                                                                            capsys):
+    """The run's checkpoints deleted by hand, its metrics.jsonl kept: a new run there is refused in one line (the
+    records as they were) unless --overwrite=True replaces them."""
+    shutil.rmtree(run / ckpt.CHECKPOINTS)
+    os.remove(run / "ckpt.pt")
+    before = snapshot(run)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, f"--init_from={init_from}")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), str(run / "metrics.jsonl"), "0 to 4",
+                          "--overwrite=True")
+    assert snapshot(run) == before
+
+
+@pytest.fixture(scope="module")
+def trained_muon(data_root, tmp_path_factory):
+    """A finished tiny det run trained with --optimizer=muon: 4 steps, saved at 0, 2 and 4."""
+    out = tmp_path_factory.mktemp("trained_muon")
+    train_det(data_root, out, *RUN_ARGS, "--optimizer=muon")
+    return out
+
+
+def test_a_muon_run_resumed_with_adamw_is_one_line_and_changes_nothing(trained_muon, data_root, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The reverse of TRAIN_CASES' "resume with another optimizer": not Muon kept without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_muon, run)
+    before = snapshot(run)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=6",
+                                      "--optimizer=adamw")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), "--optimizer=adamw", "optimizer=muon",
+                          "--optimizer=muon")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_muon_run_resumed_under_fsdp_is_one_line_and_changes_nothing(trained_muon, data_root, tmp_path):
+    """--optimizer not given: the check reads the optimizer the save resumes, not the default (a KeyError in the
+    optimizer's load before)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_muon, run)
+    before = snapshot(run)
+    proc = run_script(FORKRUN, "--nproc_per_node=2", "train.py", "--model_type=det", f"--out_dir={run}",
+                      *TINY, "--fsdp=True", "--init_from=resume", "--max_iters=6", "--gradient_accumulation_steps=2",
+                      data_dir=data_root, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "optimizer=muon" in errors[0] and "drop --fsdp" in errors[0]
+    assert "Traceback" not in proc.stderr and snapshot(run) == before
 
 
 @pytest.mark.slow
@@ -292,6 +373,20 @@ def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, d
     proc = train_det(data_root, run, "--init_from=resume", check=False)
     assert_one_line_error(proc, phrase, str(path))
     assert snapshot(run) == before
+
+
+def test_a_save_that_resumes_to_nan_is_named_in_the_line_that_stops_the_run(run, data_root, monkeypatch, capsys):
+    """A whole save (its checksums match) whose weights hold a NaN: every step after the resume is non-finite, and the
+    line that stops the run names that save, not only the learning rate."""
+    folder = run / ckpt.CHECKPOINTS / "iter_0000004"
+    checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
+    checkpoint["model"]["blocks.0.attn.wq.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, folder / "ckpt.pt")
+    ckpt.write_sums(folder, {"ckpt.pt": ckpt.sha256(folder / "ckpt.pt")})
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=8",
+                                      "--max_nonfinite=2")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"since the resume from {folder}",
+                          "blocks.0.attn.wq.weight", "move it aside")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from torch.distributions import Normal, kl_divergence
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import model_det  # noqa: E402
 import model_eve  # noqa: E402
+from conftest import records, train_in_process  # noqa: E402
 
 SMALL = dict(block_size=32, vocab_size=17, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
@@ -662,3 +663,48 @@ def test_update_controllers_runs_on_a_model_cast_to_float64_and_equals_float32s(
     for name in ("mu2_ema", "beta_unit"):
         assert torch.allclose(getattr(double, name).float(), getattr(single, name), rtol=1e-4), name
     assert torch.allclose(double.w_mu.weight.float(), single.w_mu.weight, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a step train.py skips as non-finite
+
+
+def nth_training_call(method, n, replace):
+    """method, wrapped: on the instance's training calls numbered in n (from 1), replace(self, *args) stands in."""
+    def wrapped(self, *args, **kwargs):
+        if self.training:
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls in n:
+                return replace(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.slow
+def test_a_step_skipped_as_non_finite_leaves_no_trace_in_the_controllers(data_root, tmp_path, monkeypatch, capsys):
+    """Step 3's second micro-batch measures NaN (every neuron bank's input NaN there, as a NaN draw would make it):
+    train.py skips the step, and the run then trains exactly as one whose step 3 ran no forward at all (a NaN loss in
+    its place): the same weights, controllers (mu2_ema, beta_unit, ctrl_step; the homeostat rescales after the skip)
+    and optimizer state at the end, bit for bit, and the same records but step 3's."""
+    args = ["--model_type=eve", "--max_iters=6", "--eval_interval=6", "--gradient_accumulation_steps=2",
+            "--homeostat_warmup=1", "--homeostat_every=2"]
+    bank, model = model_eve.VariationalMLP.forward, model_eve.Model.forward
+    runs = {"nan measured": (model_eve.VariationalMLP, "forward", nth_training_call(
+                bank, {8}, lambda self, u, *rest, **kw: bank(self, u * float("nan"), *rest, **kw))),
+            "no forward": (model_eve.Model, "forward", nth_training_call(
+                model, {7, 8}, lambda *_, **__: (None, torch.full((), float("nan"), requires_grad=True), {})))}
+    saved, logged = {}, {}
+    for name, (cls, attr, patched) in runs.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(cls, attr, patched)
+            code, out, err = train_in_process(monkeypatch, capsys, data_root, tmp_path / name, *args)
+        assert code == 0 and "skipped 1" in out, err[-2000:]
+        saved[name] = torch.load(tmp_path / name / "checkpoints" / "iter_0000006" / "ckpt.pt", weights_only=True)
+        logged[name] = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")}
+                        for r in records(tmp_path / name) if r["iter"] != 3]
+    a, b = saved.values()
+    assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.isfinite(v).all() for v in a["model"].values()) and int(a["model"]["ctrl_step"]) == 5
+    state = lambda s: [t for v in s["optimizer"]["state"].values() for t in v.values()]
+    assert len(state(a)) == len(state(b)) > 0 and all(torch.equal(x, y) for x, y in zip(state(a), state(b)))
+    assert logged["nan measured"] == logged["no forward"]

@@ -1,6 +1,8 @@
 """Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
 steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
 
+import hashlib
+import math
 import os
 import random
 import re
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import FORKRUN, KILL_IN_SAVE, TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
-from nanolatent import ckpt, lock
+from nanolatent import ckpt, lock, optim
 
 MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
@@ -170,6 +172,46 @@ def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type,
         run_script("train.py", f"--out_dir={tmp_path / 'part'}", *TINY, *args, "--max_iters=4", data_dir=data_root)
         full.result()
     assert untimed(tmp_path / "part") == untimed(tmp_path / "full")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a resume can change takes effect (docs/training.md's table; what it cannot is refused: tests/test_errors.py)
+
+
+@pytest.mark.slow
+def test_a_resume_takes_its_new_steps_intervals_and_learning_rate_schedule(data_root, tmp_path):
+    out_dir = tmp_path / "run"
+    train_det(data_root, out_dir, "--max_iters=2", "--eval_interval=2")
+    out = train_det(data_root, out_dir, "--init_from=resume", "--max_iters=7", "--eval_interval=3",
+                    "--checkpoint_interval=5", "--keep_checkpoints=1", "--learning_rate=0.002", "--min_lr=0.0001",
+                    "--warmup_iters=1", "--lr_decay_iters=6").stdout
+    assert [r["iter"] for r in records(out_dir) if "val_loss" in r] == [0, 3, 6, 7]
+    assert f"saved checkpoint {out_dir / ckpt.CHECKPOINTS / 'iter_0000005'}" in out
+    cosine = lambda it: 1e-4 + 0.5 * (1 + math.cos(math.pi * (it - 1) / 5)) * (2e-3 - 1e-4) if it < 6 else 1e-4
+    assert [(r["iter"], r["lr"]) for r in records(out_dir) if "lr" in r][2:] == [(it, pytest.approx(cosine(it)))
+                                                                                 for it in range(2, 7)]
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given(data_root, tmp_path):
+    """A Muon run resumed with --muon_lr=0 --weight_decay=0.05 --beta2=0.9: the save's values of these (its groups'
+    lr_scale above all) give way to the ones given. Muon's matrices stay as saved, the rest moves, and the next save
+    holds the new values in its config and its optimizer's groups."""
+    out_dir = tmp_path / "run"
+    args = ["--optimizer=muon", "--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=5"]
+    train_det(data_root, out_dir, *args, "--max_iters=2")
+    train_det(data_root, out_dir, *args, "--max_iters=4", "--init_from=resume", "--muon_lr=0.0", "--weight_decay=0.05",
+              "--beta2=0.9")
+    before, after = (torch.load(out_dir / ckpt.CHECKPOINTS / f"iter_000000{it}" / "ckpt.pt", weights_only=True)
+                     for it in (2, 4))
+    model, _ = ckpt.load_model(out_dir / "ckpt.pt")
+    hidden = {id(p) for p in optim.muon_params(model)}
+    names = {name: id(p) in hidden for name, p in model.named_parameters()}
+    assert sum(names.values()) == 7 * 2 and all(
+        torch.equal(before["model"][name], after["model"][name]) == muon for name, muon in names.items())
+    groups = [*after["optimizer"]["muon"]["param_groups"], *after["optimizer"]["adamw"]["param_groups"]]
+    assert [g["lr_scale"] for g in groups] == [0.0, 1.0, 1.0] and after["config"]["muon_lr"] == 0.0
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.05, 0.0] and tuple(groups[1]["betas"]) == (0.9, 0.9)
 
 
 def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_folders(tmp_path):
@@ -328,6 +370,67 @@ def test_auto_resumes_from_the_newest_whole_save_when_the_newest_is_damaged(dama
     a, b = (torch.load(d / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt", weights_only=True)["model"]
             for d in (out_dir, saved_run[0]))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def overwrite_tensor_bytes(path):
+    """64 bytes of the token embedding's values in a ckpt.pt overwritten with 0xff (NaNs in float32): the file still
+    loads, and only its checksum tells."""
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.load(path, weights_only=True)["model"]["tok_emb.weight"].numpy().tobytes()[:256])
+    assert at > 0
+    data[at:at + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_save_whose_bytes_changed_is_set_aside_each_time_under_a_fresh_name(saved_run, data_root, tmp_path):
+    """The newest save's tensor bytes overwritten, twice (the run resumed from the older save writes iter 4 again):
+    each time it is moved aside (iter_N.unreadable, then iter_N.unreadable2), the newest whole save resumes, saying
+    so, and the run ends as the uninterrupted one did."""
+    out_dir = copy_run(saved_run, tmp_path)
+    newest = out_dir / ckpt.CHECKPOINTS / "iter_0000004"
+    for aside in ("iter_0000004.unreadable", "iter_0000004.unreadable2"):
+        overwrite_tensor_bytes(newest / "ckpt.pt")
+        out = train_det(data_root, out_dir, *saved_run[1]).stdout
+        assert f"resuming from {out_dir / ckpt.CHECKPOINTS / 'iter_0000003'} at iter 3" in out
+        assert f"does not match its checksum in {ckpt.SUMS}" in out and f"moved to {ckpt.CHECKPOINTS}/{aside}," in out
+        assert untimed(out_dir) == untimed(saved_run[0])
+    assert os.path.isdir(f"{newest}.unreadable") and os.path.isdir(f"{newest}.unreadable2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_every_file_of_a_save_has_its_checksum_written_with_it(mode, data_root, tmp_path):
+    """One process, DDP and FSDP (every process's shards, the .metadata and ckpt_meta.pt): SHA256SUMS lists every
+    other file of each save folder with its SHA-256, as hashlib computes it."""
+    out_dir = tmp_path / "run"
+    finish(command(mode, out_dir, *SAVES, "--keep_checkpoints=2", torchrun=False), data_root)
+    for folder in ckpt.saved_steps(out_dir).values():
+        with open(os.path.join(folder, ckpt.SUMS)) as f:
+            listed = dict(reversed(line.split()) for line in f)
+        assert sorted(listed) == sorted(name for name in os.listdir(folder) if name != ckpt.SUMS)
+        for name, digest in listed.items():
+            with open(os.path.join(folder, name), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == digest
+        if mode == "fsdp":
+            assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "ckpt_meta.pt"} <= set(listed)
+
+
+@pytest.mark.slow
+def test_an_fsdp_save_with_a_truncated_shard_is_set_aside_and_the_older_one_resumes(data_root, tmp_path):
+    args = ["--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    finish(command("fsdp", full, *args, "--max_iters=3", torchrun=False), data_root)
+    finish(command("fsdp", part, *args, "--max_iters=2", torchrun=False), data_root)
+    shard = part / ckpt.CHECKPOINTS / "iter_0000002" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    out = finish(command("fsdp", part, *args, "--max_iters=3", torchrun=False), data_root)
+    assert "skipping the save of iter 2: its __1_0.distcp does not match its checksum" in out
+    assert f"resuming from {part / ckpt.CHECKPOINTS / 'iter_0000001'} at iter 1" in out and "Traceback" not in out
+    assert untimed(part) == untimed(full)
+    a, b = newest_weights(part, tmp_path), newest_weights(full, tmp_path)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

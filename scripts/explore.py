@@ -11,16 +11,22 @@ kept), each under a progress line (common.phase). Every number comes from sampli
 evaluate.py call; the server writes no file. A request is a JSON object of the page's fields; the answer streams as
 JSON lines: the tokens so far while a generation runs, then each block of samples or the scores, or one {"error": ...}
 line, which the log also prints. One view computes at a time: a request meanwhile is answered "busy" (503) at once,
-and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
+and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line; up
+to Server.request_queue_size clients at once each get their answer. Ctrl-C ends the server at once, whatever it does.
 """
 
 import http.server
 import json
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
+
+# Ctrl-C, at any moment (torch loading, a run loading, a view computing in its thread): the process ends at once. The
+# server writes no file, so nothing is lost; Python's own exit would abort the process while a thread is inside torch.
+signal.signal(signal.SIGINT, lambda signum, frame: (os.write(sys.stdout.fileno(), b"stopped\n"), os._exit(0)))
 
 import numpy as np
 import torch
@@ -263,6 +269,13 @@ VIEWS = {"/api/groups": view_groups, "/api/minds": view_minds, "/api/uncertainty
 BUSY = "busy: the server computes one view at a time; ask again when the current one is done"
 
 
+class Server(http.server.ThreadingHTTPServer):
+    """Each request in a thread of its own, as http.server's."""
+
+    request_queue_size = 128  # connections waiting to be accepted: a burst of clients beyond it is reset by the OS,
+    # answered by nobody; below it each one gets its answer (the page's, or "busy" at once)
+
+
 class Page(http.server.BaseHTTPRequestHandler):
     """GET / is the page, GET /api/run what it opens with; POST /api/<view> computes a view."""
 
@@ -373,6 +386,8 @@ class Page(http.server.BaseHTTPRequestHandler):
             params = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             common.die("the request is not JSON: the page sends its fields as a JSON object")
+        except ValueError:  # a whole number of more than 4,300 digits, which Python will not read as an int
+            common.die("a number in the request has more than 4,300 digits: the page sends its fields as texts")
         if not isinstance(params, dict):
             common.die("the request is not a JSON object of the view's fields")
         return params
@@ -393,11 +408,8 @@ if __name__ == "__main__":
     _, checkpoint = load({"run": out_dir})
     opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
     try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
+        server = Server(("127.0.0.1", port), Page)
     except OSError as e:
         common.die(f"cannot listen on 127.0.0.1:{port}: {e.strerror or e}; choose another --port (0: any free one)")
     print(f"serving {out_dir} on http://127.0.0.1:{server.server_port} (Ctrl-C stops)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped")
+    server.serve_forever()

@@ -9,7 +9,11 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, run_script, start_script, wait_for_line
+from conftest import ROOT, TINY, run_script, script_env, start_script, wait_for_line
 from nanolatent import tasks
 
 pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
@@ -347,6 +351,70 @@ def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, ru
     while post(server, "uncertainty", **fields)[0] == 503:
         assert time.time() < deadline
         time.sleep(0.2)
+
+
+def test_fifty_clients_at_once_each_get_an_answer(server, runs):
+    host, port = server[0].split(":")
+    body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+    fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
+        received = b""
+        while b'"partial": 0' not in received:  # the server computes: each of the 50 is answered busy
+            received += s.recv(65536)
+        answers = []
+
+        def ask():
+            try:
+                answers.append(post(server, "uncertainty", **fields)[0])
+            except OSError as e:  # a connection reset: no answer at all
+                answers.append(repr(e))
+        clients = [threading.Thread(target=ask) for _ in range(50)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+    assert answers == [503] * 50
+    deadline = time.time() + TIMEOUT
+    while post(server, "uncertainty", **fields)[0] == 503:
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
+def test_a_json_number_of_5000_digits_is_a_400_not_a_500(server, runs):
+    fields = json.dumps(dict(run=str(runs / "free"), text="K>__", passes="2")).encode()
+    body = fields[:-1] + b', "seed": ' + b"9" * 5000 + b"}"  # json.dumps cannot write it: Python's int limit
+    seconds, status, lines = raw(server, headers(server, len(body)) + body)
+    assert status == 400 and len(lines) == 1
+    assert json.loads(lines[0])["error"].startswith("a number in the request has more than 4,300 digits")
+
+
+@pytest.mark.parametrize("moment", ["loading", "idle", "computing"])
+def test_ctrl_c_at_any_moment_ends_the_server_cleanly(runs, data_root, moment):
+    """A process of its own, as a user starts it (a fork of the suite's launcher never runs Python's exit, where a
+    thread inside torch aborted the process)."""
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0"],
+                            cwd=ROOT, env=script_env(data_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        if moment == "loading":  # torch importing or the run loading: before the server listens
+            time.sleep(1)
+        else:
+            url = proc.stdout.readline().split("http://")[1].split()[0]
+        if moment == "computing":
+            body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+            host, port = url.split(":")
+            s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+            s.sendall(headers((url,), len(body)).replace(b"uncertainty", b"groups") + body)
+            received = b""
+            while b'"partial": 0' not in received:
+                received += s.recv(65536)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.endswith("stopped\n"), (proc.returncode, out, err[-2000:])
+    assert "Traceback" not in err and "terminate called" not in err, err[-2000:]
 
 
 def test_only_pages_of_the_server_itself_may_ask_it(server):

@@ -7,6 +7,7 @@ import importlib
 import os
 import re
 import runpy
+import signal
 import sys
 
 import pytest
@@ -33,6 +34,7 @@ def run_help(monkeypatch, capsys, path, *args):
     monkeypatch.setattr(configurator, "apply", recording)
     monkeypatch.setattr(sys, "argv", [path, *args])
     monkeypatch.chdir(ROOT)
+    handler = signal.getsignal(signal.SIGINT)  # the explorer takes Ctrl-C for its own as it starts: given back below
     with pytest.raises(SystemExit) as exit:
         if os.sep in path:
             module = path[:-3].replace(os.sep, ".")
@@ -40,6 +42,7 @@ def run_help(monkeypatch, capsys, path, *args):
             runpy.run_module(module, run_name="__main__")
         else:
             runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+    signal.signal(signal.SIGINT, handler)
     return exit.value.code, capsys.readouterr().out, seen[0] if seen else None
 
 

@@ -92,7 +92,12 @@ stop = set(stop if isinstance(stop, list) else [stop])
 blocks = [("shared", (seed if latent_seed < 0 else latent_seed) + g) for g in range(groups)] if summary else []
 blocks += [(latents, latent_seed)]  # the samples asked for, last
 rows = []
-for how, block_seed in blocks:
+for b, (how, block_seed) in enumerate(blocks):
+    block_seed = seed if block_seed < 0 else block_seed
+    if summary:  # which rows share a draw: the label sample.py's separators alone would not give
+        print(f"# block {b + 1} of {len(blocks)}: " + (f"shared draw {b + 1} (latent seed {block_seed}), one draw for "
+              f"its {num_samples} samples" if how == "shared" else f"a draw each for {num_samples} samples (latent "
+              f"seed {block_seed})") + ", token seed " + str(seed))
     out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=block_seed,
                                   latents=how, prompt_latents=prompt_latents, reference=reference_ids,
                                   temperature=temperature, top_k=top_k, dtype=dtype, onednn=onednn, compile=compile,

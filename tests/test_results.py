@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from conftest import LOCAL_DATA, ROOT, run_script
+from conftest import LOCAL_DATA, ROOT, local_skip, run_script
 from experiments import results, stats
 
 # Student t's 97.5th percentiles, df = 1..10: NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2
@@ -216,9 +216,10 @@ def test_eve_rows_take_their_per_seed_values_from_evaluates_json():
 def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
     """assets/regime_baselines.json against a count made here, on the WritingPrompts sample prepared afresh as
     docs/reproductions.md prepares it, from the offline copy NANOLATENT_LOCAL_DATA points at."""
-    files = [os.path.join(LOCAL_DATA, "writingprompts", f"wp_sample_{split}.jsonl") for split in ("train", "test")]
-    if not all(os.path.exists(f) for f in files):
-        pytest.skip(f"no WritingPrompts sample under NANOLATENT_LOCAL_DATA={LOCAL_DATA} (its README names the files)")
+    names = [f"writingprompts/wp_sample_{split}.jsonl" for split in ("train", "test")]
+    if local_skip(*names):
+        pytest.skip(local_skip(*names))
+    files = [os.path.join(LOCAL_DATA, name) for name in names]
     run_script("prepare.py", "text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",
                "--max_docs=100", "--vocab=used", "--name=wp_sample_cpu", data_dir=tmp_path)
     with open(os.path.join(ROOT, "assets", "regime_baselines.json")) as f:

@@ -81,6 +81,14 @@ def test_sample_shows_its_loading_and_the_first_call_compilation(det_run, data_r
     err = proc.stderr.splitlines()
     for name in (f"loading {det_run}", "compiling the decode step"):
         assert f"{name} ..." in err and any(line.startswith(f"{name}: done in ") for line in err), proc.stderr
+    # a line per new token fed back, block by block, with the samples unchanged
+    summary = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=2", "--max_new_tokens=4",
+                         "--summary=True", "--groups=1", data_dir=data_root, env=EVERY_ITEM)
+    ticks = [line.split(",")[0] + "," + line.split(",")[1] for line in summary.stderr.splitlines() if
+             line.startswith("block ")]
+    assert ticks == [f"block {b} of 2, new tokens: {i}/3 ({i / 3:.0%})" for b in (1, 2) for i in (1, 2, 3)]
+    assert summary.stdout == run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=2",
+                                        "--max_new_tokens=4", "--summary=True", "--groups=1", data_dir=data_root).stdout
     quiet = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=1", "--max_new_tokens=3",
                        data_dir=data_root)  # a log: no variable, no line
     assert "loading" not in quiet.stderr and quiet.stdout.count("---------------") == 1

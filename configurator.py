@@ -85,8 +85,9 @@ def check(key, value, default, source=None):
         return tuple(check(key, v, default[0], source) for v in value) if default else tuple(value)
     if type(value) is not type(default):
         where = f"{key} = {value!r} in config file {source}: " if source else ""
-        common.die(f"{where}--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
-                   f"of type {type(value).__name__}")
+        kind = type(default).__name__
+        common.die(f"{where}--{key} expects {'an' if kind[0] in 'aeiou' else 'a'} {kind} (default {default!r}), got "
+                   f"{value!r} of type {type(value).__name__}")
     return value
 
 
@@ -298,3 +299,12 @@ def require(config, positive=(), non_negative=(), choices=None, within=None):
         below = value < hi if interval[-1] == ")" else value <= hi
         if not (above and below):
             common.die(f"--{key} must lie in {interval}, got {value!r}")
+
+
+if __name__ == "__main__":  # a module the scripts import, with no settings of its own: say so, not nothing
+    told = ("configurator.py is not run directly: each script reads its settings through it, and `python train.py "
+            "--help` (or sample.py, evaluate.py, prepare.py) lists that script's")
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(told)
+    else:
+        common.die(told)

@@ -127,3 +127,34 @@ def test_harness_help_is_lm_evals(monkeypatch, capsys):
     monkeypatch.delitem(registry.model_registry._objs, "nanolatent", raising=False)
     code, out, _ = run_help(monkeypatch, capsys, "scripts/harness.py", "--help")
     assert code == 0 and "--model_args" in out
+
+
+def test_configurator_run_directly_says_it_is_not_and_names_the_scripts_help(monkeypatch, capsys):
+    for args, code in ((["--help"], None), ([], 2)):
+        monkeypatch.setattr(sys, "argv", ["configurator.py", *args])
+        if code is None:
+            runpy.run_path(os.path.join(ROOT, "configurator.py"), run_name="__main__")
+            out = capsys.readouterr().out
+        else:
+            with pytest.raises(SystemExit) as exit:
+                runpy.run_path(os.path.join(ROOT, "configurator.py"), run_name="__main__")
+            assert exit.value.code == code
+            out = capsys.readouterr().err
+        assert out.removeprefix("error: ").startswith("configurator.py is not run directly")
+        assert "python train.py --help" in out
+        assert out.count("\n") == 1
+
+
+def test_harness_help_without_lm_eval_says_what_it_is_and_how_to_get_lm_eval(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed: its import fails
+    monkeypatch.setitem(sys.modules, "lm_eval.models", None)
+    code, out, _ = run_help(monkeypatch, capsys, "scripts/harness.py", "--help")
+    assert code == 0 and out.startswith("EleutherAI's lm-evaluation-harness on nanolatent runs")
+    assert 'pip install "lm_eval[hf]"' in out.splitlines()[-1]
+
+
+def test_a_wrong_type_is_named_with_its_article(capsys):
+    for default, article in ((3, "an int"), (0.5, "a float"), ("x", "a str")):
+        with pytest.raises(SystemExit):
+            configurator.check("k", [1], default)
+        assert f"--k expects {article} (default" in capsys.readouterr().err

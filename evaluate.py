@@ -39,10 +39,11 @@ import re
 from collections import Counter
 from contextlib import nullcontext, suppress
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common, cpu, models, multiple_choice, sampling, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@
 
 import gc
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 
-import configurator
 from nanolatent import ckpt, common, models, sampling, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt

@@ -25,6 +25,8 @@ import sys
 import time
 from contextlib import nullcontext
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -33,7 +35,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import configurator
 from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ Each dataset must be prepared as its study's section in docs/reproductions.md sa
 import json
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from experiments import stats
 from nanolatent import tokendata
 

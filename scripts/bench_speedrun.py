@@ -33,11 +33,12 @@ import sys
 import tempfile
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common
 
 nanogpt = ""  # a nanoGPT checkout (required)

@@ -28,10 +28,11 @@ import time
 # server writes no file, so nothing is lost; Python's own exit would abort the process while a thread is inside torch.
 signal.signal(signal.SIGINT, lambda signum, frame: (os.write(sys.stdout.fileno(), b"stopped\n"), os._exit(0)))
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from nanolatent import ckpt, common, sampling, tasks, tokendata
 
 out_dir = "out"  # the run the page opens with (its folder or a ckpt.pt); the page can name another

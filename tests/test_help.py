@@ -8,6 +8,7 @@ import os
 import re
 import runpy
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -158,3 +159,28 @@ def test_a_wrong_type_is_named_with_its_article(capsys):
         with pytest.raises(SystemExit):
             configurator.check("k", [1], default)
         assert f"--k expects {article} (default" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ENTRY_POINTS)
+def test_a_bare_help_answers_from_the_source_without_loading_torch(monkeypatch, capsys, tmp_path, path):
+    """`python X --help` is answered as X imports configurator, before torch (seconds on a loaded CPU): with a torch
+    that cannot be imported on the path it prints what the in-process --help prints, but for a default that code
+    computes, shown as that code."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not loaded for --help')\n")
+    command = [sys.executable, path] if os.sep not in path else [sys.executable, "-m", path[:-3].replace(os.sep, ".")]
+    proc = subprocess.run([*command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    code, out, namespace = run_help(monkeypatch, capsys, path, "--help")
+    written = configurator.written_settings(os.path.join(ROOT, path))[1]
+    computed = {k for k, v in written.items() if isinstance(v, configurator.Written)}
+    assert {k for k in written if not configurator.constant(k)} == \
+        {k for k in namespace["_config_defaults"] if not configurator.constant(k)}
+    for fast, slow in zip(proc.stdout.splitlines(), out.splitlines(), strict=True):
+        key = re.match(r"--(\w+)=", slow)
+        if key and key[1] in computed:
+            assert fast.startswith(f"--{key[1]}=<{written[key[1]].code}>"), (fast, slow)
+        else:
+            assert fast == slow

@@ -156,6 +156,31 @@ def test_the_explorer_shows_its_start_up_before_it_serves_and_each_model_it_load
         quiet.terminate()
 
 
+def test_the_speedrun_bench_reads_each_arms_step_from_its_log(tmp_path):
+    from scripts import bench_speedrun
+    log = tmp_path / "log"
+    log.write_text("number of parameters: 0.8M\n")
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "--max_iters=2000"]) is None
+    log.write_text("iter 0: loss 4.2, time 90ms\nstep 0: train loss 4.2\niter 17: loss 3.1, time 88ms\n")  # nanoGPT
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "--max_iters=50", "--max_iters=2000"]) == (17, 2000)
+    log.write_text("iter 10/150: loss 2.9 | 80 ms\niter 20/150: loss 2.5 | 81 ms\n")  # ours: the total in the line
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "config/det_speedrun_char.py"]) == (20, 150)
+
+
+@pytest.mark.slow
+def test_the_speedrun_bench_shows_an_arms_step_and_eta_while_it_runs(tmp_path, monkeypatch, capsys):
+    from scripts import bench_speedrun
+    monkeypatch.setenv(common.PROGRESS_ENV, "1")  # a line a second
+    child = "import time\nfor i in range(1, 5):\n    print(f'iter {i}: loss 1.0', flush=True)\n    time.sleep(1)\n"
+    seconds = bench_speedrun.timed_run([sys.executable, "-c", child, "--max_iters=4"], str(tmp_path), dict(os.environ),
+                                       tmp_path / "arm.log")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("-c in ") and ", ETA " in line for line in lines), lines
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in lines]
+    assert steps == sorted(steps) and set(steps) <= {1, 2, 3, 4} and all("/4, " in line for line in lines)
+    assert 4 <= seconds < 30 and open(tmp_path / "arm.log").read().count("iter ") == 4
+
+
 @pytest.mark.slow
 def test_the_suites_quiet_output_names_each_file_as_it_runs():
     """The README's `python -m pytest -q tests` shows where a slow suite is: a line per file with its share done."""

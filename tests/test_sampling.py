@@ -145,4 +145,5 @@ def test_z_effect_is_the_nll_with_the_encoders_z_minus_the_priors_and_exactly_0_
     kl = sampling.posterior_kl_bits(model, ids)
     lines = sampling.z_lines(kl, ignored)
     assert lines[0].startswith(f"Z carries {np.mean(kl):.4f} bits per position, {sum(kl):.2f} bits over the text's 10")
-    assert lines[1] == "no measurable effect of the latents on its NLL (d = 0 exactly at each of the 9 predicted positions)"
+    assert lines[1] == ("no measurable effect of the latents on its NLL (d = 0 exactly at each of the 9 predicted "
+                        "positions)")

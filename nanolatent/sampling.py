@@ -156,7 +156,7 @@ def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullc
     M = 1 if model.latent_kind == "none" else n_passes
 
     def passes():
-        for _ in range(M):
+        for _ in common.progress(range(M), desc="passes over the text"):  # a large model on a long text: not instant
             with autocast:
                 latents = (None if model.latent_kind == "none" else model.posterior_latents(full, generator)
                            if posterior else model.sample_latents(1, generator))

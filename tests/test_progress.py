@@ -55,6 +55,16 @@ def test_a_phase_says_its_name_then_its_time_and_first_call_only_the_first(lines
     assert len(out) == 2 and out[0] == "compiling ..." and out[1].startswith("compiling: done in ")
 
 
+def test_scoring_a_text_shows_its_passes(lines, monkeypatch):
+    import torch
+    from nanolatent import models, sampling
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    model = models.build_model("eve", dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=16, vocab_size=11))
+    scores = sampling.token_uncertainty(model.eval(), [1, 2, 3, 4, 5], 3, torch.Generator().manual_seed(0))
+    assert scores["passes"] == 3 and [line.split(",")[0] for line in lines()] == [
+        "passes over the text: 1/3 (33%)", "passes over the text: 2/3 (67%)", "passes over the text: 3/3 (100%)"]
+
+
 def test_quiet_turns_progress_off_here_and_in_the_processes_started(lines, monkeypatch):
     monkeypatch.setenv(common.PROGRESS_ENV, "0")
     namespace = {"__file__": os.path.join(ROOT, "sample.py"), "num_samples": 4}

@@ -260,7 +260,7 @@ def view_z(params, send):
     yield {"block": 0, "texts": [decode(r) for r in rows], "tokens": [[decode([t]) for t in r] for r in rows],
            "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), model.config.latent_bits),
            "reference_tokens": [decode([t]) for t in reference_ids] if reference else [],
-           "kl_bits": [f"{kl:.3f}" for kl in sampling.posterior_kl_bits(model, reference_ids)] if reference else [],
+           "kl_bits": [f"{v:.3f}" for v in kl] if reference else [],  # the grid's row: the reference's positions
            "kl_mean": sum(kl) / len(kl), "kl_total": sum(kl), "read": "the reference" if reference else "sample 0",
            "lines": sampling.z_lines(kl, effect),
            "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args,

@@ -15,6 +15,9 @@ the chosen model's Config dataclass (n_layer, sigma, kappa_bits, ...) are accept
 --help (or -h) prints the script's docstring and every default with its comments, read from the script's source, and
 exits 0; with --model_type=X, model_X.py's Config fields too. --quiet turns off the progress lines (common.progress) of
 the script and of the processes it starts.
+
+This module loads no torch: a script imports it first, and a bare `--help` is answered at that import, from the
+script's source alone (a default that code computes is shown as its code), before torch takes seconds to load.
 """
 
 import ast
@@ -27,26 +30,30 @@ import sys
 import tokenize
 import types
 
-from nanolatent import common, models
-
 TYPES = (int, float, bool, str, tuple)  # what a default may be
+
+
+def die(message):
+    """common.die, imported at the first error only: this module loads no torch (see the docstring)."""
+    from nanolatent import common
+    common.die(message)
 
 
 def read_config_file(path):
     """Top-level assignments of a Python config file, one line on stderr for anything wrong with it."""
     if not os.path.isfile(path):
-        common.die(f"config file {path!r} {'is a directory' if os.path.isdir(path) else 'not found'} (arguments are "
+        die(f"config file {path!r} {'is a directory' if os.path.isdir(path) else 'not found'} (arguments are "
                    f"config files ending in .py, or --key=value)")
     namespace = {}
     try:
         with open(path) as f:
             exec(compile(f.read(), path, "exec"), namespace)
     except SyntaxError as e:
-        common.die(f"config file {path} line {e.lineno}: {e.msg}")
+        die(f"config file {path} line {e.lineno}: {e.msg}")
     except SystemExit as e:  # an exit would end the run there, silently, with the exit's code
-        common.die(f"config file {path} called sys.exit({e.code!r}): a config file only assigns values")
+        die(f"config file {path} called sys.exit({e.code!r}): a config file only assigns values")
     except Exception as e:
-        common.die(f"config file {path} failed: {type(e).__name__}: {e}")
+        die(f"config file {path} failed: {type(e).__name__}: {e}")
     # every value it assigns, checked as --key=value is (a dict, torch.bfloat16: refused, never dropped); what it
     # imports or defines to compute them is not a value
     return {k: v for k, v in namespace.items() if not k.startswith("_")
@@ -86,8 +93,9 @@ def check(key, value, default, source=None):
         return tuple(check(key, v, default[0], source) for v in value) if default else tuple(value)
     if type(value) is not type(default):
         where = f"{key} = {value!r} in config file {source}: " if source else ""
-        common.die(f"{where}--{key} expects a {type(default).__name__} (default {default!r}), got {value!r} "
-                   f"of type {type(value).__name__}")
+        kind = type(default).__name__
+        die(f"{where}--{key} expects {'an' if kind[0] in 'aeiou' else 'a'} {kind} (default {default!r}), got "
+                   f"{value!r} of type {type(value).__name__}")
     return value
 
 
@@ -101,7 +109,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
         if arg.startswith("--"):
             key, sep, text = arg[2:].partition("=")
             if not sep:
-                common.die(f"argument {arg!r} has no value: write --{key}=VALUE")
+                die(f"argument {arg!r} has no value: write --{key}=VALUE")
             cli_texts[key] = text
         elif arg.endswith(".py") or positional is None:
             values = read_config_file(arg)
@@ -114,7 +122,7 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
     values = dict(defaults)
     if positional is not None and free:
         if isinstance(defaults[positional], str) and len(free) > 1:
-            common.die(f"one {positional} at a time, got {' '.join(free)}")
+            die(f"one {positional} at a time, got {' '.join(free)}")
         values[positional] = tuple(free) if isinstance(defaults[positional], tuple) else free[0]
     for key, value in file_values.items():
         if key in defaults:
@@ -131,15 +139,25 @@ def configure(defaults, argv, model_fields=None, positional=None, given=None):
             close = difflib.get_close_matches(key, list(defaults) + list(fields), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             where = f" (set in config file {sources[key]})" if key in sources and key not in cli_texts else ""
-            common.die(f"unknown config key {key!r}{where}{hint}; known keys: {', '.join(sorted(defaults))}"
+            die(f"unknown config key {key!r}{where}{hint}; known keys: {', '.join(sorted(defaults))}"
                        + (f", and the model's Config fields: {', '.join(sorted(fields))}" if fields else ""))
         model_values[key] = (parse(key, cli_texts[key], fields[key]) if key in cli_texts
                              else check(key, file_values[key], fields[key], sources[key]))
     return values, model_values
 
 
+class Written:
+    """A default that code computes (device = "cuda" if torch.cuda.is_available() else "cpu"), as the source writes it:
+    what a --help answered before the script ran shows."""
+
+    def __init__(self, code):
+        self.code = code
+
+
 def shown(value):
     """A default as --key= takes it back: words as written, a tuple comma-separated, anything else as a literal."""
+    if isinstance(value, Written):
+        return f"<{value.code}>"
     if value == ():
         return "()"
     if isinstance(value, tuple):
@@ -218,36 +236,94 @@ def constant(key):
     return key.isupper() and len(key) > 1
 
 
-def usage(namespace, argv, positional):
+def model_types():
+    """models.MODEL_TYPES, read from nanolatent/models.py's source (importing it loads torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanolatent", "models.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "MODEL_TYPES" for t in node.targets))
+
+
+def usage(path, doc, defaults, argv, positional):
     """--help: the script's docstring, then its settings; with --model_type=X (or a config file setting it), the
     fields of model_X.py's Config."""
-    path = namespace["__file__"]
     root = os.path.dirname(os.path.abspath(__file__))
     relative = os.path.relpath(os.path.abspath(path), root)
     command = (f"python {relative}" if os.sep not in relative
                else f"python -m {relative[:-3].replace(os.sep, '.')}")
     free = f" [{positional}]" if positional else ""
     out = [f"usage: {command}{free} [config.py ...] [--key=value ...] [--quiet] [--help]", ""]
-    doc = namespace.get("__doc__")
     if doc:
         out += [doc.strip(), ""]
     out += ["settings (--key=default  # what it is), as the script groups them:", ""]
-    out += settings(path, {k: v for k, v in namespace["_config_defaults"].items() if not constant(k)})
+    out += settings(path, {k: v for k, v in defaults.items() if not constant(k)})
     model_type = ""
     for arg in argv:
         if arg.startswith("--model_type="):
             model_type = arg.partition("=")[2]
-        elif arg.endswith(".py") and os.path.isfile(arg) and "model_type" in namespace["_config_defaults"]:
+        elif arg.endswith(".py") and os.path.isfile(arg) and "model_type" in defaults:
             model_type = read_config_file(arg).get("model_type", model_type)
     if model_type:
+        from nanolatent import models
         module = models.import_model(model_type)
         fields = {f.name: f.default for f in dataclasses.fields(module.Config) if f.init}
         out += ["", f"model_{model_type}.py's Config fields, set like the settings above (--{next(iter(fields))}=...):",
                 ""]
         out += settings(module.__file__, fields, scope="Config")
-    elif "model_type" in namespace["_config_defaults"]:
-        out += ["", f"--model_type=X --help also lists model_X.py's Config fields (X: {', '.join(models.MODEL_TYPES)})"]
+    elif "model_type" in defaults:
+        out += ["", f"--model_type=X --help also lists model_X.py's Config fields (X: {', '.join(model_types())})"]
     return "\n".join(out)
+
+
+def written_settings(path):
+    """What --help needs of a script, from its source without running it: (docstring, {key: default} of the names it
+    assigns above its configurator.apply(globals(), ...) call, the call's positional) or None where it makes no such
+    call. A default is its literal, or Written where code computes it."""
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    call = next((node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) ==
+                 "configurator.apply" and node.args and ast.unparse(node.args[0]) == "globals()"), None)
+    if call is None:
+        return None
+    positional = next((ast.literal_eval(k.value) for k in call.keywords if k.arg == "positional"), None)
+    defaults, stack = {}, [node for node in tree.body if node.lineno < call.lineno]
+    while stack:  # in the file's order, into `if __name__ == "__main__":` and the like, never into a function
+        node = stack.pop(0)
+        if isinstance(node, (ast.If, ast.With, ast.Try)):
+            stack[:0] = [n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt) and n.lineno < call.lineno]
+            continue
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = ([(target, node.value)] if isinstance(target, ast.Name) else
+                     list(zip(target.elts, node.value.elts)) if isinstance(target, ast.Tuple) and
+                     isinstance(node.value, ast.Tuple) else [])
+            for name, value in pairs:
+                if not isinstance(name, ast.Name) or name.id.startswith("_") or name.id != name.id.lower():
+                    continue  # private, or an upper-case constant: not a setting (apply's rule)
+                try:
+                    default = ast.literal_eval(value)
+                except ValueError:
+                    default = Written(ast.get_source_segment(source, value))
+                if isinstance(default, (*TYPES, Written)):
+                    defaults[name.id] = default
+    return ast.get_docstring(tree, clean=False), defaults, positional
+
+
+def answer_help_first():
+    """`python script.py --help` (or -h) alone: its usage from the script's source, and exit, at this module's import
+    by the script (its first import), so that torch is never loaded for it."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if sys.argv[1:] not in (["--help"], ["-h"]) or not path or not path.endswith(".py") or not os.path.isfile(path):
+        return
+    written = written_settings(path)
+    if written is not None:
+        doc, defaults, positional = written
+        print(usage(path, doc, defaults, [], positional))
+        raise SystemExit(0)
 
 
 def apply(namespace, argv=None, model_fields=None, positional=None):
@@ -262,9 +338,10 @@ def apply(namespace, argv=None, model_fields=None, positional=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--quiet" in argv:  # no progress lines, in this process and in those it starts (they inherit the variable)
         argv = [arg for arg in argv if arg != "--quiet"]
+        from nanolatent import common
         os.environ[common.PROGRESS_ENV] = "off"
     if "--help" in argv or "-h" in argv:
-        print(usage(namespace, argv, positional))
+        print(usage(namespace["__file__"], namespace.get("__doc__"), defaults, argv, positional))
         raise SystemExit(0)
     namespace["_config_given"] = set()
     config, model_values = configure(defaults, argv, model_fields, positional, namespace["_config_given"])
@@ -283,22 +360,34 @@ def require(config, positive=(), non_negative=(), choices=None, within=None):
     written as in mathematics, "[0, 1)" or "(0, 1]"."""
     for key, value in config.items():
         if isinstance(value, float) and math.isnan(value):
-            common.die(f"--{key} is nan: give a number")
+            die(f"--{key} is nan: give a number")
         if isinstance(value, int) and abs(value) >= 2**63:  # 10**400 in a config file: no tensor or float holds it
-            common.die(f"--{key} is a number of {value.bit_length()} bits: give one below 2**63")
+            die(f"--{key} is a number of {value.bit_length()} bits: give one below 2**63")
     for key in positive:
         if not config[key] > 0 or config[key] == math.inf:
-            common.die(f"--{key} must be > 0, got {config[key]!r}")
+            die(f"--{key} must be > 0, got {config[key]!r}")
     for key in non_negative:
         if not config[key] >= 0 or config[key] == math.inf:
-            common.die(f"--{key} must be >= 0, got {config[key]!r}")
+            die(f"--{key} must be >= 0, got {config[key]!r}")
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
-            common.die(f"--{key} must be one of {', '.join(map(str, allowed))}, got {config[key]!r}")
+            die(f"--{key} must be one of {', '.join(map(str, allowed))}, got {config[key]!r}")
     for key, interval in (within or {}).items():
         lo, hi = (float(x) for x in interval[1:-1].split(","))
         value = config[key]
         above = value > lo if interval[0] == "(" else value >= lo
         below = value < hi if interval[-1] == ")" else value <= hi
         if not (above and below):
-            common.die(f"--{key} must lie in {interval}, got {value!r}")
+            die(f"--{key} must lie in {interval}, got {value!r}")
+
+
+answer_help_first()
+
+if __name__ == "__main__":  # a module the scripts import, with no settings of its own: say so, not nothing
+    told = ("configurator.py is not run directly: each script reads its settings through it, and `python train.py "
+            "--help` (or sample.py, evaluate.py, prepare.py) lists that script's")
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(told)
+    else:
+        die(told)
+

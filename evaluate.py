@@ -39,10 +39,11 @@ import re
 from collections import Counter
 from contextlib import nullcontext, suppress
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common, cpu, metrics, models, multiple_choice, sampling, speedups, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -388,6 +389,9 @@ def run_tokens(checkpoints):
             with autocast:
                 values["top"] = sampling.top_predictions(model, ids, mc_samples, torch.Generator(device).manual_seed(
                     seed), decode, top_tokens, dtype)
+        if model.latent_kind == "code":  # what Z carries about the text and changes in it (the explorer's Z view)
+            values["kl_bits"] = sampling.posterior_kl_bits(model, ids)
+            values["z_effect_bits"] = sampling.z_effect_bits(model, ids, mc_samples, seed, autocast, dtype)
         results[path] = {"tokens": [decode([t]) for t in ids[1:]], **values}
     return {"text": body, "mc_samples": mc_samples}, results
 
@@ -401,6 +405,8 @@ def print_tokens(results):
         for i, token in enumerate(r["tokens"]):
             print(f"{token!r:>8}  " + "  ".join(f"{r[k][i]:16.6f}" for k in keys))
         print(f"{'mean':>8}  " + "  ".join(f"{sum(r[k]) / len(r[k]):16.6f}" for k in keys))
+        if "kl_bits" in r:
+            print("\n".join(sampling.z_lines(r["kl_bits"], r["z_effect_bits"])))
 
 
 def print_table(results):

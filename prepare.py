@@ -21,9 +21,10 @@ import os
 import sys
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from nanolatent import common, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@
 
 import gc
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 
-import configurator
 from nanolatent import ckpt, common, models, sampling, speedups, tokendata
 
 out_dir = "out"  # the run to sample from: its folder, or the path of any ckpt.pt
@@ -95,11 +96,21 @@ stop = set(stop if isinstance(stop, list) else [stop])
 blocks = [("shared", (seed if latent_seed < 0 else latent_seed) + g) for g in range(groups)] if summary else []
 blocks += [(latents, latent_seed)]  # the samples asked for, last
 rows = []
-for how, block_seed in blocks:
+for b, (how, block_seed) in enumerate(blocks):
+    block_seed = seed if block_seed < 0 else block_seed
+    if summary:  # which rows share a draw: the label sample.py's separators alone would not give
+        print(f"# block {b + 1} of {len(blocks)}: " + (f"shared draw {b + 1} (latent seed {block_seed}), one draw for "
+              f"its {num_samples} samples" if how == "shared" else f"a draw each for {num_samples} samples (latent "
+              f"seed {block_seed})") + ", token seed " + str(seed))
+    # a line per new token where progress lines are on (a long generation is otherwise a silent minute)
+    ticks = common.progress(range(max_new_tokens - 1), desc=f"block {b + 1} of {len(blocks)}, new tokens")
+    on_token = (lambda _: next(ticks, None)) if common.progress_every() is not None else None
     out, pinned = sampling.sample(model, encode(start), num_samples, max_new_tokens, seed=seed, latent_seed=block_seed,
                                   latents=how, prompt_latents=prompt_latents, reference=reference_ids,
                                   temperature=temperature, top_k=top_k, dtype=dtype, compile=compile,
-                                  pin=pin_mind, codes=codes)
+                                  pin=pin_mind, codes=codes, on_token=on_token)
+    for _ in ticks if on_token else ():  # the generator's last line: the last token is not fed back
+        pass
     rows.append(out.tolist())
     for i, row in enumerate(rows[-1]):
         end = next((t + 1 for t in range(out.size(1) - max_new_tokens, len(row)) if row[t] in stop), len(row))

@@ -25,12 +25,13 @@ import sys
 import time
 from contextlib import nullcontext
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-import configurator
 from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, speedups, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------

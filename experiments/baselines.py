@@ -13,9 +13,10 @@ docs/free_text.md (shakespeare_char) says."""
 import json
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from experiments import stats
 from nanolatent import tokendata
 

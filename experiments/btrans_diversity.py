@@ -16,10 +16,11 @@ det sweep traces diversity against NLL; each B-Trans row is compared with the de
 import json
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common, tokendata
 from nanolatent.metrics import distinct_n, pairwise_distance

@@ -34,10 +34,11 @@ import os
 import re
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from experiments import stats, study
 from nanolatent import ckpt, common, cpu, metrics, speedups, tokendata
 

@@ -22,10 +22,11 @@ resamples the problems, experiments/results.py), goes to `json_out`, the curves 
 import json
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common, grpo, metrics, tasks, tokendata
 

@@ -42,11 +42,12 @@ import json
 import os
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common, cpu, metrics, multiple_choice, speedups, tasks, tokendata
 

@@ -19,11 +19,12 @@ import itertools
 import json
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common, tokendata
 
 out_dir = "out-smollm2"

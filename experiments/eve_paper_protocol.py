@@ -33,9 +33,10 @@ import os
 import subprocess
 import sys
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from experiments import smollm2_embedding
 from experiments import study
 from nanolatent import ckpt, common, records, tokendata

@@ -29,6 +29,8 @@ import platform
 import sys
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -262,7 +264,6 @@ def plot(record):
 
 
 if __name__ == "__main__":
-    import configurator
     configurator.apply(globals())
     configurator.require(globals(), positive=("seq_len", "mc_samples", "batch_size", "ood_docs"),
                          choices={"kernels": speedups.KERNELS})

@@ -23,10 +23,11 @@ import json
 import math
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common, models, records, tokendata
 from nanolatent.tasks import letters_answer

@@ -39,10 +39,11 @@ import re
 import subprocess
 import sys
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common, metrics, models, tokendata
 

@@ -17,9 +17,10 @@ import json
 import os
 import re
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from experiments import stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

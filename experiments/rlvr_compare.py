@@ -33,9 +33,10 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from experiments import study
 from nanolatent import ckpt, common
 from nanolatent.records import read_records

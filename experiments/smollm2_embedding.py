@@ -16,9 +16,10 @@ model's norm gains reach only slowly (experiments/eve_paper_protocol.py says how
 import importlib.util
 import os
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 
-import configurator
 from nanolatent import common, tokendata
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its token_embd.weight is stored as Q8_0

@@ -110,22 +110,26 @@ def posterior_kl_bits(model, ids):
 
 
 @torch.no_grad()
-def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), dtype="float32"):
+def token_uncertainty(model, ids, n_passes, generator, autocast=contextlib.nullcontext(), dtype="float32",
+                      posterior=False):
     """Each predicted token of one text (ids[1:] given what precedes it), over M = n_passes passes with fresh
     latents (det: one pass): nll -log p̄(y), entropy H(p̄), expected_entropy mean_m H(p_m) (aleatoric) and mi
-    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats (metrics.pass_statistics)."""
+    H(p̄) - mean_m H(p_m) (epistemic), in nats, as lists of floats (metrics.pass_statistics). posterior (Free): each
+    pass's Z drawn from the encoder reading the whole text, not from the prior."""
     device = model.tok_emb.weight.device
     check_length(ids[:-1], model.config.block_size, "the text", " (its last token is only predicted); shorten it")
     if len(ids) < 2:
         common.die("the text has fewer than 2 tokens: nothing to predict (the first token is the context)")
     x = torch.tensor([ids[:-1]], dtype=torch.long, device=device)  # (1, T)
     y = torch.tensor(ids[1:], dtype=torch.long, device=device)  # (T,)
+    full = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T + 1): what the encoder reads
     M = 1 if model.latent_kind == "none" else n_passes
 
     def passes():
-        for _ in range(M):
+        for _ in common.progress(range(M), desc="passes over the text"):  # a large model on a long text: not instant
             with autocast:
-                latents = None if model.latent_kind == "none" else model.sample_latents(1, generator)
+                latents = (None if model.latent_kind == "none" else model.posterior_latents(full, generator)
+                           if posterior else model.sample_latents(1, generator))
                 logits = model(x, y[None], latents=latents)[0][0]  # (T, V): targets ask for every position
             yield F.log_softmax(logits.float(), dim=-1)  # (T, V)
 
@@ -155,6 +159,66 @@ def top_predictions(model, ids, n_passes, generator, decode, k=5, dtype="float32
     spread = passes.std(dim=1, unbiased=False)  # (T, k)
     return [{"tokens": [decode([t]) for t in top[t].tolist()], "mean": mean[t].tolist(), "passes": passes[t].tolist(),
              "spread": spread[t].tolist()} for t in range(x.size(1))]
+
+
+@torch.no_grad()
+def minds_nll(model, ids, minds):
+    """Each mind's NLL per token of one text (ids[1:] given what precedes them): the same text and no token draw for
+    every mind, so the spread is the minds' own (exactly 0 when they are one model, as at σ = 0). minds: the
+    (K, n_norms, C) latents of sample()'s K minds. -> [float] K, in nats, one forward a mind."""
+    x = torch.tensor([ids[:-1]], dtype=torch.long, device=model.tok_emb.weight.device)  # (1, T)
+    y = torch.tensor([ids[1:]], dtype=torch.long, device=x.device)  # (1, T)
+    return [F.cross_entropy(model(x, y, latents=mind[None])[0][0].float(), y[0]).item() for mind in minds]
+
+
+def minds_line(nll, sigma):
+    """The Minds view's headline: the spread of minds_nll, or that the minds are one model."""
+    if max(nll) == min(nll):
+        return (f"the minds are one model at σ = {sigma:g}: each of the {len(nll)} gives this text the same NLL, "
+                f"{nll[0]:.4f} nats per token" + ("" if sigma == 0 else " (this σ changes no prediction)"))
+    return (f"the {len(nll)} minds on one text: NLL std {np.std(nll):.4f}, range {max(nll) - min(nll):.4f} nats per "
+            f"token (mean {np.mean(nll):.4f})")
+
+
+def z_effect_bits(model, ids, n_passes, seed, autocast=contextlib.nullcontext(), dtype="float32"):
+    """What the Free Transformer's Z does to one text, position by position, in bits: its NLL with Z drawn from the
+    encoder reading the text minus its NLL with Z from the uniform prior, each over n_passes draws as evaluate.py
+    --task=tokens draws them (seeded by seed); 0 at every position for a decoder that ignores Z. -> [float] T - 1"""
+    device, nll = model.tok_emb.weight.device, {}
+    for posterior in (False, True):
+        torch.manual_seed(seed)
+        nll[posterior] = token_uncertainty(model, ids, n_passes, torch.Generator(device).manual_seed(seed), autocast,
+                                           dtype, posterior)["nll"]
+    return [(q - p) / math.log(2) for p, q in zip(nll[False], nll[True])]
+
+
+def interval(values, resamples=2000, seed=0):
+    """The mean of values (one per position) and its 95% percentile bootstrap interval over them: (d, lo, hi)."""
+    v = np.asarray(values, float)
+    means = v[np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))].mean(1)  # (resamples,)
+    return float(v.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def verdict(what, values, over, unit="", how=""):
+    """One line: whether the latents change `what` (values: its change at each of `over`, measured as `how` says), by
+    the mean change and its 95% interval, or no measurable effect where the interval holds 0, bounded by its wider
+    end; no effect at all where every change is exactly 0."""
+    d, lo, hi = interval(values)
+    where = f"{how + '; ' if how else ''}95% bootstrap interval over {len(values)} {over}"
+    if not np.any(values):
+        return f"no measurable effect of the latents on {what} (d = 0 exactly at each of the {len(values)} {over})"
+    if lo > 0 or hi < 0:
+        return f"the latents change {what} by {d:+.4f} [{lo:+.4f}, {hi:+.4f}]{unit} ({where})"
+    return f"no measurable effect of the latents on {what} (|d| <= {max(-lo, hi):.4f}{unit}; {where})"
+
+
+def z_lines(kl_bits, effect_bits):
+    """The Z view's headline and verdict, as evaluate.py --task=tokens prints them for a Free run: the encoder's KL
+    from the prior per position and in total (what Z can carry about the text), then what Z changes in its NLL."""
+    return [f"Z carries {np.mean(kl_bits):.4f} bits per position, {sum(kl_bits):.2f} bits over the text's "
+            f"{len(kl_bits)} positions (KL of the encoder reading it from the uniform prior)",
+            verdict("its NLL", effect_bits, "predicted positions", " bits per token",
+                    "Z from the encoder reading the text, minus Z from the prior")]
 
 
 def agreement(rows):
@@ -201,7 +265,8 @@ def group_summary(shared, independent, prompt_length, decode, dataset=None):
 
 
 def summary_lines(s):
-    """group_summary as sample.py --summary prints it and the explorer shows it, line for line."""
+    """group_summary as sample.py --summary prints it and the explorer shows it, line for line, ending in the
+    verdict on the agreement of pairs."""
     per = lambda values: " ".join(f"{v:.2f}" for v in values) or "none: K = 1 makes no pairs"
     f = lambda value, digits: "n/a" if value is None else f"{value:.{digits}f}"
     lines = [f"agreement of pairs sharing a draw: {f(s['within_mean'], 4)} (mean over {s['groups']} groups of "
@@ -214,4 +279,9 @@ def summary_lines(s):
     if s["identical"]:
         lines.append("warning: every group is identical to the samples with a draw each: the latents change "
                      "nothing in this run")
+    if s["within"]:
+        lines.append(verdict("the agreement of pairs", np.subtract(s["within"], s["across"]), "new positions",
+                             how="pairs sharing a draw, minus pairs with a draw each"))
+    else:
+        lines.append("no verdict: K = 1 makes no pairs to agree")
     return lines

@@ -38,9 +38,10 @@ import subprocess
 import sys
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 
-import configurator
 from nanolatent import common, cpu, eve_bank, models as model_files, speedups
 
 models = "det,btrans,eve,free"

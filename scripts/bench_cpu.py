@@ -35,10 +35,11 @@ import sys
 import tempfile
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
 
 linears = False  # the three products of det's Linears in a training step, torch's GEMM against oneDNN

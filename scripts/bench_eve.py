@@ -15,10 +15,11 @@ import subprocess
 import sys
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 import torch.nn.functional as F
 
-import configurator
 import model_det
 import model_eve
 from nanolatent import cpu, eve_bank

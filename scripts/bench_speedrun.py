@@ -33,11 +33,12 @@ import sys
 import tempfile
 import time
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import configurator
 from nanolatent import ckpt, common
 
 nanogpt = ""  # a nanoGPT checkout (required)
@@ -121,13 +122,36 @@ def ours_loss(run_dir, x, y):
     return whole_split_loss(lambda a, b: model(a, b)[0], x, y)
 
 
+def logged_step(log, cmd):
+    """(the last step a training log printed, the run's steps) from its 'iter N' lines (ours print 'iter N/M'; the
+    total is otherwise the command's last --max_iters), or None before the first."""
+    with open(log, errors="replace") as f:
+        found = re.findall(r"^iter (\d+)(?:/(\d+))?", f.read(), re.M)
+    given = [int(a.split("=")[1]) for a in cmd if a.startswith("--max_iters=")]
+    if not found or not (found[-1][1] or given):
+        return None
+    return int(found[-1][0]), int(found[-1][1] or given[-1])
+
+
 def timed_run(cmd, cwd, env, log):
     """Seconds the process ran, from its start to its exit; its output goes to `log`. The load average over the
-    last minute is printed before it starts: a shared machine's."""
+    last minute is printed before it starts: a shared machine's. Meanwhile, where progress lines are on
+    (common.progress_every), the step the log has reached and an ETA, every few seconds: an arm takes minutes."""
     print(f"load average {os.getloadavg()[0]:.2f}: {' '.join(cmd[1:3])} ...", flush=True)
+    every = common.progress_every()
+    every = None if every is None else 5.0 if every == "bar" else max(every, 1.0)  # a line, not a bar, in seconds
     with open(log, "w") as f:
         t0 = time.perf_counter()
-        code = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                code = proc.wait(timeout=every)  # its exit ends the wait at once: the time stays exact
+                break
+            except subprocess.TimeoutExpired:
+                elapsed, step = time.perf_counter() - t0, logged_step(log, cmd)
+                if step and step[0]:
+                    print(f"{cmd[1]} in {os.path.basename(cwd)}: step {step[0]}/{step[1]}, {elapsed:.0f} s elapsed, "
+                          f"ETA {elapsed / step[0] * (step[1] - step[0]):.0f} s", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - t0
     if code:
         common.die(f"{' '.join(cmd)} (in {cwd}) failed with exit code {code}: see {log}")

@@ -31,9 +31,10 @@ import json
 import os
 import shutil
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import torch
 
-import configurator
 from nanolatent import ckpt, common, llama, lock, models, tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)

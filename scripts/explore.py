@@ -11,21 +11,28 @@ kept), each under a progress line (common.phase). Every number comes from sampli
 evaluate.py call; the server writes no file. A request is a JSON object of the page's fields; the answer streams as
 JSON lines: the tokens so far while a generation runs, then each block of samples or the scores, or one {"error": ...}
 line, which the log also prints. One view computes at a time: a request meanwhile is answered "busy" (503) at once,
-and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line.
+and a request that is malformed or not sent whole within READ_TIMEOUT seconds is answered 400, both in one line; up
+to Server.request_queue_size clients at once each get their answer. Ctrl-C ends the server at once, whatever it does.
 """
 
 import http.server
 import json
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
 
+# Ctrl-C, at any moment (torch loading, a run loading, a view computing in its thread): the process ends at once. The
+# server writes no file, so nothing is lost; Python's own exit would abort the process while a thread is inside torch.
+signal.signal(signal.SIGINT, lambda signum, frame: (os.write(sys.stdout.fileno(), b"stopped\n"), os._exit(0)))
+
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from nanolatent import ckpt, common, metrics, sampling, tasks, tokendata
 
 out_dir = "out"  # the run the page opens with (its folder or a ckpt.pt); the page can name another
@@ -35,6 +42,7 @@ stream_every = 0.2  # seconds between two lines of a generation's tokens so far 
 # ----------------------------------------------------------------------------------------------------------------
 configurator.apply(globals())
 MAX_SAMPLES, MAX_GROUPS, MAX_PASSES = 64, 16, 64  # per request: a page answers in seconds, not hours
+Z_PASSES = 8  # Z's verdict: draws of Z from the encoder and from the prior, each (evaluate.py's --mc_samples)
 TOP_TOKENS = 5  # Uncertainty's panel: the most likely tokens of p̄ at a position, with each pass's probability of them
 READ_TIMEOUT = 3  # seconds a client may take to send its request: a body shorter than its Content-Length ends there
 SHOWN = 40  # characters of a bad value an error echoes (a 5,000-digit seed is not echoed whole)
@@ -166,9 +174,10 @@ def view_groups(params, send):
 
 
 def view_minds(params, send):
-    """K B-Trans minds for one prompt (a det run loads as B-Trans), each one's NLL per token under the mean model
-    (noise_mode='mean': mu, no eps) and its answer where the dataset has one; beside each, the mean model's text with
-    the same token draws (σ = 0), so what differs is the mind's. pin: every sample with that one mind's draw."""
+    """K B-Trans minds for one prompt (a det run loads as B-Trans), each one's answer where the dataset has one and
+    its NLL per token of one text, the mean model's first row (noise_mode='mean': mu, no eps), so that the NLLs
+    differ by the minds alone; beside each mind's text, the mean model's with the same token draws (σ = 0), so what
+    differs is the mind's. pin: every sample with that one mind's draw."""
     _, checkpoint = load(params)
     if checkpoint["model_type"] not in ("det", "btrans"):
         common.die(f"Minds shows B-Trans minds, from a det or btrans run; {params['run']} is "
@@ -182,30 +191,25 @@ def view_minds(params, send):
     gen = generation(params, model)
     ids = prompt_ids(model, encode, params, gen["max_new_tokens"])
     yield {"model_type": checkpoint["model_type"], "latent_kind": model.latent_kind, "blocks": 1}
-    out, _ = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids), pin=pin,
-                             **gen)
+    out, minds = sampling.sample(model, ids, k, latents="independent", on_token=streamed(send, decode, 0, ids),
+                                 pin=pin, **gen)
     mean_out, _ = sampling.sample(mean_net, ids, k, latents="independent", **gen)
     rows, mean_rows = out.tolist(), mean_out.tolist()
     texts = [decode(r) for r in rows]
     answer = ANSWER_PARSERS.get(checkpoint.get("config", {}).get("dataset"))
     answers = [answer(decode(r[len(ids):])) if answer else None for r in rows]
-    nll = []
-    for row in rows:
-        torch.manual_seed(gen["seed"])
-        scores = sampling.token_uncertainty(mean_net, row, 1, torch.Generator(device).manual_seed(gen["seed"]))
-        nll.append(sum(scores["nll"]) / len(scores["nll"]))
+    nll = sampling.minds_nll(model, mean_rows[0], minds)  # one text for all: the mean model's first row
     pinned = {"pin_mind": pin} if pin >= 0 else {}
     yield {"block": 0, "texts": texts, "tokens": [[decode([t]) for t in r] for r in rows], "prompt_tokens": len(ids),
            "mean_texts": [decode(r) for r in mean_rows], "mean_tokens": [[decode([t]) for t in r] for r in mean_rows],
            "differ": [sum(a != b for a, b in zip(r, m)) for r, m in zip(rows, mean_rows)], "pin": pin, "nll": nll,
-           "nll_std": float(np.std(nll)), "nll_range": max(nll) - min(nll), "answers": answers,
+           "nll_text": decode(mean_rows[0]), "nll_std": float(np.std(nll)), "nll_range": max(nll) - min(nll),
+           "headline": sampling.minds_line(nll, sigma), "answers": answers,
            "majority": metrics.majority_answer(answers) if answer else None,
            "command": command("sample.py", params, model_type="btrans", sigma=sigma, minds=k, **pinned,
                               start=params["prompt"], **gen),
            "mean_command": command("sample.py", params, model_type="btrans", noise_mode="mean", num_samples=k,
-                                   start=params["prompt"], **gen),
-           "nll_commands": [command("evaluate.py", params, task="tokens", model_type="btrans", noise_mode="mean",
-                                    mc_samples=1, text=t) for t in texts]}
+                                   start=params["prompt"], **gen)}
 
 
 def view_uncertainty(params, send):
@@ -230,7 +234,9 @@ def view_uncertainty(params, send):
 def view_z(params, send):
     """The Free Transformer's Z, H bits per position, inferred by the encoder from a reference text (with each
     position's KL in bits) or drawn once (the prompt's from the encoder, the rest uniform), or as the page sends it
-    (a bit flipped), and the texts the same Z gives with the token draws of N samples."""
+    (a bit flipped), and the texts the same Z gives with the token draws of N samples. Its headline: the KL of the
+    encoder reading the reference (else the first sample) per position and in total, and the verdict on what Z
+    changes in that text's NLL (sampling.z_lines), as evaluate.py --task=tokens prints them."""
     model, checkpoint = load(params)
     if model.latent_kind != "code":
         common.die(f"Z shows the Free Transformer's codes; {params['run']} is {article(checkpoint['model_type'])} run")
@@ -248,12 +254,19 @@ def view_z(params, send):
                                   on_token=streamed(send, decode, 0, ids), **gen)
     rows = out.tolist()
     args = {"reference": reference} if reference else {}
+    read = reference_ids or rows[0]  # the text whose Z the headline measures: the reference, else the first sample
+    kl, effect = (sampling.posterior_kl_bits(model, read),
+                  sampling.z_effect_bits(model, read, Z_PASSES, gen["seed"]))
     yield {"block": 0, "texts": [decode(r) for r in rows], "tokens": [[decode([t]) for t in r] for r in rows],
            "bits": sampling.code_bits(pinned[0, :out.size(1)].tolist(), model.config.latent_bits),
            "reference_tokens": [decode([t]) for t in reference_ids] if reference else [],
-           "kl_bits": [f"{kl:.3f}" for kl in sampling.posterior_kl_bits(model, reference_ids)] if reference else [],
+           "kl_bits": [f"{v:.3f}" for v in kl] if reference else [],  # the grid's row: the reference's positions
+           "kl_mean": sum(kl) / len(kl), "kl_total": sum(kl), "read": "the reference" if reference else "sample 0",
+           "lines": sampling.z_lines(kl, effect),
            "command": command("sample.py", params, start=params["prompt"], num_samples=k, latents=how, **args,
-                              show_latents=True, **({"z": z} if z else {}), **gen)}
+                              show_latents=True, **({"z": z} if z else {}), **gen),
+           "lines_command": command("evaluate.py", params, task="tokens", text=decode(read), mc_samples=Z_PASSES,
+                                    seed=gen["seed"])}
 
 
 VIEWS = {"/api/groups": view_groups, "/api/minds": view_minds, "/api/uncertainty": view_uncertainty,
@@ -261,6 +274,13 @@ VIEWS = {"/api/groups": view_groups, "/api/minds": view_minds, "/api/uncertainty
 
 
 BUSY = "busy: the server computes one view at a time; ask again when the current one is done"
+
+
+class Server(http.server.ThreadingHTTPServer):
+    """Each request in a thread of its own, as http.server's."""
+
+    request_queue_size = 128  # connections waiting to be accepted: a burst of clients beyond it is reset by the OS,
+    # answered by nobody; below it each one gets its answer (the page's, or "busy" at once)
 
 
 class Page(http.server.BaseHTTPRequestHandler):
@@ -373,6 +393,8 @@ class Page(http.server.BaseHTTPRequestHandler):
             params = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             common.die("the request is not JSON: the page sends its fields as a JSON object")
+        except ValueError:  # a whole number of more than 4,300 digits, which Python will not read as an int
+            common.die("a number in the request has more than 4,300 digits: the page sends its fields as texts")
         if not isinstance(params, dict):
             common.die("the request is not a JSON object of the view's fields")
         return params
@@ -393,11 +415,8 @@ if __name__ == "__main__":
     _, checkpoint = load({"run": out_dir})
     opened = {"model_type": checkpoint["model_type"], "dataset": checkpoint.get("config", {}).get("dataset")}
     try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
+        server = Server(("127.0.0.1", port), Page)
     except OSError as e:
         common.die(f"cannot listen on 127.0.0.1:{port}: {e.strerror or e}; choose another --port (0: any free one)")
     print(f"serving {out_dir} on http://127.0.0.1:{server.server_port} (Ctrl-C stops)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped")
+    server.serve_forever()

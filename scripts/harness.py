@@ -34,6 +34,7 @@ max_gen_toks, kernels (fast | plain, as evaluate.py's --kernels); --device and -
 """
 
 import contextlib
+import sys
 from collections import Counter, defaultdict
 
 import torch
@@ -50,6 +51,10 @@ try:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:
+    if __name__ == "__main__" and {"--help", "-h"} & set(sys.argv[1:]):  # what it is, and how to get its flags
+        print(f"{__doc__.strip()}\n\nlm-evaluation-harness is not installed ({e}), and every flag but the model is "
+              f"its own: pip install \"lm_eval[hf]\", then python -m scripts.harness --help lists them")
+        raise SystemExit(0)
     common.die(f"scripts/harness.py needs lm-evaluation-harness ({e}): pip install \"lm_eval[hf]\"")
 
 

@@ -30,10 +30,11 @@ import sys
 import time
 from types import SimpleNamespace
 
+import configurator  # before torch: it answers a bare --help from this file's source
+
 import numpy as np
 import torch
 
-import configurator
 from nanolatent import ckpt, common, cpu, grpo, lock, metrics, models, records, speedups, tasks, tokendata
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,12 +17,24 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # offline copies of the public data (tokendata.local_data): NANOLATENT_LOCAL_DATA where the user set it (.ci/run does),
 # else ../shared/data, our machines' folder beside the clone; inherited by the scripts the tests run. A test that reads
-# a copy absent from it skips, naming the file.
+# a copy absent from it skips, naming the variable and the file (local_skip).
 LOCAL_DATA = os.environ.setdefault("NANOLATENT_LOCAL_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "support"))  # the process helpers (tests/support/README.md)
 FORKRUN, KILL_IN_SAVE = "tests/support/forkrun.py", "tests/support/kill_in_save.py"  # run_script's paths to them
 torch.set_num_threads(2)
+
+
+def local_skip(*paths):
+    """Why a test that reads these offline copies (paths under NANOLATENT_LOCAL_DATA) skips, or None where all are
+    there: what a user sets to run it, not where our machines keep them."""
+    missing = [p for p in paths if not os.path.exists(os.path.join(LOCAL_DATA, p))]
+    return f"set NANOLATENT_LOCAL_DATA to a folder holding {' and '.join(missing)}" if missing else None
+
+
+def needs_local(*paths):
+    """A mark that skips a test reading these offline copies where they are absent (local_skip)."""
+    return pytest.mark.skipif(local_skip(*paths) is not None, reason=local_skip(*paths) or "")
 
 
 def script_env(data_dir, **extra):

@@ -49,8 +49,8 @@ def test_the_whole_split_score_is_the_mean_cross_entropy_of_every_window_token(t
 @pytest.mark.slow
 def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens(tmp_path):
     if not os.path.isfile(os.path.join(NANOGPT, "train.py")) or not os.path.isfile(SHAKESPEARE):
-        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT} (NANOLATENT_NANOGPT=DIR) and Tiny Shakespeare at "
-                    f"{SHAKESPEARE}")
+        pytest.skip("set NANOLATENT_NANOGPT to a nanoGPT checkout and NANOLATENT_LOCAL_DATA to a folder holding "
+                    "tinyshakespeare/input.txt")
     short = "--max_iters=4 --lr_decay_iters=4 --eval_interval=2 --eval_iters=2 --warmup_iters=1"
     proc = run_script("-m", "scripts.bench_speedrun", f"--nanogpt={NANOGPT}", f"--input={SHAKESPEARE}", "--seeds=2",
                       "--threads=1", f"--work_dir={tmp_path}", f"--nanogpt_args={short} --n_layer=1",
@@ -72,7 +72,7 @@ def test_a_tiny_bench_runs_both_arms_in_turns_and_scores_them_on_the_same_tokens
                                         ([f"--nanogpt={NANOGPT}", "--input=nowhere.txt"], "--input=nowhere.txt")])
 def test_a_missing_checkout_or_text_is_one_line_and_exit_2_before_anything_runs(args, named, tmp_path):
     if NANOGPT in " ".join(args) and not os.path.isfile(os.path.join(NANOGPT, "train.py")):
-        pytest.skip(f"needs a nanoGPT checkout at {NANOGPT} (NANOLATENT_NANOGPT=DIR)")
+        pytest.skip("set NANOLATENT_NANOGPT to a nanoGPT checkout")
     proc = run_script("-m", "scripts.bench_speedrun", *args, f"--work_dir={tmp_path / 'work'}", data_dir=tmp_path,
                       check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and named in proc.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import LOCAL_DATA, TINY, run_script
+from conftest import LOCAL_DATA, TINY, needs_local, run_script
 
 import evaluate
 from nanolatent import ckpt, metrics, models, multiple_choice, sampling, tasks
@@ -255,14 +255,14 @@ def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
 HELLASWAG = os.path.join(LOCAL_DATA, "hellaswag", "hellaswag_val_sample1000.jsonl")
 
 
-@pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("hellaswag/hellaswag_val_sample1000.jsonl")
 def test_the_hub_name_hellaswag_reads_the_local_copy_under_the_offline_variable(monkeypatch, capsys):
     monkeypatch.setenv("NANOLATENT_LOCAL_DATA", LOCAL_DATA)
     assert multiple_choice.load_mc_examples("hellaswag") == multiple_choice.load_mc_examples(HELLASWAG)
     assert f"hellaswag: reading {HELLASWAG} (NANOLATENT_LOCAL_DATA) in place of the hub" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not os.path.exists(HELLASWAG), reason=f"needs the HellaSwag sample at {HELLASWAG} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("hellaswag/hellaswag_val_sample1000.jsonl")
 def test_hellaswag_preprocessing_follows_the_harness_on_the_shared_sample():
     examples = multiple_choice.load_mc_examples(HELLASWAG)
     assert len(examples) == 1000 and all(len(e["choices"]) == 4 for e in examples)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import LOCAL_DATA
+from conftest import LOCAL_DATA, local_skip
 
 import evaluate
 from experiments import eve_uncertainty as eu
@@ -94,7 +94,7 @@ def test_window_scores_average_to_evaluate_lm_on_the_same_windows_and_draws(mode
 def test_out_of_domain_text_keeps_its_bytes_in_a_used_vocabulary():
     bpe = os.path.join(LOCAL_DATA, "gpt2", "gpt2.tiktoken")
     if not os.path.exists(bpe):
-        pytest.skip(f"{bpe} is absent: GPT-2's BPE offline (see ../shared/data/README.md)")
+        pytest.skip(local_skip("gpt2/gpt2.tiktoken"))
     encoding = tokendata.gpt2_from_file(bpe)
     seen = "The cat sat on the mat. A dog ran in the park, and the cat ran too."
     used = sorted(set(encoding.encode_ordinary(seen)) | set(range(256)) | {encoding.eot_token})  # + GPT-2's bytes

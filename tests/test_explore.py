@@ -9,7 +9,11 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, run_script, start_script, wait_for_line
-from nanolatent import metrics, tasks
+from conftest import ROOT, TINY, run_script, script_env, start_script, wait_for_line
+import torch.nn.functional as F
+
+from nanolatent import ckpt, metrics, tasks, tokendata
 
 pytestmark = pytest.mark.slow  # a server, the scripts and a browser, spawned
 TIMEOUT = 120  # seconds for any one request or wait; every request goes to 127.0.0.1
@@ -77,9 +83,10 @@ def run_command(command, data_root, tmp_path):
 
 def printed_samples(stdout):
     """sample.py's samples: each printed text (and Z line) up to its separator line, after the line saying that a det
-    checkpoint became B-Trans minds, if any."""
+    checkpoint became B-Trans minds, if any, without --summary's block labels."""
     if stdout.startswith("loaded a det checkpoint into btrans;"):
         stdout = stdout.split("\n", 1)[1]
+    stdout = "".join(line for line in stdout.splitlines(keepends=True) if not line.startswith("# block "))
     return stdout.split("---------------\n")[:-1]
 
 
@@ -120,18 +127,24 @@ def test_det_uncertainty_is_evaluate_py_per_token_with_exactly_zero_mi(server, r
         {k: expected[k] for k in ("tokens", "nll", "entropy", "expected_entropy", "mi", "passes")}
 
 
-def test_minds_of_a_det_run_are_sample_py_minds_with_evaluate_py_nll_under_the_mean_model(server, runs, data_root,
-                                                                                         tmp_path):
+def test_minds_of_a_det_run_are_sample_py_minds_each_scoring_one_text(server, runs, data_root, tmp_path):
     status, events = post(server, "minds", run=str(runs / "det"), prompt="K>", k="3", sigma="0.3",
                           max_new_tokens="64", temperature="1.0", latent_seed="2", seed="7")
     minds = events[-1]
     assert status == 200 and printed_samples(run_command(minds["command"], data_root, tmp_path)) == \
         [t + "\n" for t in minds["texts"]]
-    for nll, command in zip(minds["nll"], minds["nll_commands"]):
-        run_command(command + " --out_json=tokens.json", data_root, tmp_path)
-        with open(tmp_path / "tokens.json") as f:
-            per_token = json.load(f)["results"][str(runs / "det")]["nll"]
-        assert nll == sum(per_token) / len(per_token)
+    # each mind's NLL of the mean model's first row: sample.py's minds (drawn from the latent seed) forward on it
+    assert minds["nll_text"] == minds["mean_texts"][0]
+    model, _ = ckpt.load_model(str(runs / "det"), "cpu", "btrans", sigma=0.3)
+    drawn = model.eval().sample_latents(3, torch.Generator().manual_seed(2))
+    encode, _ = tokendata.tokenizer(ckpt.load_checkpoint(str(runs / "det"))["meta"])
+    ids = torch.tensor([encode(minds["nll_text"])])
+    with torch.no_grad():
+        expected = [F.cross_entropy(model(ids[:, :-1], ids[:, 1:], latents=drawn[i:i + 1])[0][0], ids[0, 1:]).item()
+                    for i in range(3)]
+    assert np.allclose(minds["nll"], expected, rtol=0, atol=1e-5) and np.std(expected) > 1e-4
+    assert minds["headline"] == f"the 3 minds on one text: NLL std {np.std(minds['nll']):.4f}, range " \
+        f"{max(minds['nll']) - min(minds['nll']):.4f} nats per token (mean {np.mean(minds['nll']):.4f})"
     answers = [tasks.letters_answer(t[len("K>"):]) for t in minds["texts"]]  # the synthetic task's answers
     assert minds["answers"] == answers and minds["majority"] == metrics.majority_answer(answers)
 
@@ -184,8 +197,54 @@ def test_groups_flag_a_run_whose_latents_change_nothing(server, runs, data_root,
     summary, blocks = summary_of(events), [e for e in events if "block" in e]
     assert status == 200 and all(b["texts"] == blocks[-1]["texts"] for b in blocks)
     assert summary["summary"]["identical"] and summary["summary"]["within"] == summary["summary"]["across"]
-    assert summary["lines"][-1].startswith("warning: every group is identical")
-    assert run_command(summary["command"], data_root, tmp_path).splitlines()[-1] == summary["lines"][-1]
+    assert summary["lines"][-2].startswith("warning: every group is identical")
+    assert summary["lines"][-1] == ("no measurable effect of the latents on the agreement of pairs (d = 0 exactly at "
+                                    "each of the 30 new positions)")
+    assert run_command(summary["command"], data_root, tmp_path).splitlines()[-2:] == summary["lines"][-2:]
+
+
+@pytest.mark.parametrize("run, changes", [("free", True), ("det", False), ("free_z_ignored", False)])
+def test_the_groups_verdict_says_whether_the_latents_change_the_samples(server, runs, data_root, tmp_path, run,
+                                                                       changes):
+    """Greedy, so that a group sharing a draw writes one text: pairs agree less across draws only where the latents
+    move an argmax (the tiny Free run's Z does; det has none; the Free run with R = 0 ignores its Z)."""
+    status, events = post(server, "groups", run=str(runs / run), **dict(GROUP, temperature="0"))
+    summary = summary_of(events)
+    d = np.subtract(summary["summary"]["within"], summary["summary"]["across"])
+    verdict = summary["lines"][-1]
+    if changes:
+        assert d.mean() > 0 and verdict.startswith(f"the latents change the agreement of pairs by +{d.mean():.4f} [")
+    else:
+        assert not d.any() and verdict.startswith("no measurable effect of the latents on the agreement of pairs")
+    assert run_command(summary["command"], data_root, tmp_path).splitlines()[-1] == verdict
+
+
+def test_minds_at_sigma_0_are_one_model(server, runs):
+    minds = post(server, "minds", run=str(runs / "det"), prompt="K>", k="4", sigma="0", max_new_tokens="30",
+                 temperature="1.0", latent_seed="2", seed="7")[1][-1]
+    assert len(set(minds["nll"])) == 1 and minds["nll_std"] == 0 and minds["nll_range"] == 0
+    assert minds["headline"].startswith("the minds are one model at σ = 0: each of the 4 gives this text the same NLL")
+
+
+@pytest.mark.parametrize("run", ["free", "free_z_ignored"])
+def test_the_z_headline_and_verdict_are_evaluate_py_s(server, runs, data_root, tmp_path, run):
+    reference = "K>____KKKKKKKK_______"
+    for fields in (dict(reference=reference), {}):  # with no reference, the first sample is the text read
+        z = post(server, "z", run=str(runs / run), prompt="K>", k="2", max_new_tokens="20", temperature="0.8",
+                 latent_seed="4", seed="9", **fields)[1][-1]
+        assert z["read"] == ("the reference" if fields else "sample 0")
+        assert f"--text={reference if fields else z['texts'][0]}" in shlex.split(z["lines_command"])
+        run_command(z["lines_command"] + " --out_json=tokens.json", data_root, tmp_path)
+        stdout = run_command(z["lines_command"], data_root, tmp_path)
+        assert stdout.splitlines()[-2:] == z["lines"]
+        with open(tmp_path / "tokens.json") as f:
+            kl = json.load(f)["results"][str(runs / run)]["kl_bits"]
+        assert math.isclose(z["kl_mean"], np.mean(kl), abs_tol=1e-12) and math.isclose(z["kl_total"], sum(kl),
+                                                                                         abs_tol=1e-9)
+        assert z["lines"][0].startswith(f"Z carries {np.mean(kl):.4f} bits per position, {sum(kl):.2f} bits")
+    if run == "free_z_ignored":  # the encoder still reads the text (its KL above), but the decoder never sees Z
+        assert z["lines"][1] == ("no measurable effect of the latents on its NLL (d = 0 exactly at each of the 21 "
+                                 "predicted positions)")
 
 
 def test_uncertainty_top_tokens_are_evaluate_py_s_each_pass_and_their_mean(server, runs, data_root, tmp_path):
@@ -349,6 +408,70 @@ def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, ru
         time.sleep(0.2)
 
 
+def test_fifty_clients_at_once_each_get_an_answer(server, runs):
+    host, port = server[0].split(":")
+    body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+    fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
+        received = b""
+        while b'"partial": 0' not in received:  # the server computes: each of the 50 is answered busy
+            received += s.recv(65536)
+        answers = []
+
+        def ask():
+            try:
+                answers.append(post(server, "uncertainty", **fields)[0])
+            except OSError as e:  # a connection reset: no answer at all
+                answers.append(repr(e))
+        clients = [threading.Thread(target=ask) for _ in range(50)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+    assert answers == [503] * 50
+    deadline = time.time() + TIMEOUT
+    while post(server, "uncertainty", **fields)[0] == 503:
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
+def test_a_json_number_of_5000_digits_is_a_400_not_a_500(server, runs):
+    fields = json.dumps(dict(run=str(runs / "free"), text="K>__", passes="2")).encode()
+    body = fields[:-1] + b', "seed": ' + b"9" * 5000 + b"}"  # json.dumps cannot write it: Python's int limit
+    seconds, status, lines = raw(server, headers(server, len(body)) + body)
+    assert status == 400 and len(lines) == 1
+    assert json.loads(lines[0])["error"].startswith("a number in the request has more than 4,300 digits")
+
+
+@pytest.mark.parametrize("moment", ["loading", "idle", "computing"])
+def test_ctrl_c_at_any_moment_ends_the_server_cleanly(runs, data_root, moment):
+    """A process of its own, as a user starts it (a fork of the suite's launcher never runs Python's exit, where a
+    thread inside torch aborted the process)."""
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0"],
+                            cwd=ROOT, env=script_env(data_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        if moment == "loading":  # torch importing or the run loading: before the server listens
+            time.sleep(1)
+        else:
+            url = proc.stdout.readline().split("http://")[1].split()[0]
+        if moment == "computing":
+            body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
+            host, port = url.split(":")
+            s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+            s.sendall(headers((url,), len(body)).replace(b"uncertainty", b"groups") + body)
+            received = b""
+            while b'"partial": 0' not in received:
+                received += s.recv(65536)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.endswith("stopped\n"), (proc.returncode, out, err[-2000:])
+    assert "Traceback" not in err and "terminate called" not in err, err[-2000:]
+
+
 def test_only_pages_of_the_server_itself_may_ask_it(server):
     request = urllib.request.Request(f"http://{server[0]}/api/run", headers={"Origin": "http://example.com"})
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -485,6 +608,11 @@ def test_the_page_in_chromium_shows_the_groups_numbers_of_sample_py_summary_and_
     go("groups")
     warning = chromium.find_element(By.CSS_SELECTOR, "#groups-out p.warning").text
     assert warning.startswith("warning: every group is identical to the samples with a draw each")
+    assert chromium.find_element(By.CSS_SELECTOR, "#groups-out p.verdict").text == \
+        "no measurable effect of the latents on the agreement of pairs (d = 0 exactly at each of the 30 new positions)"
+    # each character in a cell of its own width, apart: a run of "_" is counted by eye, not seen as one line
+    sample = chromium.find_element(By.CSS_SELECTOR, "#groups-out .sample")
+    assert float(sample.value_of_css_property("letter-spacing").rstrip("px")) > 0
 
 
 def test_the_page_in_chromium_colours_on_a_fixed_scale_and_shows_each_pass_top_tokens(server, runs, chromium,
@@ -560,8 +688,15 @@ def test_the_page_in_chromium_flips_a_bit_of_z_and_keeps_its_state_in_the_url(se
           "z-latent_seed": "4", "z-seed": "9"})
     go("z")
     kl = [c.text for c in chromium.find_elements(By.CSS_SELECTOR, "tr.klrow td.kl")]
-    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    command = chromium.find_elements(By.CSS_SELECTOR, "#z-out pre.command")[-1].get_property("textContent")
     assert run_command(command, data_root, tmp_path).splitlines()[-1] == "KL bits: " + " ".join(kl)
+    # beside the grid: the mean KL per position, large, and the verdict, as the evaluate.py command prints them
+    answer = chromium.execute_script("return answers.z.answer[1]")
+    assert chromium.find_element(By.CSS_SELECTOR, "#z-out .zview .headline").text == \
+        f"{answer['kl_mean']:.4f} bits per position"
+    lines = run_command(chromium.find_element(By.CSS_SELECTOR, "#z-out .side pre.command").get_property(
+        "textContent"), data_root, tmp_path).splitlines()[-2:]
+    assert lines == answer["lines"] and chromium.find_element(By.CSS_SELECTOR, "#z-out p.verdict").text == lines[1]
     bits = chromium.execute_script("return answers.z.answer[1].bits")
     chromium.find_element(By.CSS_SELECTOR, "td.flip[data-position='3'][data-bit='2']").click()
     wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#z-out p.warning")
@@ -570,7 +705,7 @@ def test_the_page_in_chromium_flips_a_bit_of_z_and_keeps_its_state_in_the_url(se
     assert [i for i, (a, b) in enumerate(zip(bits, flipped)) if a != b] == [3] and \
         [i for i, (a, b) in enumerate(zip(bits[3], flipped[3])) if a != b] == [2]
     texts = [r.get_attribute("data-text") for r in chromium.find_elements(By.CSS_SELECTOR, "tr.zsample")]
-    command = chromium.find_element(By.CSS_SELECTOR, "#z-out pre.command").get_property("textContent")
+    command = chromium.find_elements(By.CSS_SELECTOR, "#z-out pre.command")[-1].get_property("textContent")
     assert printed_samples(run_command(command, data_root, tmp_path)) == \
         [f"{t}\nZ: {' '.join(flipped)}\n" for t in texts]
     # the URL holds the view and its fields: opened afresh, it computes the same view again

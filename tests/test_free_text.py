@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import LOCAL_DATA, run_script
+from conftest import LOCAL_DATA, local_skip, run_script
 
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
@@ -27,7 +27,7 @@ TOL = 0.025
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     if not os.path.exists(SHAKESPEARE):
-        pytest.skip(f"needs Tiny Shakespeare at {SHAKESPEARE} ($NANOLATENT_LOCAL_DATA)")
+        pytest.skip(local_skip("tinyshakespeare/input.txt"))
     root = tmp_path_factory.mktemp("free_text")
     run_script("prepare.py", "text", f"--input={SHAKESPEARE}", "--tokenizer=char", "--name=shakespeare_char",
                data_dir=root / "data")

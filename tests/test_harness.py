@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import LOCAL_DATA, run_script
+from conftest import LOCAL_DATA, local_skip, needs_local, run_script
 
 from scripts import convert
 from nanolatent import ckpt, common, models, multiple_choice, tokendata
@@ -19,8 +19,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes (python -m pyt
 
 GPT2_BPE = os.path.join(LOCAL_DATA, "gpt2", "gpt2.tiktoken")
 GPT2_MERGES = os.path.join(LOCAL_DATA, "gpt2", "vocab.bpe")
-needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2_BPE),
-                                reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+needs_gpt2 = needs_local("gpt2/gpt2.tiktoken")
 CHARS = " abcdefghijklmnopqrstuvwxyz.:?"
 SEED = 1337
 
@@ -104,7 +103,7 @@ def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tm
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     shakespeare = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")
     if not os.path.exists(shakespeare):
-        pytest.skip(f"needs Tiny Shakespeare at {shakespeare} ($NANOLATENT_LOCAL_DATA)")
+        pytest.skip(local_skip("tinyshakespeare/input.txt"))
     with open(shakespeare) as f:
         shakespeare = f.read()[:5000]
     corpus = ["The cat sat on the", " mat.", "Question: what is 2 + 2?\nAnswer:", " 4", "  two spaces", "end  ",
@@ -126,7 +125,7 @@ def test_to_hf_writes_gpt2s_tokenizer_with_tiktokens_ids_and_gpt2s_own_merges(tm
 def gpt2_det(tmp_path_factory):
     """A det run on GPT-2's BPE (its meta records the local BPE file, as prepare.py writes it), exported by to_hf."""
     if not os.path.exists(GPT2_BPE):
-        pytest.skip(f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+        pytest.skip(local_skip("gpt2/gpt2.tiktoken"))
     needs_lm_eval()
     pytest.importorskip("transformers", reason="lm_eval's hf model needs transformers (pip install \"lm_eval[hf]\")")
     root = tmp_path_factory.mktemp("gpt2_det")

@@ -7,6 +7,8 @@ import importlib
 import os
 import re
 import runpy
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -33,6 +35,7 @@ def run_help(monkeypatch, capsys, path, *args):
     monkeypatch.setattr(configurator, "apply", recording)
     monkeypatch.setattr(sys, "argv", [path, *args])
     monkeypatch.chdir(ROOT)
+    handler = signal.getsignal(signal.SIGINT)  # the explorer takes Ctrl-C for its own as it starts: given back below
     with pytest.raises(SystemExit) as exit:
         if os.sep in path:
             module = path[:-3].replace(os.sep, ".")
@@ -40,6 +43,7 @@ def run_help(monkeypatch, capsys, path, *args):
             runpy.run_module(module, run_name="__main__")
         else:
             runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+    signal.signal(signal.SIGINT, handler)
     return exit.value.code, capsys.readouterr().out, seen[0] if seen else None
 
 
@@ -124,3 +128,59 @@ def test_harness_help_is_lm_evals(monkeypatch, capsys):
     monkeypatch.delitem(registry.model_registry._objs, "nanolatent", raising=False)
     code, out, _ = run_help(monkeypatch, capsys, "scripts/harness.py", "--help")
     assert code == 0 and "--model_args" in out
+
+
+def test_configurator_run_directly_says_it_is_not_and_names_the_scripts_help(monkeypatch, capsys):
+    for args, code in ((["--help"], None), ([], 2)):
+        monkeypatch.setattr(sys, "argv", ["configurator.py", *args])
+        if code is None:
+            runpy.run_path(os.path.join(ROOT, "configurator.py"), run_name="__main__")
+            out = capsys.readouterr().out
+        else:
+            with pytest.raises(SystemExit) as exit:
+                runpy.run_path(os.path.join(ROOT, "configurator.py"), run_name="__main__")
+            assert exit.value.code == code
+            out = capsys.readouterr().err
+        assert out.removeprefix("error: ").startswith("configurator.py is not run directly")
+        assert "python train.py --help" in out
+        assert out.count("\n") == 1
+
+
+def test_harness_help_without_lm_eval_says_what_it_is_and_how_to_get_lm_eval(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed: its import fails
+    monkeypatch.setitem(sys.modules, "lm_eval.models", None)
+    code, out, _ = run_help(monkeypatch, capsys, "scripts/harness.py", "--help")
+    assert code == 0 and out.startswith("EleutherAI's lm-evaluation-harness on nanolatent runs")
+    assert 'pip install "lm_eval[hf]"' in out.splitlines()[-1]
+
+
+def test_a_wrong_type_is_named_with_its_article(capsys):
+    for default, article in ((3, "an int"), (0.5, "a float"), ("x", "a str")):
+        with pytest.raises(SystemExit):
+            configurator.check("k", [1], default)
+        assert f"--k expects {article} (default" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ENTRY_POINTS)
+def test_a_bare_help_answers_from_the_source_without_loading_torch(monkeypatch, capsys, tmp_path, path):
+    """`python X --help` is answered as X imports configurator, before torch (seconds on a loaded CPU): with a torch
+    that cannot be imported on the path it prints what the in-process --help prints, but for a default that code
+    computes, shown as that code."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not loaded for --help')\n")
+    command = [sys.executable, path] if os.sep not in path else [sys.executable, "-m", path[:-3].replace(os.sep, ".")]
+    proc = subprocess.run([*command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    code, out, namespace = run_help(monkeypatch, capsys, path, "--help")
+    written = configurator.written_settings(os.path.join(ROOT, path))[1]
+    computed = {k for k, v in written.items() if isinstance(v, configurator.Written)}
+    assert {k for k in written if not configurator.constant(k)} == \
+        {k for k in namespace["_config_defaults"] if not configurator.constant(k)}
+    for fast, slow in zip(proc.stdout.splitlines(), out.splitlines(), strict=True):
+        key = re.match(r"--(\w+)=", slow)
+        if key and key[1] in computed:
+            assert fast.startswith(f"--{key[1]}=<{written[key[1]].code}>"), (fast, slow)
+        else:
+            assert fast == slow

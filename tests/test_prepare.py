@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, LOCAL_DATA, run_script
+from conftest import ROOT, LOCAL_DATA, needs_local, run_script
 
 from nanolatent import common, tokendata
 
@@ -77,7 +77,7 @@ def test_jsonl_fields_become_one_document_each(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_path):
     run_script("prepare.py", "text", f"--input={SHAKESPEARE}", f"--bpe_file={GPT2_BPE}", "--name=s",
                data_dir=tmp_path)
@@ -91,7 +91,7 @@ def test_gpt2_tokenization_of_tiny_shakespeare_matches_the_reference_counts(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 def test_gpt2_text_read_in_blocks_has_the_tokens_of_the_whole_text(tmp_path):
     """A .txt of 1.3 MB, read in 1 MiB blocks and encoded piece by piece, against tiktoken's encoding of the whole
     text (its first 90% of characters, then the rest): whitespace runs, CRLF and 2-byte characters at any cut."""
@@ -107,7 +107,7 @@ def test_gpt2_text_read_in_blocks_has_the_tokens_of_the_whole_text(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_path):
     rows = [{"text": f"The {w} sat on the mat, story {i}."} for i, w in enumerate(["cat", "dog", "owl"] * 4)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -130,7 +130,7 @@ def test_gpt2_used_vocabulary_renumbers_the_ids_that_occur_and_round_trips(tmp_p
         encode("The giraffe")
 
 
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tmp_path, monkeypatch):
     import tiktoken
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
@@ -172,7 +172,7 @@ def test_arith_data_is_the_same_whatever_the_string_hash_seed(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 @pytest.mark.parametrize("source, as_text", [
     ("writingprompts", ["writingprompts/wp_sample_train.jsonl",
                         "--val_input={local}/writingprompts/wp_sample_test.jsonl", "--fields=prompt,story"]),
@@ -192,7 +192,7 @@ def test_a_hub_dataset_reads_its_local_copies_as_prepare_text_would(source, as_t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+@needs_local("gpt2/gpt2.tiktoken")
 def test_a_hub_failure_names_the_offline_variable_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(tokendata.LOCAL_DATA_ENV, str(tmp_path / "copies"))  # a folder without the copies
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub unreachable at once, as on a machine without a network
@@ -265,7 +265,7 @@ def test_prepared_data_lives_in_data_at_the_repository_root_unless_the_variable_
 # prepare.py fineweb_edu: shards, a pool of processes, kills and reruns, on a local copy read by the same datasets calls
 
 FINEWEB = ["prepare.py", "fineweb_edu", f"--bpe_file={GPT2_BPE}", "--val_tokens=3000", "--shard_tokens=9000"]
-needs_bpe = pytest.mark.skipif(not os.path.exists(GPT2_BPE), reason=f"needs GPT-2's BPE at {GPT2_BPE} ($NANOLATENT_LOCAL_DATA)")
+needs_bpe = needs_local("gpt2/gpt2.tiktoken")
 
 
 def fineweb_texts(subset_seed, n):

@@ -55,6 +55,16 @@ def test_a_phase_says_its_name_then_its_time_and_first_call_only_the_first(lines
     assert len(out) == 2 and out[0] == "compiling ..." and out[1].startswith("compiling: done in ")
 
 
+def test_scoring_a_text_shows_its_passes(lines, monkeypatch):
+    import torch
+    from nanolatent import models, sampling
+    monkeypatch.setenv(common.PROGRESS_ENV, "0")
+    model = models.build_model("eve", dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=16, vocab_size=11))
+    scores = sampling.token_uncertainty(model.eval(), [1, 2, 3, 4, 5], 3, torch.Generator().manual_seed(0))
+    assert scores["passes"] == 3 and [line.split(",")[0] for line in lines()] == [
+        "passes over the text: 1/3 (33%)", "passes over the text: 2/3 (67%)", "passes over the text: 3/3 (100%)"]
+
+
 def test_quiet_turns_progress_off_here_and_in_the_processes_started(lines, monkeypatch):
     monkeypatch.setenv(common.PROGRESS_ENV, "0")
     namespace = {"__file__": os.path.join(ROOT, "sample.py"), "num_samples": 4}
@@ -81,6 +91,14 @@ def test_sample_shows_its_loading_and_the_first_call_compilation(det_run, data_r
     err = proc.stderr.splitlines()
     for name in (f"loading {det_run}", "compiling the decode step"):
         assert f"{name} ..." in err and any(line.startswith(f"{name}: done in ") for line in err), proc.stderr
+    # a line per new token fed back, block by block, with the samples unchanged
+    summary = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=2", "--max_new_tokens=4",
+                         "--summary=True", "--groups=1", data_dir=data_root, env=EVERY_ITEM)
+    ticks = [line.split(",")[0] + "," + line.split(",")[1] for line in summary.stderr.splitlines() if
+             line.startswith("block ")]
+    assert ticks == [f"block {b} of 2, new tokens: {i}/3 ({i / 3:.0%})" for b in (1, 2) for i in (1, 2, 3)]
+    assert summary.stdout == run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=2",
+                                        "--max_new_tokens=4", "--summary=True", "--groups=1", data_dir=data_root).stdout
     quiet = run_script("sample.py", f"--out_dir={det_run}", "--start=K>", "--num_samples=1", "--max_new_tokens=3",
                        data_dir=data_root)  # a log: no variable, no line
     assert "loading" not in quiet.stderr and quiet.stdout.count("---------------") == 1
@@ -146,6 +164,31 @@ def test_the_explorer_shows_its_start_up_before_it_serves_and_each_model_it_load
         assert open(tmp_path / "quiet.err").read() == ""
     finally:
         quiet.terminate()
+
+
+def test_the_speedrun_bench_reads_each_arms_step_from_its_log(tmp_path):
+    from scripts import bench_speedrun
+    log = tmp_path / "log"
+    log.write_text("number of parameters: 0.8M\n")
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "--max_iters=2000"]) is None
+    log.write_text("iter 0: loss 4.2, time 90ms\nstep 0: train loss 4.2\niter 17: loss 3.1, time 88ms\n")  # nanoGPT
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "--max_iters=50", "--max_iters=2000"]) == (17, 2000)
+    log.write_text("iter 10/150: loss 2.9 | 80 ms\niter 20/150: loss 2.5 | 81 ms\n")  # ours: the total in the line
+    assert bench_speedrun.logged_step(log, ["python", "train.py", "config/det_speedrun_char.py"]) == (20, 150)
+
+
+@pytest.mark.slow
+def test_the_speedrun_bench_shows_an_arms_step_and_eta_while_it_runs(tmp_path, monkeypatch, capsys):
+    from scripts import bench_speedrun
+    monkeypatch.setenv(common.PROGRESS_ENV, "1")  # a line a second
+    child = "import time\nfor i in range(1, 5):\n    print(f'iter {i}: loss 1.0', flush=True)\n    time.sleep(1)\n"
+    seconds = bench_speedrun.timed_run([sys.executable, "-c", child, "--max_iters=4"], str(tmp_path), dict(os.environ),
+                                       tmp_path / "arm.log")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("-c in ") and ", ETA " in line for line in lines), lines
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in lines]
+    assert steps == sorted(steps) and set(steps) <= {1, 2, 3, 4} and all("/4, " in line for line in lines)
+    assert 4 <= seconds < 30 and open(tmp_path / "arm.log").read().count("iter ") == 4
 
 
 @pytest.mark.slow

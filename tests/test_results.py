@@ -14,7 +14,7 @@ import statistics
 import numpy as np
 import pytest
 
-from conftest import LOCAL_DATA, ROOT, run_script
+from conftest import LOCAL_DATA, ROOT, local_skip, run_script
 from experiments import results, stats
 
 # Student t's 97.5th percentiles, as printed to 9 decimals in the usual tables (and scipy.stats.t.ppf where installed)
@@ -590,9 +590,10 @@ def test_regime_baselines_recount_on_the_prepared_data(tmp_path):
     """assets/regime_baselines.json against a count made here (add-one and Kneser–Ney, dictionaries), on the
     WritingPrompts samples and Tiny Shakespeare's characters prepared afresh as the docs prepare them, from the offline
     copies NANOLATENT_LOCAL_DATA points at: every evaluation of the EVE settings and the Free text study's."""
-    files = [os.path.join(LOCAL_DATA, "writingprompts", f"wp_sample_{split}.jsonl") for split in ("train", "test")]
-    if not all(os.path.exists(f) for f in files):
-        pytest.skip(f"no WritingPrompts sample under NANOLATENT_LOCAL_DATA={LOCAL_DATA} (its README names the files)")
+    names = [f"writingprompts/wp_sample_{split}.jsonl" for split in ("train", "test")]
+    if local_skip(*names):
+        pytest.skip(local_skip(*names))
+    files = [os.path.join(LOCAL_DATA, name) for name in names]
     table = load("regime_baselines.json")
     shakespeare = os.path.join(LOCAL_DATA, "tinyshakespeare", "input.txt")  # docs/free_text.md's characters
     prepare = {name: ["text", f"--input={files[0]}", f"--val_input={files[1]}", "--fields=prompt,story",

@@ -34,11 +34,14 @@ def test_group_summary_of_identical_blocks_warns_and_of_shared_positions_agrees_
     independent = [prompt + [5, 6, 7], prompt + [5, 8, 9], prompt + [4, 8, 7]]
     same = sampling.group_summary([independent, independent], independent, 2, decode)
     assert same["identical"] and same["within"] == same["across"] and same["within_mean"] == same["across_mean"]
-    assert sampling.summary_lines(same)[-1].startswith("warning: every group is identical")
+    assert sampling.summary_lines(same)[-2].startswith("warning: every group is identical")
+    assert sampling.summary_lines(same)[-1] == ("no measurable effect of the latents on the agreement of pairs (d = 0 "
+                                                "exactly at each of the 3 new positions)")
     shared = [[prompt + [5, 6, 7]] * 3, [prompt + [4, 8, 7], prompt + [4, 8, 9], prompt + [4, 8, 7]]]
     s = sampling.group_summary(shared, independent, 2, decode)
     assert s["within"] == [1.0, 1.0, (1 + 1 / 3) / 2] and s["across"] == [1 / 3, 1 / 3, 1 / 3]
     assert not s["identical"] and not any(line.startswith("warning") for line in sampling.summary_lines(s))
+    assert sampling.summary_lines(s)[-1].startswith("the latents change the agreement of pairs by +0.5556 [")
     one = sampling.group_summary([[prompt + [5]]], [prompt + [6]], 2, decode)  # K = 1: no pairs
     assert one["within_mean"] is None and "n/a" in sampling.summary_lines(one)[0]
 
@@ -89,3 +92,58 @@ def test_top_predictions_are_each_pass_probabilities_of_the_top_tokens_of_their_
         if ids[t + 1] in order.tolist():  # p̄ of the text's token is token_uncertainty's exp(-nll)
             assert math.isclose(-math.log(position["mean"][order.tolist().index(ids[t + 1])]), scores["nll"][t],
                                 abs_tol=1e-5)
+
+
+def test_a_verdict_is_the_mean_change_with_a_bootstrap_interval_or_no_measurable_effect():
+    d, lo, hi = sampling.interval([0.5] * 10)
+    assert (d, lo, hi) == (0.5, 0.5, 0.5)
+    values = np.random.default_rng(1).normal(0.2, 0.1, size=200)
+    d, lo, hi = sampling.interval(values)
+    # the percentile bootstrap of a mean is about the normal interval, 1.96 standard errors either side
+    se = values.std() / math.sqrt(len(values))
+    assert d == values.mean() and abs((hi - lo) / (2 * 1.96 * se) - 1) < 0.1
+    assert sampling.verdict("X", values, "positions") == (f"the latents change X by {d:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                                                          f"(95% bootstrap interval over 200 positions)")
+    centred = values - values.mean()
+    _, lo, hi = sampling.interval(centred)
+    assert sampling.verdict("X", centred, "positions").startswith(f"no measurable effect of the latents on X (|d| <= "
+                                                                  f"{max(-lo, hi):.4f}")
+    assert sampling.verdict("X", [0.0] * 7, "positions") == \
+        "no measurable effect of the latents on X (d = 0 exactly at each of the 7 positions)"
+
+
+def test_minds_nll_is_each_minds_forward_on_one_text_and_one_model_at_sigma_0():
+    ids = [1, 5, 3, 3, 7, 2, 9, 4]
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    for sigma in (0.0, 0.5):
+        model = tiny("btrans", sigma=sigma)
+        minds = model.sample_latents(4, torch.Generator().manual_seed(3))
+        nll = sampling.minds_nll(model, ids, minds)
+        assert nll == [F.cross_entropy(model(x, y, latents=minds[i:i + 1])[0][0], y[0]).item() for i in range(4)]
+        if sigma == 0:  # every mind is the mean model: the same NLL to the last bit
+            assert len(set(nll)) == 1 and sampling.minds_line(nll, 0.0).startswith("the minds are one model at σ = 0")
+        else:
+            assert np.std(nll) > 1e-4 and sampling.minds_line(nll, 0.5).startswith(
+                f"the 4 minds on one text: NLL std {np.std(nll):.4f}")
+
+
+def test_z_effect_is_the_nll_with_the_encoders_z_minus_the_priors_and_exactly_0_for_a_decoder_that_ignores_z():
+    model = tiny("free", latent_bits=4)
+    ids = [1, 5, 3, 3, 7, 2, 9, 4, 4, 4]
+    effect = sampling.z_effect_bits(model, ids, 3, seed=5)
+    nll = lambda posterior: sampling.token_uncertainty(model, ids, 3, torch.Generator().manual_seed(5),
+                                                       posterior=posterior)["nll"]
+    torch.manual_seed(5)
+    prior = nll(False)
+    torch.manual_seed(5)
+    posterior = nll(True)
+    assert effect == [(q - p) / math.log(2) for p, q in zip(prior, posterior)] and any(effect)
+    with torch.no_grad():
+        model.post_sampler.weight.zero_()  # R = 0: Z never reaches the decoder (§3.1)
+    ignored = sampling.z_effect_bits(model, ids, 3, seed=5)
+    assert ignored == [0.0] * (len(ids) - 1)
+    kl = sampling.posterior_kl_bits(model, ids)
+    lines = sampling.z_lines(kl, ignored)
+    assert lines[0].startswith(f"Z carries {np.mean(kl):.4f} bits per position, {sum(kl):.2f} bits over the text's 10")
+    assert lines[1] == ("no measurable effect of the latents on its NLL (d = 0 exactly at each of the 9 predicted "
+                        "positions)")

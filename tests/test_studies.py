@@ -9,13 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import LOCAL_DATA, run_script, train_det
+from conftest import LOCAL_DATA, needs_local, run_script, train_det
 
 pytestmark = pytest.mark.slow
 WRITINGPROMPTS = os.path.join(LOCAL_DATA, "writingprompts")
-needs_writingprompts = pytest.mark.skipif(not os.path.exists(WRITINGPROMPTS),
-                                          reason=f"needs the WritingPrompts sample at {WRITINGPROMPTS} "
-                                                 f"($NANOLATENT_LOCAL_DATA)")
+needs_writingprompts = needs_local("writingprompts")
 
 
 def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):

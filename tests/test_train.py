@@ -22,7 +22,7 @@ def test_unknown_config_key_is_one_clear_error(data_root, tmp_path):
 
 def test_wrong_type_is_one_clear_error_but_an_int_may_stand_for_a_float(data_root, tmp_path):
     proc = train(data_root, tmp_path, "--batch_size=2.5", check=False)
-    assert proc.returncode == 2 and "--batch_size expects a int" in proc.stderr
+    assert proc.returncode == 2 and "--batch_size expects an int" in proc.stderr
     proc = train(data_root, tmp_path, "--learning_rate=1", "--max_iters=1", "--eval_interval=1")
     assert "saved checkpoint" in proc.stdout
 

@@ -40,7 +40,7 @@ import configurator  # before torch: it answers a bare --help from this file's s
 import torch
 import torch.nn.functional as F
 
-from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, tokendata
+from nanolatent import ckpt, common, cpu, hf_format, models, multiple_choice, tokendata
 
 linears = False  # the three products of det's Linears in a training step, torch's GEMM against oneDNN
 layouts = False  # one decode step's products in each layout of cpu.inference_linears, at decode_batches
@@ -160,7 +160,7 @@ def against_transformers(run):
     items/s. Each figure is the best of `repeats` turns; the two models alternate within a turn."""
     import transformers
     checkpoint = ckpt.load_checkpoint(run)
-    cfg, state = llama.det_state(checkpoint, ckpt.checkpoint_path(run))
+    cfg, state = hf_format.det_state(checkpoint, ckpt.checkpoint_path(run))
     load = lambda: ckpt.load_model(run, "cpu", "det", checkpoint=checkpoint)[0].eval()
     det = load()
     # sample.py's path: det under cpu.inference_linears, laid out for --num_samples=1 and for more (evaluate.py's)
@@ -168,10 +168,10 @@ def against_transformers(run):
     half = load() if bfloat16 else None  # sample.py --dtype=bfloat16: the weights in bfloat16, packed as they are
     for p in half.parameters() if bfloat16 else ():
         p.data = p.data.to(torch.bfloat16)
-    hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg, "float32", None, None))
+    hf_cfg = transformers.LlamaConfig(**hf_format.hf_config(cfg, "float32", None, None))
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict({theirs: state[ours].float() for ours, theirs in
-                                              llama.weight_names(cfg)}, strict=False)
+                                              hf_format.weight_names(cfg)}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert not cfg.tie_embeddings or hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     hf_half = copy.deepcopy(hf).to(torch.bfloat16) if bfloat16 else None

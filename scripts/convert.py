@@ -35,7 +35,7 @@ import configurator  # before torch: it answers a bare --help from this file's s
 
 import torch
 
-from nanolatent import ckpt, common, llama, lock, models, tokendata
+from nanolatent import ckpt, common, hf_format, lock, models, tokendata
 
 direction = ""  # the first argument: hf or gguf (a Llama or Qwen3 checkpoint -> out_dir), to_hf (out_dir -> dst)
 src = ""  # hf: a folder with config.json, *.safetensors and tokenizer.json, or a hub id; gguf: a .gguf file, or
@@ -190,7 +190,7 @@ def state_from_hf(tensors, model):
     cfg = model.config
     expected = model.state_dict()
     state = {}
-    for ours, theirs in llama.weight_names(cfg):
+    for ours, theirs in hf_format.weight_names(cfg):
         if theirs not in tensors:
             common.die(f"the checkpoint has no tensor {theirs} (config.json: {cfg.n_layer} layers, "
                        f"tie_word_embeddings={str(cfg.tie_embeddings).lower()})")
@@ -597,10 +597,10 @@ def export_hf(out_dir, dst):
     if "token_ids" in checkpoint["meta"]:
         common.die(f"{path} was trained on prepare.py --vocab=used ids (a renumbered subset of GPT-2's), which no "
                    f"Hugging Face tokenizer reads: export a model trained on a --vocab=full dataset")
-    cfg, state = llama.det_state(checkpoint, path)
-    tensors = {theirs: state[ours].contiguous() for ours, theirs in llama.weight_names(cfg)}
+    cfg, state = hf_format.det_state(checkpoint, path)
+    tensors = {theirs: state[ours].contiguous() for ours, theirs in hf_format.weight_names(cfg)}
     dtype = DTYPES[tensors["model.embed_tokens.weight"].dtype]
-    hf = llama.imported_hf_config(checkpoint)  # an imported model keeps its special tokens
+    hf = hf_format.imported_hf_config(checkpoint)  # an imported model keeps its special tokens
     gpt2_eot = 50256 if checkpoint["meta"]["tokenizer"] == "gpt2" else None
     made = os.path.abspath(dst)  # the outermost folder this call creates, removed again if the export fails
     while not os.path.exists(os.path.dirname(made)):
@@ -611,8 +611,8 @@ def export_hf(out_dir, dst):
         os.makedirs(staging)
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(llama.hf_config(cfg, dtype, hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot)),
-                      f, indent=2)
+            special = (hf.get("bos_token_id", gpt2_eot), hf.get("eos_token_id", gpt2_eot))
+            json.dump(hf_format.hf_config(cfg, dtype, *special), f, indent=2)
         tokenizer_files(checkpoint["meta"], staging, dst)
         chat_files(checkpoint["meta"], staging)
         os.makedirs(dst, exist_ok=True)

@@ -40,7 +40,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
-from nanolatent import ckpt, common, cpu, llama, models, multiple_choice, speedups, tokendata
+from nanolatent import ckpt, common, cpu, hf_format, models, multiple_choice, speedups, tokendata
 
 try:
     # lm_eval's own models are registered lazily, by importing lm_eval.models, and get_model() imports it only into
@@ -214,7 +214,7 @@ def eot_token(checkpoint):
     meta = checkpoint["meta"]
     if meta["tokenizer"] == "gpt2" and "token_ids" not in meta:
         return 50256
-    hf = llama.imported_hf_config(checkpoint)
+    hf = hf_format.imported_hf_config(checkpoint)
     eot = hf.get("bos_token_id", hf.get("eos_token_id"))
     return eot[0] if isinstance(eot, list) else eot
 

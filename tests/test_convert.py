@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 
 from conftest import run_script  # noqa: E402
 
-from nanolatent import ckpt, llama, models, tokendata  # noqa: E402
+from nanolatent import ckpt, hf_format, models, tokendata  # noqa: E402
 from scripts import convert  # noqa: E402
 
 TEXT = "".join(  # a few KB of English-like text, enough for a BPE of a few hundred tokens
@@ -254,7 +254,7 @@ def test_export_of_an_import_gives_back_the_same_files(tmp_path, tokenizer_file,
     # the import records its config.json under the key the export and harness.py read
     checkpoint = ckpt.load_checkpoint(tmp_path / "ours")
     assert reference.config.bos_token_id is not None
-    assert llama.imported_hf_config(checkpoint)["bos_token_id"] == reference.config.bos_token_id
+    assert hf_format.imported_hf_config(checkpoint)["bos_token_id"] == reference.config.bos_token_id
 
 
 @pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])

@@ -1,5 +1,5 @@
-"""The det model as a Llama-3 or a Qwen3: Hugging Face's tensor names and config.json for a det checkpoint, the
-config.json an import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions,
+"""Hugging Face's format of a det model, as a Llama-3 or a Qwen3: its tensor names and config.json for a det
+checkpoint, the config.json an import recorded, and the det model inside a checkpoint (scripts/convert.py's conversions,
 scripts/harness.py, scripts/bench_cpu.py's transformers comparison)."""
 
 import dataclasses

@@ -198,6 +198,14 @@ def cpu_name():
     return ""
 
 
+def save(runs):
+    """--out_json after every run: a bench cut short keeps what ran (its summary over the turns so far)."""
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump({"config": config, "cpu": cpu_name(), "runs": runs, "summary": summary(runs),
+                       "bf16_instructions": torch.ops.mkldnn._is_mkldnn_bf16_supported()}, f, indent=1)
+
+
 def main():
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     scratch = work_dir or tempfile.mkdtemp(prefix="bench_speedrun_")
@@ -218,6 +226,7 @@ def main():
                      "printed_val": printed_val(f"{out}.log", r"val loss (\d+\.\d+)"),
                      "val_loss": nanogpt_loss(out, copy, x, y)})
         print(f"nanogpt run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
+        save(runs)
         for dtype in dtypes:
             arm = arm_name(dtype)
             out = os.path.join(scratch, f"{arm}_{i}")
@@ -230,11 +239,8 @@ def main():
                          "val_loss": ours_loss(out, x, y)})
             print(f"{arm} run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}, Newton-Schulz in "
                   f"{runs[-1]['newton_schulz']}", flush=True)
+            save(runs)
     print("\n".join(table(runs)))
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump({"config": config, "cpu": cpu_name(), "runs": runs, "summary": summary(runs),
-                       "bf16_instructions": torch.ops.mkldnn._is_mkldnn_bf16_supported()}, f, indent=1)
     if not work_dir:
         shutil.rmtree(scratch)
 

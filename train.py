@@ -67,6 +67,7 @@ freeze_embeddings = False  # tok_emb (and a head tied to it) gets no gradient, a
 optimizer = "adamw"  # 'adamw': the model's configure_optimizers; 'muon': Muon on the blocks' matrices (optim.py)
 learning_rate = 1e-3
 muon_lr = 0.02  # --optimizer=muon: the matrices' peak learning rate (nanochat's matrix_lr), scheduled as learning_rate
+muon_dtype = "auto"  # Muon's Newton-Schulz products: 'auto' = bfloat16 where the machine has it fast, else float32
 max_iters = 600
 weight_decay = 0.1
 beta1 = 0.9
@@ -75,6 +76,8 @@ grad_clip = 1.0  # 0 disables clipping
 warmup_iters = 100
 lr_decay_iters = 600  # usually max_iters; a --max_iters below it, with lr_decay_iters not set, lowers it to max_iters
 min_lr = 1e-4  # usually learning_rate / 10 (Chinchilla)
+warmdown_iters = 0  # > 0: warmup-stable-decay instead of the cosine (nanochat's warmdown): the peak lr held after the
+# warmup, then a straight line down to min_lr over the last warmdown_iters steps before lr_decay_iters
 max_nonfinite = 10  # consecutive non-finite losses (steps skipped) before the run stops
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,9 +103,11 @@ configurator.require(config, positive=("eval_interval", "log_interval", "eval_it
                                        "gradient_accumulation_steps", "max_nonfinite", "keep_checkpoints",
                                        "dist_timeout", "dry_run_gpu_gib"),
                      non_negative=("max_iters", "learning_rate", "muon_lr", "min_lr", "warmup_iters", "lr_decay_iters",
-                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval"),
+                                   "weight_decay", "grad_clip", "dry_run_world_size", "seed", "checkpoint_interval",
+                                   "warmdown_iters"),
                      choices={"init_from": ("scratch", "resume", "auto"), "dtype": tuple(common.DTYPES),
-                              "select_by": ("loss", "ce"), "optimizer": optim.OPTIMIZERS, "kernels": speedups.KERNELS},
+                              "select_by": ("loss", "ce"), "optimizer": optim.OPTIMIZERS, "kernels": speedups.KERNELS,
+                              "muon_dtype": optim.NS_DTYPES},
                      within={"beta1": "[0, 1)", "beta2": "[0, 1)", "dry_run_mfu": "(0, 1]"})
 if model_config.get("n_layer", 0) > 1024:  # a typo's 10**6 layers would take minutes to build before failing
     common.die(f"n_layer={model_config['n_layer']}: train.py builds at most 1,024 layers; lower n_layer")
@@ -145,9 +150,6 @@ gradient_accumulation_steps //= world_size
 if fsdp and not ddp:
     common.die("fsdp=True shards the model across processes: run under torchrun "
                "(torchrun --standalone --nproc_per_node=N train.py ...)")
-if fsdp and optimizer == "muon":  # a process holds a slice of each matrix; Muon's Newton-Schulz needs all of it
-    common.die("optimizer=muon orthogonalises whole matrices, which fsdp=True splits across processes: train with "
-               "DDP (drop --fsdp) or with --optimizer=adamw")
 if optimizer == "muon" and not learning_rate:  # the matrices' rate is scheduled as a multiple of learning_rate
     common.die("optimizer=muon schedules muon_lr as a multiple of learning_rate, which is 0: set learning_rate > 0")
 if fsdp and dtype == "float16":
@@ -228,7 +230,8 @@ train_model = distributed.wrap(model, device_type, world_size, local_rank, fsdp,
 # the first step compiles (a minute or more on a CPU): a progress line says so where one is shown (common.phase)
 step_forward = common.first_call(train_model, "first training step (torch.compile compiles it)") if compile \
     else train_model
-optimizer = optim.build(optimizer, model, weight_decay, learning_rate, muon_lr, (beta1, beta2), device_type)
+optimizer = optim.build(optimizer, model, weight_decay, learning_rate, muon_lr, (beta1, beta2), device_type,
+                        None if muon_dtype == "auto" else common.DTYPES[muon_dtype])
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
@@ -250,6 +253,8 @@ if master:
     print(f"{model_type} model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} "
           f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
           + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
+    if isinstance(optimizer, optim.MuonAdamW):
+        print(optimizer.describe())
     if resume and not eval_only:
         print(f"resuming from {start_dir} at iter {iter_num}")
     if not eval_only:  # a resumed run drops the records past its checkpoint, so a curve never doubles back
@@ -263,6 +268,8 @@ def get_lr(it):
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:
         return min_lr
+    if warmdown_iters:  # warmup-stable-decay: flat at the peak, then linear to min_lr at lr_decay_iters
+        return min_lr + min(1.0, (lr_decay_iters - it) / warmdown_iters) * (learning_rate - min_lr)
     ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 

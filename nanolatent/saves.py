@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from nanolatent import ckpt, lock, records
+from nanolatent import ckpt, lock, optim, records
 from nanolatent.common import die
 
 
@@ -84,10 +84,7 @@ class Saves:
             if key in given and config[key] != value and not eval_only:  # the saved state is of that optimizer
                 die(f"--{key}={config[key]}: {out_dir} trained with {key}={value}, whose optimizer state its save "
                     f"holds; resume with --{key}={value} (or without --{key}), or train afresh into another out_dir")
-        if optimizer == "muon" and self.fsdp:  # train.py's checks of a fresh run, on the optimizer resumed
-            die(f"{out_dir} trained with optimizer=muon, which orthogonalises whole matrices and fsdp=True splits "
-                f"them across processes: resume it with DDP (drop --fsdp)")
-        if optimizer == "muon" and not config["learning_rate"]:
+        if optimizer == "muon" and not config["learning_rate"]:  # train.py's check of a fresh run, on the one resumed
             die(f"{out_dir} trained with optimizer=muon, which schedules muon_lr as a multiple of learning_rate: "
                 f"resume with learning_rate > 0")
         return model_config, saved["freeze_embeddings"], optimizer
@@ -164,6 +161,8 @@ class Saves:
                   f"{'FSDP' if self.fsdp else 'DDP' if self.ddp else 'one process'}: "
                   + ("torch.distributed.checkpoint gathers its shards into full tensors" if sharded else
                      "each process keeps its shards of its full tensors (set_state_dict, full_state_dict=True)"))
+        if not sharded:
+            checkpoint["optimizer"] = optim.one_state(checkpoint["optimizer"], optimizer)
         if not sharded and not self.fsdp:
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])

@@ -1,7 +1,8 @@
 """Time to quality: nanoGPT's CPU recipe against config/det_speedrun_char.py, each a whole process timed from its start
 to its exit, one after the other, and each final model's loss on the whole val split.
 
-    python -m scripts.bench_speedrun --nanogpt=../nanoGPT --input=input.txt --seeds=3 --threads=2
+    python -m scripts.bench_speedrun --nanogpt=../nanoGPT --input=input.txt --seeds=5 --threads=2
+    python -m scripts.bench_speedrun --nanogpt=../nanoGPT --input=input.txt --muon_dtypes=float32,bfloat16
 
 --nanogpt is a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT: its train.py, model.py, configurator.py,
 config/train_shakespeare_char.py and data/shakespeare_char/prepare.py; never copied here), --input Tiny Shakespeare's
@@ -11,12 +12,14 @@ characters, the same 90/10 split), then runs the two arms in turns, nanoGPT, our
 with OMP_NUM_THREADS=--threads (a loaded machine slows both alike; the load average is printed before each run). nanoGPT
 runs its README's "I only have a macbook" command (4 layers x 128, context 64, batch 12, 2,000 steps, dropout 0, no
 compile), evaluating 100 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time
-it again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`. After each run (outside its time) its final
-checkpoint is scored the same way: the mean cross-entropy per token over the whole val split cut into windows of 64
-tokens (each token predicted from the up to 63 before it in its window), by nanoGPT's model.py for its runs and ours for
-ours. The table shows each run's wall time, the val loss it printed itself and that whole-split loss; then the means,
-and the time ratio ours / nanoGPT's. Extra flags for either arm: --nanogpt_args="--max_iters=500",
---ours_args="--max_iters=200".
+it again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`, once in each turn per --muon_dtypes entry (an
+arm each: Muon's Newton-Schulz in the machine's fast precision, 'auto', or in the one named). After each run (outside
+its time) its final checkpoint is scored the same way: the mean cross-entropy per token over the whole val split cut
+into windows of 64 tokens (each token predicted from the up to 63 before it in its window), by nanoGPT's model.py for
+its runs and ours for ours. The table shows each run's wall time, the load average before and after it, the val loss it
+printed itself and that whole-split loss; then each arm's means, and for each of ours against nanoGPT, paired by turn:
+the time ratio and the whole-split loss difference with their 95% Student-t intervals, and the runs within MARGIN of
+nanoGPT's loss. Extra flags for either arm: --nanogpt_args="--max_iters=500", --ours_args="--max_iters=200".
 """
 
 import contextlib
@@ -39,15 +42,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanolatent import ckpt, common
+from experiments import stats
+from nanolatent import ckpt, common, optim
 
 nanogpt = ""  # a nanoGPT checkout (required)
 input = ""  # Tiny Shakespeare's input.txt (required)
-seeds = 3  # runs per arm
+seeds = 5  # runs per arm
 threads = 2  # OMP_NUM_THREADS of every run, the same for both arms
 work_dir = ""  # scratch folder for the copy, the data and the runs ('' = a temporary one, deleted at the end)
 nanogpt_args = ""  # extra flags for nanoGPT's train.py
 ours_args = ""  # extra flags for our train.py
+muon_dtypes = "auto"  # our arms: train.py's --muon_dtype of each, comma-separated ('float32,bfloat16' times both)
 out_json = ""  # also write the runs and the summary here
 # ----------------------------------------------------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,29 +63,55 @@ NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
                  "data/shakespeare_char/prepare.py")
 CONTEXT = 64  # the window of the whole-split score: both recipes' context
+MARGIN = 0.01  # a run of ours counts when its whole-split loss is at most nanoGPT's (its runs' mean) + MARGIN
+
+
+def arm_name(dtype):
+    return "ours" if dtype == "auto" else f"ours-{dtype}"
 
 
 def summary(runs):
-    """{arm: (mean wall s, mean whole-split val loss, runs)} and the ratio of the arms' mean wall times (ours over
-    nanoGPT's); runs: dicts with arm, wall_s, val_loss."""
+    """{arm: {wall_s, val_loss (means), n}}, and for each arm of ours also, against nanoGPT's run of the same turn:
+    ratio (its wall time over nanoGPT's) and gap (its whole-split loss minus nanoGPT's), each stats.paired's mean with
+    its 95% Student-t interval over the turns, and within: its runs at most nanoGPT's mean loss + MARGIN. runs: dicts
+    with arm, wall_s, val_loss, in turns (every arm once per turn, nanoGPT first)."""
     arms = {}
-    for arm in ("nanogpt", "ours"):
-        mine = [r for r in runs if r["arm"] == arm]
-        arms[arm] = (statistics.fmean(r["wall_s"] for r in mine), statistics.fmean(r["val_loss"] for r in mine),
-                     len(mine))
-    return arms, arms["ours"][0] / arms["nanogpt"][0]
+    for r in runs:
+        arms.setdefault(r["arm"], []).append(r)
+    out = {arm: {"wall_s": statistics.fmean(r["wall_s"] for r in mine),
+                 "val_loss": statistics.fmean(r["val_loss"] for r in mine), "n": len(mine)}
+           for arm, mine in arms.items()}
+    theirs = arms["nanogpt"]
+    for arm, mine in arms.items():
+        if arm != "nanogpt":
+            ratios = [a["wall_s"] / b["wall_s"] for a, b in zip(mine, theirs)]
+            out[arm].update(ratio=stats.paired(ratios, [0.0] * len(ratios)),
+                            gap=stats.paired([r["val_loss"] for r in mine], [r["val_loss"] for r in theirs]),
+                            within=sum(r["val_loss"] <= out["nanogpt"]["val_loss"] + MARGIN for r in mine))
+    return out
+
+
+def interval(effect, fmt):
+    """'mean [lo, hi]' of a stats.paired effect ('mean' alone with one turn)."""
+    if effect["lo"] is None:
+        return format(effect["mean"], fmt)
+    return f"{effect['mean']:{fmt}} [{effect['lo']:{fmt}}, {effect['hi']:{fmt}}]"
 
 
 def table(runs):
-    """The runs' rows, then each arm's means and the time ratio: the lines the script prints."""
-    lines = ["arm | seed | wall s | own val | val (whole split)"]
+    """The runs' rows, then each arm's means, then each arm of ours against nanoGPT: the lines the script prints."""
+    lines = ["arm | seed | wall s | load before, after | own val | val (whole split)"]
     for r in runs:
-        lines.append(f"{r['arm']} | {r['seed']} | {r['wall_s']:.1f} | {r['printed_val']:.4f} | {r['val_loss']:.4f}")
-    arms, ratio = summary(runs)
-    for arm, (wall, val, n) in arms.items():
-        lines.append(f"{arm} | mean of {n} | {wall:.1f} |  | {val:.4f}")
-    gap = arms["ours"][1] - arms["nanogpt"][1]
-    lines.append(f"time ours / nanoGPT: {ratio:.3f}; val ours - nanoGPT: {gap:+.4f}")
+        lines.append(f"{r['arm']} | {r['seed']} | {r['wall_s']:.1f} | {r['load'][0]:.2f}, {r['load'][1]:.2f} | "
+                     f"{r['printed_val']:.4f} | {r['val_loss']:.4f}")
+    arms = summary(runs)
+    for arm, s in arms.items():
+        lines.append(f"{arm} | mean of {s['n']} | {s['wall_s']:.1f} |  |  | {s['val_loss']:.4f}")
+    for arm, s in arms.items():
+        if arm != "nanogpt":
+            lines.append(f"{arm} / nanoGPT time: {interval(s['ratio'], '.3f')}; val {arm} - nanoGPT: "
+                         f"{interval(s['gap'], '+.4f')} (95% t intervals over {s['n']} turns); {s['within']}/{s['n']} "
+                         f"runs within {MARGIN:+} of nanoGPT's loss")
     return lines
 
 
@@ -134,10 +165,12 @@ def logged_step(log, cmd):
 
 
 def timed_run(cmd, cwd, env, log):
-    """Seconds the process ran, from its start to its exit; its output goes to `log`. The load average over the
-    last minute is printed before it starts: a shared machine's. Meanwhile, where progress lines are on
-    (common.progress_every), the step the log has reached and an ETA, every few seconds: an arm takes minutes."""
-    print(f"load average {os.getloadavg()[0]:.2f}: {' '.join(cmd[1:3])} ...", flush=True)
+    """(seconds the process ran, from its start to its exit, (load average before, after)); its output goes to `log`.
+    The load average over the last minute is printed before it starts: a shared machine's. Meanwhile, where progress
+    lines are on (common.progress_every), the step the log has reached and an ETA, every few seconds: an arm takes
+    minutes."""
+    before = os.getloadavg()[0]
+    print(f"load average {before:.2f}: {' '.join(cmd[1:3])} ...", flush=True)
     every = common.progress_every()
     every = None if every is None else 5.0 if every == "bar" else max(every, 1.0)  # a line, not a bar, in seconds
     with open(log, "w") as f:
@@ -155,7 +188,7 @@ def timed_run(cmd, cwd, env, log):
         seconds = time.perf_counter() - t0
     if code:
         common.die(f"{' '.join(cmd)} (in {cwd}) failed with exit code {code}: see {log}")
-    return seconds
+    return seconds, (before, os.getloadavg()[0])
 
 
 def printed_val(log, pattern):
@@ -183,6 +216,21 @@ def prepare(copy, data, env):
                        f"would not train and score on the same tokens")
 
 
+def cpu_name():
+    """The CPU's model name (Linux), for the record."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return ""
+
+
+def save(runs):
+    """--out_json after every run: a bench cut short keeps what ran (its summary over the turns so far)."""
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump({"config": config, "cpu": cpu_name(), "runs": runs, "summary": summary(runs),
+                       "bf16_instructions": torch.ops.mkldnn._is_mkldnn_bf16_supported()}, f, indent=1)
+
+
 def main():
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     scratch = work_dir or tempfile.mkdtemp(prefix="bench_speedrun_")
@@ -198,24 +246,26 @@ def main():
         out = os.path.join(scratch, f"nanogpt_{i}")
         shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, "train.py", *NANOGPT_RECIPE, f"--out_dir={out}", *shlex.split(nanogpt_args)]
-        wall = timed_run(cmd, copy, env, f"{out}.log")
-        runs.append({"arm": "nanogpt", "seed": 1337, "wall_s": wall, "out_dir": out,
+        wall, load = timed_run(cmd, copy, env, f"{out}.log")
+        runs.append({"arm": "nanogpt", "seed": 1337, "wall_s": wall, "load": load, "out_dir": out,
                      "printed_val": printed_val(f"{out}.log", r"val loss (\d+\.\d+)"),
                      "val_loss": nanogpt_loss(out, copy, x, y)})
         print(f"nanogpt run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
-        out = os.path.join(scratch, f"ours_{i}")
-        cmd = [sys.executable, "train.py", "config/det_speedrun_char.py", f"--out_dir={out}", "--overwrite=True",
-               f"--seed={1337 + i}", *shlex.split(ours_args)]
-        wall = timed_run(cmd, ROOT, {**env, "NANOLATENT_DATA": data}, f"{out}.log")
-        runs.append({"arm": "ours", "seed": 1337 + i, "wall_s": wall, "out_dir": out,
-                     "printed_val": printed_val(f"{out}.log", r"val_loss (\d+\.\d+)"),
-                     "val_loss": ours_loss(out, x, y)})
-        print(f"ours run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}", flush=True)
+        save(runs)
+        for dtype in dtypes:
+            arm = arm_name(dtype)
+            out = os.path.join(scratch, f"{arm}_{i}")
+            cmd = [sys.executable, "train.py", "config/det_speedrun_char.py", f"--out_dir={out}", "--overwrite=True",
+                   f"--seed={1337 + i}", f"--muon_dtype={dtype}", *shlex.split(ours_args)]
+            wall, load = timed_run(cmd, ROOT, {**env, "NANOLATENT_DATA": data}, f"{out}.log")
+            runs.append({"arm": arm, "seed": 1337 + i, "wall_s": wall, "load": load, "out_dir": out,
+                         "printed_val": printed_val(f"{out}.log", r"val_loss (\d+\.\d+)"),
+                         "newton_schulz": re.search(r"Newton-Schulz in (\w+)", open(f"{out}.log").read()).group(1),
+                         "val_loss": ours_loss(out, x, y)})
+            print(f"{arm} run {i + 1}/{seeds}: {wall:.1f} s, val {runs[-1]['val_loss']:.4f}, Newton-Schulz in "
+                  f"{runs[-1]['newton_schulz']}", flush=True)
+            save(runs)
     print("\n".join(table(runs)))
-    if out_json:
-        arms, ratio = summary(runs)
-        with open(out_json, "w") as f:
-            json.dump({"config": config, "runs": runs, "arms": arms, "ratio": ratio}, f, indent=1)
     if not work_dir:
         shutil.rmtree(scratch)
 
@@ -229,6 +279,10 @@ if __name__ == "__main__":
     if missing:
         common.die(f"--nanogpt={nanogpt} is not a nanoGPT checkout (it lacks {', '.join(missing)}): "
                    f"git clone https://github.com/karpathy/nanoGPT and pass --nanogpt=<its folder>")
+    dtypes = muon_dtypes.split(",")
+    if not all(dtype in optim.NS_DTYPES for dtype in dtypes) or len(set(dtypes)) < len(dtypes):
+        common.die(f"--muon_dtypes={muon_dtypes}: give distinct values of {', '.join(optim.NS_DTYPES)}, "
+                   f"comma-separated")
     if not os.path.isfile(input):
         common.die(f"--input={input or '(not given)'} is not a file: pass Tiny Shakespeare's input.txt")
     main()

@@ -329,21 +329,6 @@ def test_a_muon_run_resumed_with_adamw_is_one_line_and_changes_nothing(trained_m
 
 
 @pytest.mark.slow
-def test_a_muon_run_resumed_under_fsdp_is_one_line_and_changes_nothing(trained_muon, data_root, tmp_path):
-    """--optimizer not given: the check reads the optimizer the save resumes, not the default (a KeyError in the
-    optimizer's load before)."""
-    run = tmp_path / "run"
-    shutil.copytree(trained_muon, run)
-    before = snapshot(run)
-    proc = run_script(FORKRUN, "--nproc_per_node=2", "train.py", "--model_type=det", f"--out_dir={run}",
-                      *TINY, "--fsdp=True", "--init_from=resume", "--max_iters=6", "--gradient_accumulation_steps=2",
-                      data_dir=data_root, check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 1 and len(errors) == 1 and "optimizer=muon" in errors[0] and "drop --fsdp" in errors[0]
-    assert "Traceback" not in proc.stderr and snapshot(run) == before
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("case", SPAWNED)
 def test_train_mistake_is_one_line_in_a_real_process(case, run, tmp_path, data_root, tiny_vocab):
     args, named = TRAIN_CASES[case]

@@ -448,7 +448,8 @@ def test_a_json_number_of_5000_digits_is_a_400_not_a_500(server, runs):
 def test_ctrl_c_at_any_moment_ends_the_server_cleanly(runs, data_root, moment):
     """A process of its own, as a user starts it (a fork of the suite's launcher never runs Python's exit, where a
     thread inside torch aborted the process)."""
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0"],
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.explore", f"--out_dir={runs / 'free'}", "--port=0",
+                             "--stream_every=0"],  # a partial answer at the first token: the view is computing then
                             cwd=ROOT, env=script_env(data_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -462,8 +463,10 @@ def test_ctrl_c_at_any_moment_ends_the_server_cleanly(runs, data_root, moment):
             s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
             s.sendall(headers((url,), len(body)).replace(b"uncertainty", b"groups") + body)
             received = b""
-            while b'"partial": 0' not in received:
-                received += s.recv(65536)
+            while b'"partial": 0' not in received:  # the view's first partial answer: it is computing
+                chunk = s.recv(65536)
+                assert chunk, received.decode(errors="replace")[-2000:]  # closed before: its answer says why
+                received += chunk
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:

@@ -328,17 +328,23 @@ def test_bad_input_is_one_message_in_the_answer_and_the_log_and_writes_nothing(s
     assert run_files(runs) == before
 
 
+def read_until(s, marker):
+    """What the socket s receives up to marker; a failure showing what came if the server closes before it."""
+    received = b""
+    while marker not in received:
+        chunk = s.recv(65536)
+        assert chunk, received.decode(errors="replace")[-2000:]
+        received += chunk
+    return received
+
+
 def test_a_browser_closing_mid_generation_stops_it_and_the_server_goes_on(server, runs):
     host, port = server[0].split(":")
     body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(b"POST /api/groups HTTP/1.1\r\nHost: " + server[0].encode() + b"\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
-        received = b""
-        while b'"partial": 0' not in received:  # the headers, the first line, then the first tokens: close then
-            chunk = s.recv(65536)
-            assert chunk, received
-            received += chunk
+        read_until(s, b'"partial": 0')  # the headers, the first line, then the first tokens: close then
     deadline = time.time() + TIMEOUT
     while "the browser closed the connection during /api/groups" not in open(server[1]).read():
         assert time.time() < deadline
@@ -394,9 +400,7 @@ def test_a_request_while_the_server_computes_is_answered_busy_at_once(server, ru
     body = json.dumps(dict(GROUP, run=str(runs / "free"), k="64", groups="16", max_new_tokens="60")).encode()
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
-        received = b""
-        while b'"partial": 0' not in received:  # the first generation is under way
-            received += s.recv(65536)
+        read_until(s, b'"partial": 0')  # the first generation is under way
         fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
         started = time.time()
         status, events = post(server, "uncertainty", **fields)
@@ -414,9 +418,7 @@ def test_fifty_clients_at_once_each_get_an_answer(server, runs):
     fields = dict(run=str(runs / "free"), text="K>__", passes="2", seed="1")
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(headers(server, len(body)).replace(b"uncertainty", b"groups") + body)
-        received = b""
-        while b'"partial": 0' not in received:  # the server computes: each of the 50 is answered busy
-            received += s.recv(65536)
+        read_until(s, b'"partial": 0')  # the server computes: each of the 50 is answered busy
         answers = []
 
         def ask():
@@ -462,11 +464,7 @@ def test_ctrl_c_at_any_moment_ends_the_server_cleanly(runs, data_root, moment):
             host, port = url.split(":")
             s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
             s.sendall(headers((url,), len(body)).replace(b"uncertainty", b"groups") + body)
-            received = b""
-            while b'"partial": 0' not in received:  # the view's first partial answer: it is computing
-                chunk = s.recv(65536)
-                assert chunk, received.decode(errors="replace")[-2000:]  # closed before: its answer says why
-                received += chunk
+            read_until(s, b'"partial": 0')  # the view's first partial answer: it is computing
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:

@@ -182,8 +182,8 @@ def test_the_speedrun_bench_shows_an_arms_step_and_eta_while_it_runs(tmp_path, m
     from scripts import bench_speedrun
     monkeypatch.setenv(common.PROGRESS_ENV, "1")  # a line a second
     child = "import time\nfor i in range(1, 5):\n    print(f'iter {i}: loss 1.0', flush=True)\n    time.sleep(1)\n"
-    seconds = bench_speedrun.timed_run([sys.executable, "-c", child, "--max_iters=4"], str(tmp_path), dict(os.environ),
-                                       tmp_path / "arm.log")
+    seconds, _ = bench_speedrun.timed_run([sys.executable, "-c", child, "--max_iters=4"], str(tmp_path),
+                                          dict(os.environ), tmp_path / "arm.log")  # and the loads before, after
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 2 and all(line.startswith("-c in ") and ", ETA " in line for line in lines), lines
     steps = [int(line.split("step ")[1].split("/")[0]) for line in lines]

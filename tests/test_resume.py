@@ -209,7 +209,7 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(data_root, tmp_
     names = {name: id(p) in hidden for name, p in model.named_parameters()}
     assert sum(names.values()) == 7 * 2 and all(
         torch.equal(before["model"][name], after["model"][name]) == muon for name, muon in names.items())
-    groups = [*after["optimizer"]["muon"]["param_groups"], *after["optimizer"]["adamw"]["param_groups"]]
+    groups = after["optimizer"]["param_groups"]  # Muon's, then AdamW's matrices and vectors (optim.MuonAdamW)
     assert [g["lr_scale"] for g in groups] == [0.0, 1.0, 1.0] and after["config"]["muon_lr"] == 0.0
     assert [g["weight_decay"] for g in groups] == [0.05, 0.05, 0.0] and tuple(groups[1]["betas"]) == (0.9, 0.9)
 

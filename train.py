@@ -30,7 +30,6 @@ import configurator  # before torch: it answers a bare --help from this file's s
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.experimental import implicit_replication
 
 from nanolatent import ckpt, common, cpu, distributed, eve_bank, models, optim, plan, records, saves, speedups, tokendata
 
@@ -421,7 +420,7 @@ while True:
             # per-neuron tensors act on them as replicated DTensors, so each process scales its own rows.
             # Their per-unit measurements are averaged over processes first, so every rank applies the same update.
             mean_over_ranks = (lambda t: dist.all_reduce(t) or t.div_(world_size)) if ddp else None
-            with implicit_replication() if fsdp else nullcontext():
+            with distributed.replicated() if fsdp else nullcontext():
                 model.update_controllers(mean_over_ranks)
     if iter_num == start_iter:
         t_paced = time.time()

@@ -20,5 +20,5 @@ max_iters = 150
 lr_decay_iters = 150
 warmup_iters = 10
 eval_interval = 150  # an evaluation at the start and one at the end
-eval_iters = 10
+eval_iters = 2  # a glance (2 x 2,048 tokens a split): the bench scores the whole val split after the run
 log_interval = 10

@@ -11,7 +11,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanolatent import models
@@ -54,6 +53,7 @@ def wrap(model, device_type, world_size, local_rank, fsdp, ddp, compile, dtype, 
     if not fsdp:
         model = torch.compile(model) if compile else model
         return DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP runs alone import it (1 s on a CPU)
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False) if dtype == torch.bfloat16 else MixedPrecisionPolicy()
@@ -63,6 +63,13 @@ def wrap(model, device_type, world_size, local_rank, fsdp, ddp, compile, dtype, 
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def replicated():
+    """torch's implicit_replication: under FSDP the models' plain per-unit tensors act on the DTensor shards of the
+    weights as replicated DTensors (EVE's controllers rescale each process's own rows)."""
+    from torch.distributed.tensor.experimental import implicit_replication  # FSDP runs alone import it (1 s on a CPU)
+    return implicit_replication()
 
 
 def env_world_size():

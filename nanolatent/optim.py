@@ -11,7 +11,6 @@ optimizer; this module is applied by train.py under --optimizer=muon.
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adam import adam
 
 from nanolatent import models
@@ -35,18 +34,22 @@ def fast_ns_dtype(device_type):
 
 def orthogonalize(G, dtype, steps=5, eps=1e-7):
     """US'V^T for G = USV^T, S' roughly within [0.7, 1.2]: torch.optim.Muon's Newton-Schulz iteration in `dtype`
-    (torch's is this in bfloat16). Works on the wide side, where the Gram matrix X X^T is the smaller one."""
+    (torch's is this in bfloat16, bit for bit). G is a matrix or a stack of matrices of one shape (k, m, n), each
+    orthogonalised alone: one batched product for all of them. Works on the wide side, where the Gram matrix X X^T is
+    the smaller one."""
     a, b, c = NS_COEFFICIENTS
     X = G.to(dtype)
-    tall = G.size(0) > G.size(1)
+    tall = G.size(-2) > G.size(-1)
     if tall:
-        X = X.T
-    X = X / X.norm().clamp(min=eps)  # the spectral norm at most 1, where the iteration converges
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # the spectral norm at most 1, where it converges
+    stack = X if X.dim() == 3 else X.unsqueeze(0)
     for _ in range(steps):
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.addmm(X, B, X, beta=a)  # a X + B X
-    return X.T if tall else X
+        A = stack @ stack.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        stack = torch.baddbmm(stack, B, stack, beta=a)  # a X + B X
+    X = stack if X.dim() == 3 else stack[0]
+    return X.mT if tall else X
 
 
 def muon_params(model):
@@ -93,7 +96,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 self.adamw_step(group, params)
 
     def muon_step(self, group, params):
-        lr, momentum = group["lr"], group["momentum"]
+        momentum = group["momentum"]
+        updates = {}  # the Nesterov updates by shape: the matrices of one shape orthogonalised as one stack
         for p in params:
             state = self.state[p]
             if not state:
@@ -101,13 +105,23 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            if isinstance(update, DTensor):  # FSDP2: this process's rows of the whole orthogonalised matrix
+            if hasattr(update, "device_mesh"):  # FSDP2's DTensor: this process's rows of the orthogonalised whole
+                from torch.distributed.tensor import distribute_tensor  # FSDP runs alone import it (1 s on a CPU)
                 whole = orthogonalize(update.full_tensor(), self.ns_dtype)
-                update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+                self.apply_muon(group, p, distribute_tensor(whole, update.device_mesh, update.placements,
+                                                            src_data_rank=None))
             else:
-                update = orthogonalize(update, self.ns_dtype)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
+                updates.setdefault(p.shape, []).append((p, update))
+        for pairs in updates.values():
+            for (p, _), update in zip(pairs, orthogonalize(torch.stack([u for _, u in pairs]), self.ns_dtype)):
+                self.apply_muon(group, p, update)
+
+    @staticmethod
+    def apply_muon(group, p, update):
+        """Decoupled weight decay, then the orthogonalised update at Keller Jordan's per-shape scale."""
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
 
     def adamw_step(self, group, params):
         for p in params:

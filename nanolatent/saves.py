@@ -4,9 +4,6 @@ not at all, a save loaded under any parallel mode, and what a save killed after 
 import os
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
 from nanolatent import ckpt, lock, optim, records
 from nanolatent.common import die
@@ -112,6 +109,8 @@ class Saves:
                     die(f"could not write {tmp}: {e.strerror or e}; make {os.path.dirname(tmp)} writable and resume "
                         f"with --init_from=auto (the previous checkpoint there, if any, is unchanged)")
             if self.fsdp:
+                import torch.distributed.checkpoint as dcp  # FSDP runs alone import it (1 s on a CPU)
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
                 dist.barrier()  # the folder exists before any process writes into it
                 # Before the first update AdamW has no state, and get_state_dict would make one by taking a step with
                 # zero gradients (its step count would then differ from the uninterrupted run's): the weights alone.
@@ -163,6 +162,10 @@ class Saves:
                      "each process keeps its shards of its full tensors (set_state_dict, full_state_dict=True)"))
         if not sharded:
             checkpoint["optimizer"] = optim.one_state(checkpoint["optimizer"], optimizer)
+        if sharded or self.fsdp:  # these alone import DCP (1 s on a CPU)
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_state_dict, set_model_state_dict, set_state_dict)
         if not sharded and not self.fsdp:
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])

@@ -11,7 +11,7 @@ with nanoGPT's data script and with prepare.py (and checks that both wrote the s
 characters, the same 90/10 split), then runs the two arms in turns, nanoGPT, ours, nanoGPT, ours, ..., every process
 with OMP_NUM_THREADS=--threads (a loaded machine slows both alike; the load average is printed before each run). nanoGPT
 runs its README's "I only have a macbook" command (4 layers x 128, context 64, batch 12, 2,000 steps, dropout 0, no
-compile), evaluating 100 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time
+compile), evaluating 20 batches every 250 steps; its train.py fixes its seed, so its runs repeat one training and time
 it again. Ours runs `train.py config/det_speedrun_char.py --seed=1337+i`, once in each turn per --muon_dtypes entry (an
 arm each: Muon's Newton-Schulz in the machine's fast precision, 'auto', or in the one named). After each run (outside
 its time) its final checkpoint is scored the same way: the mean cross-entropy per token over the whole val split cut
@@ -56,8 +56,8 @@ muon_dtypes = "auto"  # our arms: train.py's --muon_dtype of each, comma-separat
 out_json = ""  # also write the runs and the summary here
 # ----------------------------------------------------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# nanoGPT's README: "I only have a macbook", with the evaluation every 250 steps on 100 batches
-NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=100",
+# nanoGPT's README, "I only have a macbook", word for word
+NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
                   "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
                   "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",

@@ -17,10 +17,15 @@ from nanolatent import models
 from nanolatent.common import die
 
 
+def launched():
+    """Whether torchrun started this process (its RANK is set)."""
+    return int(os.environ.get("RANK", -1)) != -1
+
+
 def init(device, dist_timeout):
     """(ddp, rank, world_size, local_rank, device): one process without torchrun's RANK; under it the process group,
     each process on its own GPU, and sys.excepthook = lost_peer."""
-    if int(os.environ.get("RANK", -1)) == -1:
+    if not launched():
         return False, 0, 1, None, device
     local_rank = int(os.environ["LOCAL_RANK"])
     if device.startswith("cuda"):

@@ -1,12 +1,16 @@
 """The metrics: Monte Carlo statistics of M stochastic passes (per token, and summed over batches: evaluate.py's
-table, the explorer's and the studies' per-token scores) and the population metrics of K generations (pass@k,
-majority vote, diversity)."""
+table, the explorer's and the studies' per-token scores), the population metrics of K generations (pass@k, majority
+vote, diversity), and a model evaluated by them (evaluate.py's tasks)."""
 
 import math
 from collections import Counter
+from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from nanolatent import common, multiple_choice, tasks
 
 # ----------------------------------------------------------------------------------------------------------------
 # Monte Carlo metrics: pure functions of log-probabilities, no model involved
@@ -168,3 +172,143 @@ def cosine_distance(embeddings):
         return 0.0
     cos = unit @ unit.T  # (K, K)
     return float((k * k - cos.sum()) / (k * (k - 1)))  # the diagonal's K ones leave K(K-1) off-diagonal terms
+
+
+LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
+           "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a model evaluated by them: evaluate.py's tasks (lm, mc, population), one function each
+
+
+def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):
+    """Start offsets of non-overlapping windows (T inputs, T targets): every T tokens of the stream, or the start
+    of every fixed-length sequence (datasets with doc_len, like the synthetic task, as train.py batches them)."""
+    if doc_len:
+        starts = list(range(0, n_tokens - doc_len + 1, doc_len))
+    else:
+        starts = list(range(0, n_tokens - T, T))
+    if max_tokens:
+        starts = starts[:max(1, math.ceil(max_tokens / T))]
+    return starts
+
+
+@torch.no_grad()
+def evaluate_lm(model, data, starts, T, n_passes, generator, *, batch_size=8, iw_samples=0, n_bins=15,
+                cvar_alpha=0.05, autocast=nullcontext()):
+    """Monte Carlo metrics of model on the windows data[s:s+T] -> data[s+1:s+T+1], the mean of its forward(x, y)
+    stats, the sequence-level mixture's NLL, and for a model with an encoder (Free) the ELBO and the importance-weighted
+    bound."""
+    device = model.tok_emb.weight.device
+    mc, stats, bounds, seq_nll, n_seqs = MCStats(n_bins, cvar_alpha), Counter(), Counter(), Counter(), 0
+    for i in common.progress(range(0, len(starts), batch_size), desc="lm batches"):
+        rows = [torch.from_numpy(data[s:s + T + 1].astype("int64")) for s in starts[i:i + batch_size]]
+        xy = torch.stack(rows).to(device)
+        x, y = xy[:, :-1], xy[:, 1:]  # (B, T) each
+        B = x.size(0)
+        with autocast:
+            # The model's own diagnostics: forward(x, y) as in training (EVE band stats; Free: encoder, KL, ELBO).
+            logits, _, batch_stats = model(x, y)  # (B, T, V)
+        stats.update({k: float(v) * B for k, v in batch_stats.items()})
+
+        seq_ll = []  # (B,) log prod_t p_m(y_t) of each pass: the sequence-level mixture
+
+        def passes():
+            for m in range(1 if model.latent_kind == "none" else n_passes):
+                if model.latent_kind != "none":  # fresh latents per pass: EVE eps, B-Trans minds, Free prior Z
+                    with autocast:
+                        pass_logits = model(x, y, latents=model.sample_latents(B, generator))[0]  # (B, T, V)
+                log_p = F.log_softmax((logits if model.latent_kind == "none" else pass_logits).float(), dim=-1)
+                seq_ll.append(log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1).double().sum(1))  # (B,)
+                yield log_p.flatten(0, 1)  # (B*T, V)
+        mc.add(passes(), y.reshape(-1))
+        seq_nll["sum"] -= (torch.logsumexp(torch.stack(seq_ll), 0) - math.log(len(seq_ll))).sum().item()
+        if model.latent_kind == "code" and iw_samples:
+            bounds["iw_bound"] += iw_bound(model, x, y, iw_samples, generator, autocast).sum().item()
+        n_seqs += B
+    out = {"latents": LATENTS[model.latent_kind], **mc.result()}
+    # -1/T log mean_m prod_t p_m(y_t): the windows' likelihood under the population when a latent is frozen for a
+    # whole window (a B-Trans mind, Eq. 3); nll above averages per token. Equal for a deterministic model.
+    out["seq_nll"] = seq_nll["sum"] / (n_seqs * T)
+    if model.latent_kind == "code":  # Free Transformer: the honest likelihood bounds beside the prior-Z metrics
+        # -ELBO per token, nats: -log p(y|z) at one encoder sample z ~ q(Z|x) per sequence + the exact KL(q || uniform)
+        out["neg_elbo"] = stats.pop("elbo") / n_seqs
+        stats["ce_posterior"] = stats.pop("ce")  # CE given the encoder's Z, which reads the tokens: not a likelihood
+        if iw_samples:
+            out["iw_bound"] = bounds["iw_bound"] / (n_seqs * T)
+            out["iw_samples"] = iw_samples
+    out.update({f"stats/{k}": v / n_seqs for k, v in stats.items()})
+    return out
+
+
+@torch.no_grad()
+def iw_bound(model, x, y, K, generator, autocast=nullcontext()):
+    """Importance-weighted bound (Burda et al. 2016) with the encoder as proposal, per sequence:
+    -log (1/K) sum_k p(y|z_k) p(z_k) / q(z_k|x), z_k ~ q(Z|x), p(z) uniform (-H log 2 per token). Z_t acts on every
+    later token, so the weights are per sequence, not per token. Returns (B,) nats per sequence."""
+    log_w = []
+    for _ in range(K):
+        with autocast:
+            codes, log_q = model.posterior(x, generator)  # (B, T) each
+            logits = model(x, y, latents=codes)[0]  # (B, T, V)
+        log_py = F.log_softmax(logits.float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        log_w.append(log_py.sum(1) + model.log_prior(codes).sum(1) - log_q.float().sum(1))  # (B,)
+    return -(torch.logsumexp(torch.stack(log_w), dim=0) - math.log(K))  # (B,)
+
+
+def evaluate_mc(model, examples, encode, decode, n_passes, seed, *, autocast=nullcontext(), mixture="token", eot=None,
+                items=None):
+    """acc: argmax of the summed log-likelihood; acc_char: of the sum / the characters scored (the whole choice, or
+    the tail that fits the context window; the harness' acc_norm); acc_completion: of the mean per token (the Free
+    Transformer paper's Appendix D definition). Stochastic models score with the `mixture` of n_passes passes
+    (multiple_choice.score_choices), example i with the latents of multiple_choice.example_generator(seed, i). items:
+    a list that receives one dict per example: the per-choice log-likelihoods (of a stochastic model under both
+    mixtures, on the same draws), the prediction of each metric, truncation."""
+    hits, truncated = Counter(), 0
+    mixtures = ("token", "sequence") if n_passes > 1 and items is not None else ()
+    for i, ex in enumerate(common.progress(examples, desc="mc examples")):
+        pairs = [multiple_choice.choice_tokens(encode, ex["context"], choice, eot) for choice in ex["choices"]]
+        draws = lambda: multiple_choice.example_generator(model, seed, i)  # the same latents for every mixture
+        ll, n_tokens, cut = multiple_choice.score_choices(model, pairs, n_passes, draws(), autocast, mixture)
+        truncated += cut
+        chars = [len(c) if n == len(cont) else len(decode(cont[len(cont) - n:]))
+                 for c, n, (_, cont) in zip(ex["choices"], n_tokens, pairs)]
+        scores = {"acc": ll, "acc_char": [s / max(n, 1) for s, n in zip(ll, chars)],
+                  "acc_completion": [s / max(n, 1) for s, n in zip(ll, n_tokens)]}
+        pred = {name: max(range(len(values)), key=values.__getitem__) for name, values in scores.items()}
+        for name, k in pred.items():
+            hits[name] += k == ex["label"]
+        if items is not None:
+            score = lambda m: multiple_choice.score_choices(model, pairs, n_passes, draws(), autocast, m)[0]
+            lls = {m: ll if m == mixture else score(m) for m in mixtures} or {"none": ll}
+            items.append({"index": i, "label": ex["label"], "loglikelihoods": lls, "tokens": n_tokens,
+                          "chars": chars, "pred": pred, "truncated": cut})
+    return {"latents": LATENTS[model.latent_kind],
+            **{k: hits[k] / len(examples) for k in ("acc", "acc_char", "acc_completion")},
+            "mixture": mixture if n_passes > 1 else "none", "examples": len(examples), "passes": n_passes,
+            "truncated": truncated}
+
+
+@torch.no_grad()
+def evaluate_population(model, prompts, encode, decode, K, generator, *, max_new_tokens=64, temperature=1.0,
+                        top_k=0, n=4):
+    """K minds per prompt (latents from sample_latents, one generation each) on the letters task: mean pass@1 and
+    pass@K, majority-vote accuracy over the K answers, distinct-n of the group and mean pairwise edit distance."""
+    device = model.tok_emb.weight.device
+    totals = Counter()
+    for prompt in common.progress(prompts, desc="population prompts"):
+        idx = torch.tensor([encode(prompt)] * K, dtype=torch.long, device=device)
+        # K independent draws consistent with the prompt: the Free Transformer's prompt Z from its encoder (§3.2)
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                           latents=model.sample_latents(K, generator, prompt=idx), generator=generator)
+        texts = [decode(row[idx.size(1):]) for row in out.tolist()]
+        answers = [tasks.letters_answer(t) for t in texts]
+        c = sum(a == prompt[0] for a in answers)
+        totals["pass@1"] += pass_at_k(K, c, 1)
+        totals[f"pass@{K}"] += pass_at_k(K, c, K)
+        totals["majority_acc"] += majority_answer(answers) == prompt[0]
+        totals[f"distinct_{n}"] += distinct_n(texts, n)
+        totals["pairwise_edit"] += pairwise_distance(texts)
+    return {"latents": LATENTS[model.latent_kind],
+            **{k: v / len(prompts) for k, v in totals.items()}, "prompts": len(prompts), "minds": K}

@@ -1,5 +1,5 @@
 """Run records: metrics.jsonl, one JSON line per evaluation or log step, appended, read, and cut back on resume; and
-the line train.py prints for each."""
+the lines train.py prints (its first, each step's and evaluation's, its last)."""
 
 import contextlib
 import json
@@ -91,3 +91,20 @@ def eval_line(evals, iter_num, max_iters):
     """An evaluation's line: the losses that fit (every value is in metrics.jsonl)."""
     shown = [f"{k} {evals[k]:.4f}" for k in ("train_loss", "val_loss", "val_ce_prior", "val_kl") if k in evals]
     return fit_line(f"iter {iter_num}/{max_iters} eval:", shown, "(all in metrics.jsonl)")
+
+
+def run_line(model_type, model, tokens_per_iter, world_size, device, threads):
+    """train.py's first line: the model's size and the step's tokens, where."""
+    return (f"{model_type} model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} "
+            f"MFLOPs per token; {tokens_per_iter:,} tokens per iteration on {world_size} process(es), {device}"
+            + (f" ({threads} thread{'s' if threads > 1 else ''}; OMP_NUM_THREADS=N sets it)" if threads else ""))
+
+
+def done_lines(out_dir, dataset, model_type):
+    """train.py's last lines: what to do with the run next. A stochastic model also samples with one draw of the
+    latents for the whole group: what they carry shows as what the group shares."""
+    start = ' --start="K>"' if dataset == "synthetic" else ""  # the synthetic task's prompt: a letter and '>'
+    lines = [f"done. Sample from {out_dir}:", f"  python sample.py --out_dir={out_dir}{start} --num_samples=8"]
+    if model_type != "det":
+        lines.append(f"  python sample.py --out_dir={out_dir}{start} --num_samples=8 --latents=shared --latent_seed=1")
+    return "\n".join(lines)

@@ -82,6 +82,31 @@ def load_tokens(dataset, split, meta):
     return arrays[0] if len(arrays) == 1 else Shards(arrays)
 
 
+def check_fit(dataset, meta, splits, vocab_size, block_size):
+    """One line (exit 2) when a model of vocab_size and block_size cannot train on the dataset's splits."""
+    if vocab_size < meta["vocab_size"]:  # the embedding would have no row for the data's higher ids
+        die(f"vocab_size={vocab_size} is below dataset {dataset!r}'s {meta['vocab_size']}: drop --vocab_size (the "
+            f"data's is the default) or set it >= {meta['vocab_size']}")
+    if "doc_len" in meta and block_size >= meta["doc_len"]:
+        die(f"{dataset} holds sequences of {meta['doc_len']} tokens: set block_size <= {meta['doc_len'] - 1}")
+    train, val = (len(split) for split in splits)
+    if min(train, val) <= block_size:
+        die(f"dataset {dataset!r} has {train:,} train and {val:,} val tokens: too few for one window of block_size "
+            f"+ 1 = {block_size + 1}; prepare more data or lower block_size")
+
+
+def windows(data, meta, T, n, rng):
+    """n random windows of T tokens of a split and their targets, each (n, T) int64: anywhere in a stream, or from the
+    first token of a sequence where the data is fixed-length sequences (meta's doc_len: the synthetic task)."""
+    if "doc_len" in meta:
+        starts = meta["doc_len"] * rng.integers(len(data) // meta["doc_len"], size=n)
+    else:
+        starts = rng.integers(len(data) - T, size=n)
+    x = np.stack([data[i:i + T] for i in starts]).astype(np.int64)
+    y = np.stack([data[i + 1:i + 1 + T] for i in starts]).astype(np.int64)
+    return x, y
+
+
 class Shards:
     """Token files read as one stream: len() and data[i:j], which reads across a file boundary as the stream before
     sharding did (prepare.py cuts shards at a token count, so a document may begin in one file and end in the next)."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanolatent import ckpt, models
+from nanolatent import ckpt, models, saves
 
 from conftest import (FORKRUN, ROOT, TINY, records, run_script, start_script, train_det, train_in_process,
                       wait_for_line)
@@ -367,7 +367,7 @@ def test_a_save_that_resumes_to_nan_is_named_in_the_line_that_stops_the_run(run,
     checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
     checkpoint["model"]["blocks.0.attn.wq.weight"][0, 0] = float("nan")
     torch.save(checkpoint, folder / "ckpt.pt")
-    ckpt.write_sums(folder, {"ckpt.pt": ckpt.sha256(folder / "ckpt.pt")})
+    saves.write_sums(folder, {"ckpt.pt": saves.sha256(folder / "ckpt.pt")})
     code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=8",
                                       "--max_nonfinite=2")
     assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"since the resume from {folder}",

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from conftest import LOCAL_DATA, TINY, needs_local, run_script
 
-import evaluate
 from nanolatent import ckpt, metrics, models, multiple_choice, sampling, tasks
 
 TINY_MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, block_size=24)
@@ -124,8 +123,8 @@ def test_det_model_gives_exactly_zero_mi_and_flip_and_the_plain_cross_entropy():
     model = tiny("det")
     data = np.random.default_rng(0).integers(len(CHARS), size=400).astype(np.uint16)
     T = 20
-    starts = evaluate.lm_windows(len(data), T)
-    out = evaluate.evaluate_lm(model, data, starts, T, n_passes=4, generator=torch.Generator().manual_seed(0),
+    starts = metrics.lm_windows(len(data), T)
+    out = metrics.evaluate_lm(model, data, starts, T, n_passes=4, generator=torch.Generator().manual_seed(0),
                                batch_size=3)
     assert out["mi"] == 0.0 and out["flip_rate"] == 0.0 and out["cond_var"] == 0.0 and out["passes"] == 1
     x, y = windows(data, starts, T)
@@ -140,8 +139,8 @@ def test_btrans_metrics_average_the_softmaxes_of_one_fresh_mind_per_pass():
     model = tiny("btrans", sigma=1.0)
     data = np.random.default_rng(1).integers(len(CHARS), size=200).astype(np.uint16)
     T, M, B = 16, 3, 4
-    starts = evaluate.lm_windows(len(data), T)
-    out = evaluate.evaluate_lm(model, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
+    starts = metrics.lm_windows(len(data), T)
+    out = metrics.evaluate_lm(model, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
     gen = torch.Generator().manual_seed(5)  # the same minds, drawn in the same order: per batch, per pass
     x, y = windows(data, starts, T)
     probs = torch.cat([torch.stack([F.softmax(model(xb, yb, latents=model.sample_latents(xb.size(0), gen))[0], -1)
@@ -158,7 +157,7 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
     data = np.random.default_rng(2).integers(len(CHARS), size=100).astype(np.uint16)
     T, K = 16, 5
     x, y = windows(data, [0, 20], T)
-    bound = evaluate.iw_bound(model, x, y, K, torch.Generator().manual_seed(3))
+    bound = metrics.iw_bound(model, x, y, K, torch.Generator().manual_seed(3))
     gen, log_w = torch.Generator().manual_seed(3), []
     for _ in range(K):
         codes, log_q = model.posterior(x, gen)
@@ -168,7 +167,7 @@ def test_free_iw_bound_and_elbo_are_reported_and_match_a_direct_computation():
     assert torch.allclose(bound, -(log_w.exp().mean(0).log()), atol=1e-4)
 
     torch.manual_seed(0)
-    out = evaluate.evaluate_lm(model, data, [0, 20], T, 2, torch.Generator().manual_seed(3), iw_samples=K)
+    out = metrics.evaluate_lm(model, data, [0, 20], T, 2, torch.Generator().manual_seed(3), iw_samples=K)
     torch.manual_seed(0)
     assert out["neg_elbo"] == pytest.approx(model(x, y)[2]["elbo"].item(), abs=1e-5)  # posterior CE + full KL
     assert "stats/ce" not in out and "stats/ce_posterior" in out  # the posterior CE is never the model's loss
@@ -182,7 +181,7 @@ def test_per_token_values_of_one_text_average_to_the_lm_metrics_of_its_window(mo
     net = tiny(model_type, sigma=1.0) if model_type == "btrans" else tiny(model_type)
     ids = np.random.default_rng(2).integers(len(CHARS), size=21).astype(np.uint16)
     per_token = sampling.token_uncertainty(net, ids.tolist(), 4, torch.Generator().manual_seed(5))
-    whole = evaluate.evaluate_lm(net, ids, [0], 20, n_passes=4, generator=torch.Generator().manual_seed(5))
+    whole = metrics.evaluate_lm(net, ids, [0], 20, n_passes=4, generator=torch.Generator().manual_seed(5))
     assert per_token["passes"] == whole["passes"] == (1 if model_type == "det" else 4)
     for key in ("nll", "entropy", "expected_entropy", "mi"):
         assert len(per_token[key]) == 20
@@ -236,7 +235,7 @@ def test_mc_accuracies_on_a_hand_made_jsonl_equal_direct_scoring(tmp_path):
     path.write_text("\n".join(json.dumps(e) for e in examples) + "\n")
     loaded = multiple_choice.load_mc_examples(str(path))
     assert loaded == examples
-    out = evaluate.evaluate_mc(model, loaded, encode, decode, 1, None)
+    out = metrics.evaluate_mc(model, loaded, encode, decode, 1, None)
     hits = {"acc": 0, "acc_char": 0, "acc_completion": 0}
     for ex in examples:
         ll, n = [], []
@@ -341,7 +340,7 @@ def test_greedy_det_minds_are_identical_and_scored_by_the_verifier():
     model = models.build_model("det", {**TINY_MODEL, "block_size": 70, "vocab_size": len(chars)}).eval()
     enc = lambda s: [chars.index(ch) for ch in s]
     dec = lambda ids: "".join(chars[i] for i in ids)
-    out = evaluate.evaluate_population(model, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
+    out = metrics.evaluate_population(model, ["K>", "B>"], enc, dec, 3, torch.Generator().manual_seed(0),
                                        temperature=0.0)
     texts = [dec(model.generate(torch.tensor([enc(p)]), 64, temperature=0.0)[0, 2:].tolist()) for p in ("K>", "B>")]
     correct = [tasks.verify_letters(p, t) for p, t in zip(("K>", "B>"), texts)]
@@ -409,7 +408,7 @@ def test_acc_char_divides_by_the_characters_actually_scored():
     examples = [{"context": "ab", "choices": ["c" * 30, "d"], "label": 0}]  # 30 + 1 characters > block_size 24
     pairs = [multiple_choice.choice_tokens(encode, ex["context"], c) for ex in examples for c in ex["choices"]]
     ll, n_tokens, truncated = multiple_choice.score_choices(model, pairs, 1, None)
-    out = evaluate.evaluate_mc(model, examples, encode, decode, 1, None)
+    out = metrics.evaluate_mc(model, examples, encode, decode, 1, None)
     chars = [n_tokens[0], 2]  # the char tokenizer: a token is a character; " d" is two
     expected = max(range(2), key=lambda i: ll[i] / chars[i]) == 0
     assert truncated and n_tokens[0] == 24 and out["acc_char"] == float(expected)

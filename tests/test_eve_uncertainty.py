@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from conftest import LOCAL_DATA, local_skip
 
-import evaluate
 from experiments import eve_uncertainty as eu
 from nanolatent import metrics, models, tokendata
 
@@ -81,9 +80,9 @@ def test_window_scores_average_to_evaluate_lm_on_the_same_windows_and_draws(mode
     monkeypatch.setattr(eu, "seq_len", T)
     monkeypatch.setattr(eu, "mc_samples", M)
     monkeypatch.setattr(eu, "batch_size", B)
-    starts = evaluate.lm_windows(len(data), T)
+    starts = metrics.lm_windows(len(data), T)
     got = eu.window_scores(model, data, starts, torch.Generator().manual_seed(5))
-    whole = evaluate.evaluate_lm(model, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
+    whole = metrics.evaluate_lm(model, data, starts, T, M, torch.Generator().manual_seed(5), batch_size=B)
     assert got["mi"].shape == (len(starts), T)
     for key, metric in (("mi", "mi"), ("flip", "flip_rate"), ("entropy", "entropy")):
         assert got[key].mean() == pytest.approx(whole[metric], abs=1e-6), key

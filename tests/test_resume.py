@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import FORKRUN, KILL_IN_SAVE, TINY, records, run_script, start_script, train_det, wait_for_line
 from kill_in_save import job, kill_job
 
-from nanolatent import ckpt, lock, optim
+from nanolatent import ckpt, lock, optim, saves
 
 MODES = {"single": ([], 0), "ddp": ([], 2), "fsdp": (["--fsdp=True"], 2)}  # train.py flags, processes
 TIMINGS = ("tokens_per_s", "mfu")  # the only fields of a record that differ between identical runs
@@ -220,12 +220,12 @@ def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_fo
         (tmp_path / ckpt.CHECKPOINTS / f"iter_{it:07d}" / "ckpt.pt").write_text(str(it))
     os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000009.tmp")  # a save killed halfway
     os.makedirs(tmp_path / ckpt.CHECKPOINTS / "iter_0000000.old")  # a deletion killed halfway
-    ckpt.point(tmp_path, "ckpt.pt", tmp_path / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt")
+    saves.point(tmp_path, "ckpt.pt", tmp_path / ckpt.CHECKPOINTS / "iter_0000002" / "ckpt.pt")
     assert sorted(ckpt.saved_steps(tmp_path)) == [1, 2, 3, 4, 5]
-    ckpt.prune(tmp_path, 2, "ckpt.pt")
+    saves.prune(tmp_path, 2, "ckpt.pt")
     assert sorted(ckpt.saved_steps(tmp_path)) == [2, 4, 5]
     assert (tmp_path / "ckpt.pt").read_text() == "2" and os.readlink(tmp_path / "ckpt.pt").startswith(ckpt.CHECKPOINTS)
-    ckpt.prune(tmp_path, 0)
+    saves.prune(tmp_path, 0)
     assert ckpt.saved_steps(tmp_path) == {}
     assert sorted(os.listdir(tmp_path / ckpt.CHECKPOINTS)) == ["iter_0000000.old", "iter_0000009.tmp"]
     lock.lock_out_dir(tmp_path, "test")  # the next writer removes what killed writers left
@@ -320,8 +320,8 @@ def test_retention_keeps_exactly_the_newest_n_and_the_best_over_thirty_saves(kee
         (folder / "ckpt.pt").write_text(str(it))
         if best is None or rng.random() < 0.2:
             best = it
-            ckpt.point(tmp_path, "ckpt.pt", folder / "ckpt.pt")
-        ckpt.prune(tmp_path, keep, "ckpt.pt")
+            saves.point(tmp_path, "ckpt.pt", folder / "ckpt.pt")
+        saves.prune(tmp_path, keep, "ckpt.pt")
         assert sorted(ckpt.saved_steps(tmp_path)) == sorted(set(range(max(it + 1 - keep, 0), it + 1)) | {best})
         assert (tmp_path / "ckpt.pt").read_text() == str(best)
 
@@ -393,7 +393,7 @@ def test_a_save_whose_bytes_changed_is_set_aside_each_time_under_a_fresh_name(sa
         overwrite_tensor_bytes(newest / "ckpt.pt")
         out = train_det(data_root, out_dir, *saved_run[1]).stdout
         assert f"resuming from {out_dir / ckpt.CHECKPOINTS / 'iter_0000003'} at iter 3" in out
-        assert f"does not match its checksum in {ckpt.SUMS}" in out and f"moved to {ckpt.CHECKPOINTS}/{aside}," in out
+        assert f"does not match its checksum in {saves.SUMS}" in out and f"moved to {ckpt.CHECKPOINTS}/{aside}," in out
         assert untimed(out_dir) == untimed(saved_run[0])
     assert os.path.isdir(f"{newest}.unreadable") and os.path.isdir(f"{newest}.unreadable2")
 
@@ -406,9 +406,9 @@ def test_every_file_of_a_save_has_its_checksum_written_with_it(mode, data_root, 
     out_dir = tmp_path / "run"
     finish(command(mode, out_dir, *SAVES, "--keep_checkpoints=2", torchrun=False), data_root)
     for folder in ckpt.saved_steps(out_dir).values():
-        with open(os.path.join(folder, ckpt.SUMS)) as f:
+        with open(os.path.join(folder, saves.SUMS)) as f:
             listed = dict(reversed(line.split()) for line in f)
-        assert sorted(listed) == sorted(name for name in os.listdir(folder) if name != ckpt.SUMS)
+        assert sorted(listed) == sorted(name for name in os.listdir(folder) if name != saves.SUMS)
         for name, digest in listed.items():
             with open(os.path.join(folder, name), "rb") as f:
                 assert hashlib.sha256(f.read()).hexdigest() == digest

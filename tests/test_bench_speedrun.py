@@ -37,6 +37,9 @@ def test_the_summary_pairs_each_of_our_arms_with_nanogpts_run_of_the_same_turn()
     assert ours["gap"]["diffs"] == pytest.approx([-0.01, 0.015, 0.005])
     assert ours["gap"]["mean"] == pytest.approx(1e-2 / 3)
     assert ours["within"] == 2 and arms["ours-bfloat16"]["within"] == 2  # 1.925 and 1.93 above 1.91 + 0.01
+    cut = bench_speedrun.summary(runs[:7])  # saved after nanoGPT's third run, before ours: two turns each
+    assert cut["nanogpt"]["n"] == 3 and cut["ours"]["ratio"]["n"] == cut["ours"]["gap"]["n"] == 2
+    assert cut["ours"]["ratio"]["mean"] == pytest.approx((20 / 120 + 39 / 130) / 2)
     lines = bench_speedrun.table(runs)
     assert lines[1:4] == ["nanogpt | 1337 | 120.0 | 1.00, 2.00 | 1.9000 | 1.9100",
                           "ours | 1337 | 20.0 | 1.00, 2.00 | 1.9000 | 1.9000",

@@ -207,7 +207,7 @@ train_model = distributed.wrap(model, device_type, world_size, local_rank, fsdp,
 compiling = "first training step (torch.compile compiles it)"
 step_forward = common.first_call(train_model, compiling) if compile else train_model
 opt = optim.build(optimizer, model, weight_decay, learning_rate, muon_lr, (beta1, beta2), device_type,
-                  None if muon_dtype == "auto" else common.DTYPES[muon_dtype])  # the object; `optimizer` its name
+                  None if muon_dtype == "auto" else common.DTYPES[muon_dtype])  # `optimizer`: the setting
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 

@@ -174,12 +174,11 @@ def cosine_distance(embeddings):
     return float((k * k - cos.sum()) / (k * (k - 1)))  # the diagonal's K ones leave K(K-1) off-diagonal terms
 
 
-LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
-           "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # a model evaluated by them: evaluate.py's tasks (lm, mc, population), one function each
+
+LATENTS = {"none": "none (deterministic)", "noise": "fresh noise per pass", "mind": "one mind per pass",
+           "code": "every Z_t from the uniform prior per pass"}  # Model.latent_kind -> what a pass draws
 
 
 def lm_windows(n_tokens, T, doc_len=None, max_tokens=0):

@@ -90,8 +90,10 @@ def test_help_keeps_the_files_groups_and_their_comments(monkeypatch, capsys):
     assert lines.index("# I/O") < lines.index("--out_dir=out") < lines.index("# data") < lines.index(
         "--dataset=synthetic") < lines.index("# system")
     # an own-line comment that continues a setting's comment stays under it
-    init_from = next(i for i, line in enumerate(lines) if line.startswith("--init_from="))
-    assert lines[init_from + 1].startswith("# checkpoint and starts otherwise")
+    code, out, _ = run_help(monkeypatch, capsys, "evaluate.py", "--help")
+    lines = out.splitlines()
+    kernels = next(i for i, line in enumerate(lines) if line.startswith("--kernels="))
+    assert lines[kernels + 1].startswith("# module): faster, rounding apart.")
     code, out, _ = run_help(monkeypatch, capsys, "scripts/convert.py", "-h")
     assert code == 0 and out.startswith("usage: python -m scripts.convert [direction] [config.py ...]")
 

@@ -71,6 +71,21 @@ def test_newton_schulz_in_bfloat16_is_torchs_and_in_float32_orthogonalises_into_
     assert (ours - theirs.float()).norm() / ours.norm() < 0.03  # and the same directions
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 32), (32, 96)])
+def test_a_stack_of_matrices_orthogonalises_each_as_alone_bit_for_bit(shape, dtype):
+    """MuonAdamW orthogonalises the matrices of one shape as one stack (one batched product): each comes out as it
+    would alone, in bfloat16 torch's own iteration's bits."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    stack = torch.stack([momentum_like(shape, seed) for seed in range(3)])
+    together = optim.orthogonalize(stack, dtype)
+    assert together.shape == stack.shape and together.dtype == dtype
+    for G, ours in zip(stack, together):
+        assert torch.equal(ours, optim.orthogonalize(G, dtype))
+        if dtype == torch.bfloat16:
+            assert torch.equal(ours, _zeropower_via_newtonschulz(G, optim.NS_COEFFICIENTS, 5, 1e-7))
+
+
 def test_in_bfloat16_the_optimizer_steps_as_torchs_muon_and_adamw_bit_for_bit():
     torch.manual_seed(0)
     model = models.build_model("det", SMALL)

@@ -13,10 +13,8 @@ import sys
 
 import pytest
 
-from nanolatent import ckpt
-
-from conftest import (FORKRUN, ROOT, TINY, assert_one_line_error, records, run_script, snapshot, train_det,
-                      train_in_process, write)
+from conftest import (FORKRUN, ROOT, TINY, assert_one_line_error, run_script, snapshot, train_det, train_in_process,
+                      write)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -32,20 +30,6 @@ def test_a_dry_run_under_a_world_size_that_is_no_number_of_processes_is_one_line
                           "--dry_run_world_size")
 
 
-@pytest.mark.parametrize("init_from", ["scratch", "auto"])
-def test_records_of_an_earlier_run_whose_checkpoints_were_deleted_are_kept(init_from, run, data_root, monkeypatch,
-                                                                            capsys):
-    """The run's checkpoints deleted by hand, its metrics.jsonl kept: a new run there is refused in one line (the
-    records as they were) unless --overwrite=True replaces them."""
-    shutil.rmtree(run / ckpt.CHECKPOINTS)
-    os.remove(run / "ckpt.pt")
-    before = snapshot(run)
-    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, f"--init_from={init_from}")
-    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), str(run / "metrics.jsonl"), "0 to 4",
-                          "--overwrite=True")
-    assert snapshot(run) == before
-
-
 @pytest.mark.slow
 def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
     with open(run / ".lock", "w") as lock:  # as a running train.py holds it
@@ -57,14 +41,6 @@ def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
         assert_one_line_error(proc, "is in use by train.py (pid 4242)")
         assert snapshot(run) == before
     train_det(data_root, run, "--init_from=resume", "--max_iters=6")  # released: the lock never outlives its holder
-
-
-@pytest.mark.slow
-def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_root):
-    write(run / "metrics.jsonl", '{"iter": 5, "lo', mode="a")  # a crash mid-append
-    proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", "--eval_interval=2")
-    assert "ends in a partial line" in proc.stderr
-    assert [r["iter"] for r in records(run) if "val_loss" in r] == [0, 2, 4, 6]
 
 
 @pytest.mark.slow
@@ -362,16 +338,6 @@ def test_evaluate_mc_bad_example_is_one_line_naming_the_line(line, phrase, train
 
 
 @pytest.mark.slow
-def test_plot_skips_a_partial_last_line(trained, tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is optional (pip install matplotlib); CI installs it")
-    shutil.copytree(trained, tmp_path / "run")
-    write(tmp_path / "run" / "metrics.jsonl", '{"iter": 9, "val_lo', mode="a")
-    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path)
-    assert "ends in a partial line" in proc.stderr and (tmp_path / "p.png").exists()
-    assert json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())["iter"] == 0
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["metrics.jsonl", "notes.json"])
 def test_evaluate_never_replaces_a_file_it_did_not_write(name, trained, data_root, tmp_path):
     """--out_json=RUN/metrics.jsonl (the run's training log), or any JSON of another writer: one line before the
@@ -413,14 +379,6 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(trained, data_ro
     a, b = (run_script("sample.py", f"--out_dir={trained}", start, "--seed=3", "--num_samples=2",
                        data_dir=data_root).stdout for start in ("--start=K>", f"--start=FILE:{tmp_path / 'bom.txt'}"))
     assert a == b and a.count("K>") == 2
-
-
-@pytest.mark.slow
-def test_plot_with_no_keys_is_one_line(trained, tmp_path):
-    proc = run_script("-m", "scripts.plot", trained, "--keys=", f"--out={tmp_path / 'p.png'}", data_dir=tmp_path,
-                      check=False)
-    assert_one_line_error(proc, "--keys=", "names no key")
-    assert not (tmp_path / "p.png").exists()
 
 
 @pytest.mark.parametrize("rank, printed", [("0", "error: no such run\n"), ("3", "")])

@@ -3,7 +3,6 @@ changed. Then the cases that must be accepted and do the right thing (eval_only,
 stopping: Ctrl-C, SIGTERM and a full disk (simulated by a sitecustomize.py the subprocess imports) leave a loadable
 checkpoint at the expected step and no temporary file."""
 
-import fcntl
 import json
 import os
 import re
@@ -13,8 +12,7 @@ import sys
 
 import pytest
 
-from conftest import (FORKRUN, ROOT, TINY, assert_one_line_error, run_script, snapshot, train_det, train_in_process,
-                      write)
+from conftest import FORKRUN, ROOT, TINY, assert_one_line_error, run_script, snapshot, train_in_process, write
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -28,30 +26,6 @@ def test_a_dry_run_under_a_world_size_that_is_no_number_of_processes_is_one_line
     code, out, err = train_in_process(monkeypatch, capsys, data_root, tmp_path / "fresh", "--dry_run=True")
     assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"WORLD_SIZE={world_size!r}",
                           "--dry_run_world_size")
-
-
-@pytest.mark.slow
-def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
-    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
-        lock.write("train.py (pid 4242)")
-        lock.flush()
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        before = snapshot(run)
-        proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", check=False)
-        assert_one_line_error(proc, "is in use by train.py (pid 4242)")
-        assert snapshot(run) == before
-    train_det(data_root, run, "--init_from=resume", "--max_iters=6")  # released: the lock never outlives its holder
-
-
-@pytest.mark.slow
-def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_root):
-    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
-        lock.write("train.py (pid 4242)")
-        lock.flush()
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        before = snapshot(run)
-        proc = train_det(data_root, run, "--eval_only=True")
-        assert "val_loss" in proc.stdout and snapshot(run) == before
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """rlvr.py: GRPO advantages and update, minds as rollouts (frozen per rollout, det at sigma = 0), the TTRL majority
-reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset."""
+reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset, its refusals one line each."""
 
 import copy
 import glob
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, records, run_script, start_script, train_det, wait_for_line
+from conftest import (ROOT, assert_one_line_error, records, run_script, snapshot, start_script, train_det,
+                      wait_for_line)
 
 import configurator
 from nanolatent import ckpt, grpo, models
@@ -352,6 +353,17 @@ def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path,
     out = det_out if existing else tmp_path / "none"
     proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_rlvr_never_replaces_a_run_unasked(run, data_root):
+    """A trained run given as --out_dir (here also its --init_from): one line, the run as it was (as convert.py, in
+    test_convert.py, and train.py's "scratch over a trained run")."""
+    before = snapshot(run)
+    proc = run_script("-m", "scripts.rlvr", "--task=letters", f"--init_from={run}", f"--out_dir={run}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"{run} already holds a run ({run / 'ckpt.pt'})", "--overwrite=True")
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow

@@ -101,22 +101,6 @@ def test_two_process_ddp_averages_gradients_like_one_process_with_the_same_micro
 
 
 @pytest.mark.slow
-def test_sample_refuses_a_prompt_longer_than_the_context(data_root, tmp_path):
-    train_det(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
-    proc = run_script("sample.py", f"--out_dir={tmp_path}", "--start=" + "_" * 60, "--max_new_tokens=10",
-                      data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "exceeds the context (block_size=66)" in proc.stderr
-
-
-@pytest.mark.slow
-def test_sample_is_reproducible_with_a_seed(data_root, tmp_path):
-    train_det(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
-    a, b = (run_script("sample.py", f"--out_dir={tmp_path}", "--start=K>", "--seed=3", data_dir=data_root).stdout
-            for _ in range(2))
-    assert a == b and a.count("K>") == 4
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
 def test_a_stochastic_model_trains_to_the_same_weights_on_one_and_two_processes(model_type, data_root, tmp_path):
     """The model's noise is seeded by the micro-batch's index in the step, as its batch is, not by the process: two

@@ -41,52 +41,6 @@ def test_a_dry_run_under_a_world_size_that_is_no_number_of_processes_is_one_line
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, content, phrase", [
-    ("empty.txt", b"", "holds no text"),
-    ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text"),
-    ("broken.jsonl", b'{"text": "fine"}\n{"text": broken\n', "could not be parsed"),
-    ("missing.txt", None, "not found"),
-])
-def test_prepare_bad_input_is_one_line_and_writes_nothing(name, content, phrase, tmp_path):
-    if content is not None:
-        (tmp_path / name).write_bytes(content)
-    proc = run_script("prepare.py", "text", f"--input={tmp_path / name}", "--tokenizer=char", "--name=x",
-                      data_dir=tmp_path / "data", check=False)
-    assert_one_line_error(proc, phrase, name)
-    assert not (tmp_path / "data" / "x").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("args, phrase", [
-    (["--vocab=some"], "--vocab must be one of full, used"),
-    (["--vocab=used"], "--vocab=used renumbers GPT-2 BPE ids"),  # a char vocabulary is already what the text uses
-])
-def test_prepare_bad_vocab_is_one_line_and_writes_nothing(args, phrase, tmp_path):
-    (tmp_path / "in.txt").write_text("some text\n")
-    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x", *args,
-                      data_dir=tmp_path / "data", check=False)
-    assert_one_line_error(proc, phrase)
-    assert not (tmp_path / "data" / "x").exists()
-
-
-@pytest.mark.slow
-def test_prepare_vocab_used_on_a_char_task_is_one_line(tmp_path):
-    proc = run_script("prepare.py", "synthetic", "--vocab=used", data_dir=tmp_path / "data", check=False)
-    assert_one_line_error(proc, "--vocab=used renumbers GPT-2 BPE ids", "not to synthetic")
-    assert not (tmp_path / "data").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fraction", ["1.5", "0", "1"])
-def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
-    (tmp_path / "in.txt").write_text("some text\n" * 10)
-    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x",
-                      f"--val_fraction={fraction}", data_dir=tmp_path / "data", check=False)
-    assert_one_line_error(proc, f"--val_fraction must lie in (0, 1), got {float(fraction)}")
-    assert not (tmp_path / "data").exists()
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("args, named", [
     (["--cvar_alpha=2"], ("cvar_alpha", "2")),
     (["--cvar_alpha=0"], ("cvar_alpha", "0")),
@@ -146,19 +100,6 @@ def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its
     nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
         "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
     assert nll(f"--dtype={dtype}", f"--kernels={kernels}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
-
-
-@pytest.mark.slow
-def test_prepare_input_that_is_a_folder_says_so(tmp_path):
-    proc = run_script("prepare.py", "text", f"--input={tmp_path}", "--tokenizer=char", "--name=x",
-                      data_dir=tmp_path / "data", check=False)
-    assert_one_line_error(proc, f"input '{tmp_path}' is a folder: give one .txt or .jsonl file inside it")
-    assert not (tmp_path / "data").exists()
-
-
-@pytest.mark.slow
-def test_prepare_without_a_source_says_which_there_are(tmp_path):
-    assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
 
 
 @pytest.mark.slow

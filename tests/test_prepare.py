@@ -148,6 +148,16 @@ def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tm
 
 
 @pytest.mark.slow
+@needs_local("gpt2")
+def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
+    with open(os.path.join(LOCAL_DATA, "gpt2", "encoder.json")) as f:
+        encoder = json.load(f)
+    encoding = tokendata.gpt2_encoding(GPT2_BPE)[0]
+    spelled = {tokendata.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
+    assert spelled == encoder
+
+
+@pytest.mark.slow
 def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_path):
     run_script("prepare.py", "arith", "--num_train=3000", "--num_val=300", data_dir=tmp_path)
     lines = {}

@@ -134,6 +134,15 @@ def test_chat_task_answers_gsm8k_numbers_and_lettered_choices():
     assert tasks.letter_answer("J. Saturn", n_choices=10) == "J" and tasks.letter_answer("D", n_choices=3) is None
 
 
+@pytest.mark.slow
+def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
+    assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
+    assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out
+    assert tasks.gsm8k_answer("She has 5 apples, then 12 - 5 = 7.") == 7.0  # no marker: the last number
+    assert tasks.gsm8k_answer("#### none\nthe answer is -2.5") == -2.5  # a marker with no number after it
+    assert tasks.gsm8k_answer("no digits here") is None
+
+
 def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
     (tmp_path / "gsm8k").mkdir()
     for split, n in (("train", 3), ("test", 2)):

@@ -3,6 +3,7 @@ refusals: each mistake one line on stderr naming key and value, exit code 2, no 
 (run in this process, a few through a real one); then what it does when asked (eval_only, overwrite, a quick look)."""
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -292,6 +293,17 @@ def test_a_muon_run_resumed_with_adamw_is_one_line_and_changes_nothing(trained_m
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
+def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
+    np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+                      f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
+                      f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # what train.py does when asked
 
@@ -348,3 +360,42 @@ def test_the_lr_decay_note_comes_after_the_checks_not_above_a_refusal(data_root,
                       "--max_iters=6", *refusal, data_dir=data_root, check=False)
     assert_one_line_error(proc, phrase)
     assert proc.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("select_by", ["ce", "loss"])
+def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp_path, select_by):
+    # EVE's loss adds beta KL and control terms to the CE, so the two criteria are distinct numbers
+    out = tmp_path / "eve"
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
+               "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
+    evals = [r for r in records(out) if "val_ce" in r]  # step 0's evaluation included: the first save
+    best = min(evals, key=lambda r: r[f"val_{select_by}"])
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
+    assert checkpoint["iter_num"] == best["iter"]
+    assert checkpoint["best_val_loss"] == pytest.approx(best[f"val_{select_by}"])
+    assert any(r["val_ce"] != r["val_loss"] for r in evals)
+
+
+# --init_embeddings and --freeze_embeddings: EVE's matched comparison with frozen pretrained embeddings
+# (experiments/eve_paper_protocol.py)
+@pytest.mark.slow
+def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_root, tmp_path):
+    with open(data_root / "synthetic" / "meta.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
+    np.save(tmp_path / "emb.npy", embedding)
+    out = tmp_path / "eve"
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
+               f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
+               data_dir=data_root)
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
+    assert checkpoint["iter_num"] == 6 and checkpoint["config"]["freeze_embeddings"] is True
+    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
+    assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
+    # a resumed run keeps it frozen: the flag comes back with the model's config
+    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
+               "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
+    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
+    assert checkpoint["iter_num"] == 9
+    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))

@@ -16,14 +16,6 @@ def test_sample_is_reproducible_with_a_seed(data_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_sample_refuses_a_prompt_longer_than_the_context(data_root, tmp_path):
-    train_det(data_root, tmp_path, "--max_iters=2", "--eval_interval=2")
-    proc = run_script("sample.py", f"--out_dir={tmp_path}", "--start=" + "_" * 60, "--max_new_tokens=10",
-                      data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "exceeds the context (block_size=66)" in proc.stderr
-
-
-@pytest.mark.slow
 def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(trained, data_root, tmp_path):
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfK>")
     a, b = (run_script("sample.py", f"--out_dir={trained}", start, "--seed=3", "--num_samples=2",
@@ -54,6 +46,7 @@ def test_sample_reads_the_prompt_as_text_even_when_it_looks_like_a_number(traine
     (["--device=mps"], ("mps",)),
     (["--model_type=free", "--latents=posterior", "--reference=" + "_" * 80], ("--reference", "80", "block_size=66")),
     (["--max_new_tokens=70"], ("70", "block_size=66")),  # 2 prompt tokens + 70 > the context
+    (["--start=" + "_" * 60, "--max_new_tokens=10"], ("exceeds the context (block_size=66)",)),  # 60 + 10 > it
     (["--summary=True", "--latents=shared"], ("--summary", "--latents")),
     (["--summary=True", "--groups=0"], ("--summary", "--groups")),
     (["--pin_mind=4", "--num_samples=4"], ("--pin_mind=4", "0..3")),

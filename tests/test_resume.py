@@ -1,7 +1,8 @@
-"""Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
-steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP). What a
-resume may change, a save it cannot read (one line naming it), and stopping: Ctrl-C, SIGTERM and a full disk leave a
-loadable checkpoint at the expected step and no temporary file."""
+"""Checkpoints and resuming (nanolatent/ckpt.py, saves.py), runs that keep their progress: --init_from=auto, saves
+killed at each of their steps, a job SIGKILLed at random steps, and evaluations seeded from (seed, step, rank, batch);
+on 1 process and 2 gloo processes (DDP, FSDP). What a resume may change, a save it cannot read (one line naming it),
+and stopping: Ctrl-C, SIGTERM and a full disk leave a loadable checkpoint at the expected step and no temporary
+file."""
 
 import hashlib
 import math

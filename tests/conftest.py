@@ -1,9 +1,11 @@
-"""Shared test helpers: the repo root on sys.path, a prepared synthetic dataset, running the scripts."""
+"""Shared test helpers: the repo root on sys.path, a prepared synthetic dataset, running the scripts, a trained tiny
+run to try mistakes on, and the check that a refusal is one line that changes nothing."""
 
 import importlib.util
 import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,3 +233,43 @@ def records(out_dir):
     """The run's metrics.jsonl, one dict per line."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def write(path, text, mode="w"):
+    """text written to path, its folders made; returns path."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, mode) as f:
+        f.write(text)
+    return path
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under folder: what 'nothing changed' compares."""
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(folder) for f in files if f != ".lock"}
+
+
+def assert_one_line_error(proc, *phrases):
+    """A refusal as every script makes one: exit code 2, one line on stderr naming each phrase, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    for phrase in phrases:
+        assert phrase in proc.stderr, proc.stderr
+
+
+RUN_ARGS = ["--max_iters=4", "--eval_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(data_root, tmp_path_factory):
+    """A finished tiny det run: 4 steps, checkpoints kept at 2 and 4 (saved at 0, 2 and 4)."""
+    out = tmp_path_factory.mktemp("trained")
+    train_det(data_root, out, *RUN_ARGS)
+    return out
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A copy of the finished run, for a case to try its mistake on."""
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"

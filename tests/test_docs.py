@@ -595,7 +595,7 @@ python -m scripts.convert to_hf --out_dir=out-smollm2 --dst=hf-det
 
 def test_every_row_of_the_resume_table_names_tests_that_exist():
     """docs/training.md's table of what a resume can change: each row names its tests (functions of the file named,
-    or, quoted, cases of test_errors.py's TRAIN_CASES), and each of them exists."""
+    or, quoted, cases of test_train.py's TRAIN_CASES), and each of them exists."""
     text = read("docs/training.md")
     rows = text[text.index("| Setting, on resume |"):].split("\n\n")[0].splitlines()[2:]
     assert len(rows) >= 10

@@ -1,17 +1,23 @@
 """evaluate.py: the Monte Carlo metrics on hand-built probabilities, the evaluation paths against direct forwards,
-multiple-choice scoring, HellaSwag preprocessing, population metrics, and the script end to end."""
+multiple-choice scoring, HellaSwag preprocessing, population metrics, and the script end to end: its results in
+reduced precision, its refusals (one line, before any evaluation) and a full disk (the results printed, the old file
+kept)."""
 
 import itertools
 import json
 import math
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import LOCAL_DATA, TINY, needs_local, run_script
+from conftest import LOCAL_DATA, ROOT, TINY, assert_one_line_error, needs_local, run_script, write
 
 from nanolatent import ckpt, metrics, models, multiple_choice, sampling, tasks
 
@@ -294,6 +300,15 @@ def test_pass_at_k_matches_brute_force_enumeration_of_subsets():
     assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
 
 
+@pytest.mark.slow
+def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
+    # n = 4 samples; prompt A 1 correct, prompt B 4 correct, prompt C none
+    curve = metrics.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
+    assert curve[1] == pytest.approx((0.25 + 1.0 + 0.0) / 3)
+    assert curve[2] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0 + 0.0) / 3)  # A: 1 - 3/6
+    assert curve[4] == pytest.approx(2 / 3)
+
+
 def test_letters_verifier_on_hand_made_strings():
     good = "_" * 10 + "K" * 8 + "_" * 46
     noisy = "_!__" + "KKK!KKKK" + "_" * 40 + "!" + "_" * 11  # '!' noise, also inside the target
@@ -393,6 +408,119 @@ def test_population_task_runs_on_the_letters_prompts(data_root, det_ckpt, tmp_pa
 def test_missing_checkpoint_is_one_clear_error(data_root, tmp_path):
     proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'nowhere'}", data_dir=data_root, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, named", [
+    (["--cvar_alpha=2"], ("cvar_alpha", "2")),
+    (["--cvar_alpha=0"], ("cvar_alpha", "0")),
+    (["--seq_len=1000"], ("seq_len=1000", "66")),
+    (["--out_json=/no/such/folder/x.json"], ("--out_json=/no/such/folder/x.json",)),
+    (["--out_json=/no/such/folder/x.json", "--dtype=float64"], ("dtype", "float64")),
+])
+def test_evaluate_mistake_is_one_line_before_any_evaluation(args, named, trained, data_root):
+    proc = run_script("evaluate.py", f"--out_dir={trained}", *args, data_dir=data_root, check=False)
+    assert_one_line_error(proc, *named)
+    assert "lm:" not in proc.stdout  # refused before the evaluation started
+
+
+@pytest.mark.slow
+def test_evaluate_out_items_without_task_mc_is_one_line(trained, data_root, tmp_path):
+    proc = run_script("evaluate.py", f"--out_dir={trained}", f"--out_items={tmp_path / 'items.jsonl'}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--out_items={tmp_path / 'items.jsonl'} writes the items of --task=mc, and "
+                          "--task=lm has none")
+    assert "lm:" not in proc.stdout and not (tmp_path / "items.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line, phrase", [
+    ('{"context": "a", "choices": ["x", "y"], "label": 2}', "label must be the index (0 to 1)"),
+    ('{"context": "a", "choices": "sat", "label": 0}', "choices must be a list of at least two"),
+    ('{"context": "a", "choices": [], "label": 0}', "choices must be a list of at least two"),
+    ('{"context": "a", "choices": ["x", "y"], "label": "A"}', "label must be the index"),
+    ('{"context": "a", "choices": ["x", "y"], "label": 0', "is not JSON"),
+])
+def test_evaluate_mc_bad_example_is_one_line_naming_the_line(line, phrase, trained, data_root, tmp_path):
+    path = write(tmp_path / "mc.jsonl", '{"context": "K>", "choices": ["_", "!"], "label": 0}\n' + line + "\n")
+    proc = run_script("evaluate.py", f"--out_dir={trained}", "--task=mc", f"--mc_file={path}", data_dir=data_root,
+                      check=False)
+    assert_one_line_error(proc, "mc.jsonl line 2", phrase)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, phrase", [
+    ("caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3: invalid continuation byte)"),
+    (None, "is a folder"),
+])
+def test_evaluate_text_file_that_is_not_utf8_text_is_one_line_as_in_sample(content, phrase, trained, data_root,
+                                                                           tmp_path):
+    path = tmp_path / "latin1.txt" if content is not None else tmp_path
+    if content is not None:
+        path.write_bytes(content)
+    proc = run_script("evaluate.py", f"--out_dir={trained}", "--task=tokens", f"--text=FILE:{path}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--text=FILE:{path} {phrase}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["metrics.jsonl", "notes.json"])
+def test_evaluate_never_replaces_a_file_it_did_not_write(name, trained, data_root, tmp_path):
+    """--out_json=RUN/metrics.jsonl (the run's training log), or any JSON of another writer: one line before the
+    evaluation, the file as it was; evaluate.py's own results file is replaced."""
+    shutil.copytree(trained, tmp_path / "run")
+    path = tmp_path / "run" / name
+    if name == "notes.json":
+        write(path, '{"task": "mine", "results": {}}')  # evaluate.py's keys, not its layout
+    before = path.read_bytes()
+    proc = run_script("evaluate.py", f"--out_dir={tmp_path / 'run'}", "--max_tokens=256", f"--out_json={path}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"--out_json={path}", "did not write it")
+    assert "lm:" not in proc.stdout and path.read_bytes() == before
+    ours = tmp_path / "eval.json"
+    for _ in range(2):  # written, then replaced
+        run_script("evaluate.py", f"--out_dir={tmp_path / 'run'}", "--max_tokens=256", f"--out_json={ours}",
+                   data_dir=data_root)
+        assert json.loads(ours.read_text())["task"] == "lm"
+
+
+FULL_DISK_JSON = """
+import builtins, errno, os
+_open = builtins.open
+def open(file, mode="r", *args, **kwargs):  # the disk is full by the time the evaluation ends
+    if "w" in mode and ".json.tmp" in str(file):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+    return _open(file, mode, *args, **kwargs)
+builtins.open = open
+"""
+
+
+@pytest.mark.slow
+def test_evaluate_on_a_full_disk_prints_the_results_keeps_the_old_file_and_says_so_in_one_line(trained, data_root,
+                                                                                              tmp_path):
+    write(tmp_path / "hook" / "sitecustomize.py", FULL_DISK_JSON)
+    write(tmp_path / "eval.json", '{\n "task": "lm", "earlier": "results"}')  # evaluate.py's: it may replace it
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "PYTHONPATH": str(tmp_path / "hook"),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "evaluate.py", f"--out_dir={trained}", "--max_tokens=256",
+                           f"--out_json={tmp_path / 'eval.json'}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert_one_line_error(proc, str(tmp_path / "eval.json"), "No space left on device")
+    printed = json.loads(proc.stdout[proc.stdout.index('{\n "task"'):])  # nothing lost: the file's text, on stdout
+    assert printed["task"] == "lm" and printed["results"][str(trained)]["nll"] > 0
+    assert (tmp_path / "eval.json").read_text() == '{\n "task": "lm", "earlier": "results"}'
+    assert sorted(os.listdir(tmp_path)) == ["eval.json", "hook"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kernels", ["fast", "plain"])
+def test_evaluate_in_reduced_precision_on_a_cpu_gives_the_float32_numbers_to_its_rounding(dtype, kernels, trained,
+                                                                                          data_root):
+    """--dtype=bfloat16/float16 on a CPU: through oneDNN (bfloat16 weights packed for it; float16, which it lacks
+    here, through autocast's kernels) or torch's own kernels, the nll is float32's to the dtype's rounding."""
+    nll = lambda *args: float(re.search(r"^nll +(\S+)", run_script(
+        "evaluate.py", f"--out_dir={trained}", "--max_tokens=512", *args, data_dir=data_root).stdout, re.M).group(1))
+    assert nll(f"--dtype={dtype}", f"--kernels={kernels}") == pytest.approx(nll("--dtype=float32"), abs=0.02)
 
 
 def test_choice_tokens_follow_the_harness_encode_pair():

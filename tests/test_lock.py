@@ -1,5 +1,7 @@
-"""One writer per out_dir where the filesystem has no flock (Lustre mounted noflock, NFS without lockd): flock is
-made to fail as there, and the lock file that stands in for it is checked in process and against a second process."""
+"""nanolatent/lock.py, one writer per out_dir: a second train.py stops at once naming the first, and --eval_only takes
+no lock, so it reads a run that is training; where the filesystem has no flock (Lustre mounted noflock, NFS without
+lockd) flock is made to fail as there, and the lock file that stands in for it is checked in process and against a
+second process."""
 
 import errno
 import fcntl
@@ -11,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, assert_one_line_error, snapshot, train_det
 
 from nanolatent import lock
 
@@ -103,3 +105,27 @@ def test_another_flock_failure_is_one_line(monkeypatch, out_dir, capsys):
     with pytest.raises(SystemExit) as stop:
         lock.lock_out_dir(out_dir, "train.py")
     assert stop.value.code == 2 and f"cannot lock out_dir {out_dir}: Input/output error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
+    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
+        lock.write("train.py (pid 4242)")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(run)
+        proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", check=False)
+        assert_one_line_error(proc, "is in use by train.py (pid 4242)")
+        assert snapshot(run) == before
+    train_det(data_root, run, "--init_from=resume", "--max_iters=6")  # released: the lock never outlives its holder
+
+
+@pytest.mark.slow
+def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_root):
+    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
+        lock.write("train.py (pid 4242)")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(run)
+        proc = train_det(data_root, run, "--eval_only=True")
+        assert "val_loss" in proc.stdout and snapshot(run) == before

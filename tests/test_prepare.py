@@ -1,4 +1,5 @@
-"""prepare.py: the synthetic task's format, local text files, and the GPT-2 path with the offline BPE file."""
+"""prepare.py: the synthetic task's format, local text files, the GPT-2 path with the offline BPE file, its refusals
+(one line each, nothing written), and fineweb_edu's shards."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, LOCAL_DATA, needs_local, run_script
+from conftest import ROOT, LOCAL_DATA, assert_one_line_error, needs_local, run_script
 
 from nanolatent import common, tokendata
 
@@ -147,6 +148,16 @@ def test_gpt2_falls_back_to_the_environment_variables_when_the_download_fails(tm
 
 
 @pytest.mark.slow
+@needs_local("gpt2")
+def test_byte_level_spelling_equals_gpt2s_own_encoder_json():
+    with open(os.path.join(LOCAL_DATA, "gpt2", "encoder.json")) as f:
+        encoder = json.load(f)
+    encoding = tokendata.gpt2_encoding(GPT2_BPE)[0]
+    spelled = {tokendata.byte_level(encoding.decode_single_token_bytes(i)): i for i in range(50257)}
+    assert spelled == encoder
+
+
+@pytest.mark.slow
 def test_arith_problems_are_correct_and_validation_never_occurs_in_training(tmp_path):
     run_script("prepare.py", "arith", "--num_train=3000", "--num_val=300", data_dir=tmp_path)
     lines = {}
@@ -259,6 +270,65 @@ def test_prepared_data_lives_in_data_at_the_repository_root_unless_the_variable_
     assert tokendata.data_dir("synthetic") == os.path.join(ROOT, "data", "synthetic")  # where prepare.py writes
     monkeypatch.setenv("NANOLATENT_DATA", "/elsewhere")
     assert tokendata.data_dir("synthetic") == os.path.join("/elsewhere", "synthetic")
+
+
+@pytest.mark.slow
+def test_prepare_without_a_source_says_which_there_are(tmp_path):
+    assert_one_line_error(run_script("prepare.py", data_dir=tmp_path, check=False), "synthetic, arith, text")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, content, phrase", [
+    ("empty.txt", b"", "holds no text"),
+    ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), "is not UTF-8 text"),
+    ("broken.jsonl", b'{"text": "fine"}\n{"text": broken\n', "could not be parsed"),
+    ("missing.txt", None, "not found"),
+])
+def test_prepare_bad_input_is_one_line_and_writes_nothing(name, content, phrase, tmp_path):
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / name}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, phrase, name)
+    assert not (tmp_path / "data" / "x").exists()
+
+
+@pytest.mark.slow
+def test_prepare_input_that_is_a_folder_says_so(tmp_path):
+    proc = run_script("prepare.py", "text", f"--input={tmp_path}", "--tokenizer=char", "--name=x",
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, f"input '{tmp_path}' is a folder: give one .txt or .jsonl file inside it")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, phrase", [
+    (["--vocab=some"], "--vocab must be one of full, used"),
+    (["--vocab=used"], "--vocab=used renumbers GPT-2 BPE ids"),  # a char vocabulary is already what the text uses
+])
+def test_prepare_bad_vocab_is_one_line_and_writes_nothing(args, phrase, tmp_path):
+    (tmp_path / "in.txt").write_text("some text\n")
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x", *args,
+                      data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, phrase)
+    assert not (tmp_path / "data" / "x").exists()
+
+
+@pytest.mark.slow
+def test_prepare_vocab_used_on_a_char_task_is_one_line(tmp_path):
+    proc = run_script("prepare.py", "synthetic", "--vocab=used", data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, "--vocab=used renumbers GPT-2 BPE ids", "not to synthetic")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", ["1.5", "0", "1"])
+def test_prepare_val_fraction_outside_0_1_is_one_line(fraction, tmp_path):
+    (tmp_path / "in.txt").write_text("some text\n" * 10)
+    proc = run_script("prepare.py", "text", f"--input={tmp_path / 'in.txt'}", "--tokenizer=char", "--name=x",
+                      f"--val_fraction={fraction}", data_dir=tmp_path / "data", check=False)
+    assert_one_line_error(proc, f"--val_fraction must lie in (0, 1), got {float(fraction)}")
+    assert not (tmp_path / "data").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,20 +1,23 @@
-"""Run records (out_dir/metrics.jsonl) and plot.py."""
+"""Run records (out_dir/metrics.jsonl, nanolatent/records.py): one per log step and per evaluation, those past the
+checkpoint dropped at a resume, a partial last line dropped with a warning, an earlier run's records never replaced
+unasked. (scripts/plot.py, which draws them: test_plot.py.)"""
 
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 
-from conftest import records, run_script, train_det as train
+from conftest import assert_one_line_error, records, snapshot, train_det, train_in_process, write
 
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="matplotlib is optional (pip install matplotlib); CI installs it")
+from nanolatent import ckpt
 
 
 @pytest.mark.slow
 def test_training_writes_one_record_per_log_step_and_per_eval(data_root, tmp_path):
-    train(data_root, tmp_path, "--max_iters=6", "--eval_interval=3", "--log_interval=2")
+    train_det(data_root, tmp_path, "--max_iters=6", "--eval_interval=3", "--log_interval=2")
     logs = [r for r in records(tmp_path) if "loss" in r]
     evals = [r for r in records(tmp_path) if "val_loss" in r]
     assert [r["iter"] for r in logs] == [0, 2, 4] and [r["iter"] for r in evals] == [0, 3, 6]
@@ -25,10 +28,10 @@ def test_training_writes_one_record_per_log_step_and_per_eval(data_root, tmp_pat
 
 @pytest.mark.slow
 def test_resume_drops_records_past_the_checkpoint(data_root, tmp_path):
-    train(data_root, tmp_path, "--max_iters=4", "--eval_interval=2", "--always_save_checkpoint=True")
+    train_det(data_root, tmp_path, "--max_iters=4", "--eval_interval=2", "--always_save_checkpoint=True")
     with open(tmp_path / "metrics.jsonl", "a") as f:  # records a crashed run wrote after its last checkpoint
         f.write(json.dumps({"iter": 5, "loss": 9.0}) + "\n")
-    train(data_root, tmp_path, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    train_det(data_root, tmp_path, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
     for kind in ("loss", "val_loss"):
         iters = [r["iter"] for r in records(tmp_path) if kind in r]
         assert iters == sorted(set(iters)) and iters[-1] == 6 - (kind == "loss")
@@ -38,94 +41,27 @@ def test_resume_drops_records_past_the_checkpoint(data_root, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_wandb_without_the_package_is_one_clear_error_before_training(data_root, tmp_path):
-    proc = train(data_root, tmp_path, "--wandb_log=True", check=False)
+    proc = train_det(data_root, tmp_path, "--wandb_log=True", check=False)
     assert proc.returncode == 2 and "pip install wandb" in proc.stderr and "iter 0" not in proc.stdout
 
 
-@pytest.mark.slow
-@needs_matplotlib
-def test_plot_draws_two_runs_to_a_png(data_root, tmp_path):
-    for run in ("a", "b"):
-        train(data_root, tmp_path / run, "--max_iters=4", "--eval_interval=2")
-    out = tmp_path / "curves.png"
-    run_script("-m", "scripts.plot", tmp_path / "a", tmp_path / "b", "--keys=val_ce,loss", f"--out={out}", data_dir=tmp_path)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    drawn = json.loads((tmp_path / "curves.json").read_text())  # the points drawn, beside the figure
-    for run in ("a", "b"):
-        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for key in ("val_ce", "loss"):
-            assert drawn[key][run] == [[r["iter"], r[key]] for r in records if key in r]
-    assert drawn["x"] == "iter" and len(drawn["val_ce"]["a"]) == 3  # evaluations at 0, 2, 4
+@pytest.mark.parametrize("init_from", ["scratch", "auto"])
+def test_records_of_an_earlier_run_whose_checkpoints_were_deleted_are_kept(init_from, run, data_root, monkeypatch,
+                                                                            capsys):
+    """The run's checkpoints deleted by hand, its metrics.jsonl kept: a new run there is refused in one line (the
+    records as they were) unless --overwrite=True replaces them."""
+    shutil.rmtree(run / ckpt.CHECKPOINTS)
+    os.remove(run / "ckpt.pt")
+    before = snapshot(run)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, f"--init_from={init_from}")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), str(run / "metrics.jsonl"), "0 to 4",
+                          "--overwrite=True")
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow
-@needs_matplotlib
-def test_plot_draws_evaluate_json_files_with_exact_zeros_on_a_floor(tmp_path):
-    for name, mi in (("det", 0.0), ("eve", 0.03)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(
-            {"task": "lm", "results": {name: {"model_type": name, "nll": 1.2, "ece": 0.02, "mi": mi, "flip_rate": mi}}}))
-    out = tmp_path / "eval.png"
-    run_script("-m", "scripts.plot", tmp_path / "det.json", tmp_path / "eve.json", f"--out={out}", data_dir=tmp_path)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case, message", [
-    ("no_records", "has no metrics.jsonl"),
-    ("empty", "is empty"),
-    ("unknown_key", "unknown key 'val_cee'; the records have: "),
-])
-def test_plot_bad_input_is_one_clear_line(tmp_path, case, message):
-    run = tmp_path / "run"
-    run.mkdir()
-    if case != "no_records":
-        (run / "metrics.jsonl").write_text("" if case == "empty" else json.dumps({"iter": 0, "val_ce": 1.0}) + "\n")
-    proc = run_script("-m", "scripts.plot", run, "--keys=val_cee", data_dir=tmp_path, check=False)
-    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
-
-
-def fake_run(folder, losses):
-    """A run folder as plot.py reads it: metrics.jsonl with an evaluation per loss."""
-    folder.mkdir(parents=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"iter": 2 * i, "val_loss": v}) + "\n"
-                                                  for i, v in enumerate(losses)))
-
-
-@pytest.mark.slow
-@needs_matplotlib
-def test_plot_draws_two_runs_of_the_same_name_as_two_curves_and_redraws_its_own_file(tmp_path):
-    fake_run(tmp_path / "a" / "run", [3.0, 2.0])
-    fake_run(tmp_path / "b" / "run", [3.5, 1.5])
-    out = tmp_path / "curves.png"
-    for _ in range(2):  # the second time over the files the first wrote
-        run_script("-m", "scripts.plot", tmp_path / "a" / "run", tmp_path / "b" / "run", f"--out={out}",
-                   data_dir=tmp_path)
-    drawn = json.loads((tmp_path / "curves.json").read_text())
-    assert drawn["val_loss"] == {str(tmp_path / "a" / "run"): [[0, 3.0], [2, 2.0]],
-                                 str(tmp_path / "b" / "run"): [[0, 3.5], [2, 1.5]]}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("taken", ["curves.json", "curves.png"])
-def test_plot_never_replaces_a_file_it_did_not_write(taken, tmp_path):
-    """evaluate.py --out_json=curves.json, or a study's figure, where --out=curves.png would write: refused, kept."""
-    fake_run(tmp_path / "run", [3.0, 2.0])
-    (tmp_path / taken).write_text('{"task": "lm", "results": {"run": {"nll": 1.2}}}')
-    proc = run_script("-m", "scripts.plot", tmp_path / "run", f"--out={tmp_path / 'curves.png'}", data_dir=tmp_path,
-                      check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"{tmp_path / taken}" in proc.stderr and "--out" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", taken])
-    assert (tmp_path / taken).read_text() == '{"task": "lm", "results": {"run": {"nll": 1.2}}}'
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("args, named", [
-    (["{tmp}/run", "{tmp}/run/"], ("{tmp}/run", "twice")),
-    (["{tmp}/run", "--out={tmp}/curves.json"], ("--out={tmp}/curves.json", ".png")),
-])
-def test_plot_run_given_twice_or_an_out_that_is_no_figure_is_one_line(args, named, tmp_path):
-    fake_run(tmp_path / "run", [3.0, 2.0])
-    proc = run_script("-m", "scripts.plot", *[a.format(tmp=tmp_path) for a in args], data_dir=tmp_path, check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert all(n.format(tmp=tmp_path) in proc.stderr for n in named) and sorted(os.listdir(tmp_path)) == ["run"]
+def test_a_partial_last_log_line_is_dropped_with_a_warning_on_resume(run, data_root):
+    write(run / "metrics.jsonl", '{"iter": 5, "lo', mode="a")  # a crash mid-append
+    proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", "--eval_interval=2")
+    assert "ends in a partial line" in proc.stderr
+    assert [r["iter"] for r in records(run) if "val_loss" in r] == [0, 2, 4, 6]

@@ -1,5 +1,8 @@
-"""Runs that keep their progress: --init_from=auto, saves killed at each of their steps, a job SIGKILLed at random
-steps, and evaluations seeded from (seed, step, rank, batch); on 1 process and 2 gloo processes (DDP, FSDP)."""
+"""Checkpoints and resuming (nanolatent/ckpt.py, saves.py), runs that keep their progress: --init_from=auto, saves
+killed at each of their steps, a job SIGKILLed at random steps, and evaluations seeded from (seed, step, rank, batch);
+on 1 process and 2 gloo processes (DDP, FSDP). What a resume may change, a save it cannot read (one line naming it),
+and stopping: Ctrl-C, SIGTERM and a full disk leave a loadable checkpoint at the expected step and no temporary
+file."""
 
 import hashlib
 import math
@@ -8,6 +11,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +20,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import FORKRUN, KILL_IN_SAVE, TINY, records, run_script, start_script, train_det, wait_for_line
+from conftest import (FORKRUN, KILL_IN_SAVE, ROOT, TINY, assert_one_line_error, records, run_script, snapshot,
+                      start_script, train_det, train_in_process, wait_for_line, write)
 from kill_in_save import job, kill_job
 
 from nanolatent import ckpt, lock, optim, saves
@@ -41,14 +46,14 @@ def launch(cmd, data_root, log_file):
     return start_script(*cmd[1:], data_dir=data_root, out=log_file, err=log_file)
 
 
-def run(cmd, data_root, **env):
+def run_job(cmd, data_root, **env):
     """Run the job to its end; (exit code, output)."""
     proc = run_script(*cmd, data_dir=data_root, check=False, env=env)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def finish(cmd, data_root):
-    code, out = run(cmd, data_root)
+    code, out = run_job(cmd, data_root)
     assert code == 0, out[-3000:]
     return out
 
@@ -84,7 +89,7 @@ SAVES = ["--max_iters=1", "--eval_interval=1", "--keep_checkpoints=1"]
 
 def kill_and_resume(mode, out_dir, ops, n, data_root):
     """The job killed before its nth change to its checkpoints, then the same command run to its end in out_dir."""
-    code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
+    code, out = run_job(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
                     NANOLATENT_KILL_AT=str(n), NANOLATENT_KILL_LOG=str(ops))
     assert code == -signal.SIGKILL, out[-3000:]
     done = ops.read_text().splitlines() if ops.exists() else []
@@ -108,7 +113,7 @@ def test_a_save_killed_at_each_of_its_steps_resumes_from_the_newest_whole_checkp
     full, out_dir, ops = tmp_path / "full", tmp_path / "unkilled", tmp_path / "ops.txt"
     with ThreadPoolExecutor(2) as pool:
         uninterrupted = pool.submit(finish, command(mode, full, *SAVES, torchrun=False), data_root)
-        code, out = run(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
+        code, out = run_job(command(mode, out_dir, *SAVES, kill_in_save=True, torchrun=False), data_root,
                         NANOLATENT_KILL_AT="0", NANOLATENT_KILL_LOG=str(ops))
         assert code == 0, out[-3000:]
         done = ops.read_text().splitlines()  # every change of the run: both saves, both links and the prune
@@ -175,7 +180,8 @@ def test_a_resumed_stochastic_run_evaluates_as_the_uninterrupted_run(model_type,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what a resume can change takes effect (docs/training.md's table; what it cannot is refused: tests/test_errors.py)
+# what a resume can change takes effect (docs/training.md's table; what it cannot is refused: test_train.py's
+# TRAIN_CASES)
 
 
 @pytest.mark.slow
@@ -212,6 +218,14 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(data_root, tmp_
     groups = after["optimizer"]["param_groups"]  # Muon's, then AdamW's matrices and vectors (optim.MuonAdamW)
     assert [g["lr_scale"] for g in groups] == [0.0, 1.0, 1.0] and after["config"]["muon_lr"] == 0.0
     assert [g["weight_decay"] for g in groups] == [0.05, 0.05, 0.0] and tuple(groups[1]["betas"]) == (0.9, 0.9)
+
+
+@pytest.mark.slow
+def test_resume_applies_an_override_that_changes_no_shape_and_says_so(run, data_root):
+    proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", "--rope_theta=5000.0")
+    assert "rope_theta=5000.0 (was rope_theta=10000.0)" in proc.stdout
+    assert torch.load(run / "ckpt.pt", weights_only=True)["model_config"]["rope_theta"] == 5000.0
+
 
 
 def test_prune_keeps_the_newest_and_the_linked_checkpoint_and_ignores_partial_folders(tmp_path):
@@ -548,3 +562,161 @@ def test_sigterm_to_a_process_blocked_in_a_collective_ends_it_within_seconds(dat
         kill_job(pids)
         proc.wait()
     assert "stopped by SIGTERM without saving: the process was blocked" in log_file.read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a resume cannot read: one line naming the save; what killed writers left: removed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, phrase", [
+    (b"", "is empty"),
+    (b"not a torch file at all", "is unreadable"),
+    ("foreign", "not a nanolatent checkpoint"),
+])
+def test_unusable_checkpoint_is_one_line_naming_the_file(content, phrase, run, data_root):
+    path = run / ckpt.CHECKPOINTS / "iter_0000004" / "ckpt.pt"  # the newest, which a resume reads
+    for folder in ckpt.saved_steps(run).values():  # every save: with an older whole one, that one would resume
+        if content == "foreign":
+            torch.save({"weights": torch.zeros(2)}, os.path.join(folder, "ckpt.pt"))
+        else:
+            with open(os.path.join(folder, "ckpt.pt"), "wb") as f:
+                f.write(content)
+    before = snapshot(run)
+    proc = train_det(data_root, run, "--init_from=resume", check=False)
+    assert_one_line_error(proc, phrase, str(path))
+    assert snapshot(run) == before
+
+
+def test_a_save_that_resumes_to_nan_is_named_in_the_line_that_stops_the_run(run, data_root, monkeypatch, capsys):
+    """A whole save (its checksums match) whose weights hold a NaN: every step after the resume is non-finite, and the
+    line that stops the run names that save, not only the learning rate."""
+    folder = run / ckpt.CHECKPOINTS / "iter_0000004"
+    checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
+    checkpoint["model"]["blocks.0.attn.wq.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, folder / "ckpt.pt")
+    saves.write_sums(folder, {"ckpt.pt": saves.sha256(folder / "ckpt.pt")})
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, run, "--init_from=resume", "--max_iters=8",
+                                      "--max_nonfinite=2")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"since the resume from {folder}",
+                          "blocks.0.attn.wq.weight", "move it aside")
+
+
+@pytest.mark.slow
+def test_temporary_files_of_a_killed_writer_are_removed_by_the_next(run, data_root):
+    for name in ("ckpt.pt.tmp4242", "metrics.jsonl.tmp4243", "checkpoints/iter_0000005.tmp/ckpt.pt.tmp4242",
+                 "checkpoints/iter_0000002.old/ckpt.pt"):  # what kill -9 during a save or a deletion leaves
+        write(run / name, "partial")
+    proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6")
+    assert "removed 4 temporary file(s)" in proc.stdout and "resuming from" in proc.stdout
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "ckpt.pt", "metrics.jsonl"]
+    assert sorted(os.listdir(run / ckpt.CHECKPOINTS)) == ["iter_0000004", "iter_0000006"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stopping: Ctrl-C, SIGTERM, a full disk (simulated by a sitecustomize.py the subprocess imports)
+
+
+def run_with(sitecustomize, tmp_path, *args, data_root):
+    """train.py on the tiny det model, with a sitecustomize.py (a fault to inject) imported at interpreter start."""
+    write(tmp_path / "hook" / "sitecustomize.py", sitecustomize)
+    env = {**os.environ, "NANOLATENT_DATA": str(data_root), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(tmp_path / "hook")}
+    return subprocess.run([sys.executable, "train.py", "--model_type=det", *TINY, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def assert_checkpoint_at(folder, iter_num):
+    """The newest checkpoint, which a resume reads, loads into its model at the expected step; no temporary file
+    is left in the run's folder."""
+    saved = ckpt.saved_steps(folder)
+    path = os.path.join(saved[max(saved)], "ckpt.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    assert max(saved) == checkpoint["iter_num"] == iter_num
+    ckpt.load_model(path, checkpoint=checkpoint)
+    assert not [f for _, _, files in os.walk(folder) for f in files if ".tmp" in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_current_step_and_says_how_to_resume(signum, data_root, tmp_path):
+    out, err = tmp_path.with_name(f"{tmp_path.name}.out"), tmp_path.with_name(f"{tmp_path.name}.err")
+    proc = start_script("train.py", "--model_type=det", *TINY, f"--out_dir={tmp_path}", "--max_iters=100000",
+                        "--eval_interval=100000", data_dir=data_root, out=out, err=err)
+    wait_for_line(out, "iter 5/", proc)
+    proc.send_signal(signum)
+    proc.wait(timeout=300)
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 128 + signum, (stdout[-500:], stderr)
+    logged = max(r["iter"] for r in records(tmp_path) if "loss" in r)  # a record per step (log_interval=1)
+    assert stderr.strip().splitlines() == [f"stopped by {signum.name}: {tmp_path / ckpt.CHECKPOINTS} holds iter "
+                                           f"{logged + 1}; continue with the same command and --init_from=auto (or "
+                                           f"resume)"]
+    assert_checkpoint_at(tmp_path, logged + 1)  # every step done is saved: the last logged one included
+    proc = train_det(data_root, tmp_path, "--init_from=resume", f"--max_iters={logged + 2}")
+    assert max(r["iter"] for r in records(tmp_path) if "loss" in r) == logged + 1  # it goes on from there
+
+
+SIGINT_DURING_SAVE = """
+import os, signal, torch
+_save = torch.save
+def save(obj, f, *args, **kwargs):  # Ctrl-C while the first checkpoint is being written
+    if not save.calls:
+        os.kill(os.getpid(), signal.SIGINT)
+    save.calls += 1
+    return _save(obj, f, *args, **kwargs)
+save.calls = 0
+torch.save = save
+"""
+
+
+FULL_DISK = """
+import torch
+_save, calls = torch.save, []
+def save(obj, f, *args, **kwargs):  # the second save meets a full disk: a partial file, then torch's own error
+    calls.append(f)
+    if len(calls) == 2:
+        open(f, "wb").write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\\n"
+                           "PytorchStreamWriter failed writing file data/0: file write failed")
+    return _save(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+
+FULL_DISK_LOG = """
+import errno, os
+_replace = os.replace
+def replace(src, dst):  # the log rewrite at a resume meets a full disk
+    if str(dst).endswith("metrics.jsonl"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+    return _replace(src, dst)
+os.replace = replace
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_checkpoint_write_finishes_it_then_stops(data_root, tmp_path):
+    proc = run_with(SIGINT_DURING_SAVE, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8",
+                    "--eval_interval=2", data_root=data_root)
+    assert proc.returncode == 130 and "holds iter 1;" in proc.stderr, proc.stderr  # saved at 0, stopped after 1
+    assert_checkpoint_at(tmp_path / "run", 1)
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(data_root, tmp_path):
+    proc = run_with(FULL_DISK, tmp_path, f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--eval_interval=2",
+                    "--always_save_checkpoint=True", data_root=data_root)
+    assert_one_line_error(proc, f"could not write {tmp_path / 'run' / ckpt.CHECKPOINTS / 'iter_0000002.tmp'}/ckpt.pt: "
+                          "PytorchStreamWriter failed writing file data/0: file write failed", "MiB free on that disk",
+                          "is unchanged")
+    assert_checkpoint_at(tmp_path / "run", 0)  # the first save, at the first evaluation
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_resume_changes_nothing(run, data_root, tmp_path):
+    before = snapshot(run)
+    proc = run_with(FULL_DISK_LOG, tmp_path, f"--out_dir={run}", "--init_from=resume", "--max_iters=6",
+                    data_root=data_root)
+    assert_one_line_error(proc, f"could not write {run / 'metrics.jsonl'}: No space left on device")
+    assert snapshot(run) == before and not [p.name for p in run.iterdir() if ".tmp" in p.name]

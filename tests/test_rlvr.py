@@ -1,5 +1,5 @@
 """rlvr.py: GRPO advantages and update, minds as rollouts (frozen per rollout, det at sigma = 0), the TTRL majority
-reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset."""
+reward, the arithmetic verifier, and the script end to end on a tiny arithmetic dataset, its refusals one line each."""
 
 import copy
 import glob
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, records, run_script, start_script, train_det, wait_for_line
+from conftest import (ROOT, assert_one_line_error, records, run_script, snapshot, start_script, train_det,
+                      wait_for_line)
 
 import configurator
 from nanolatent import ckpt, grpo, models
@@ -131,6 +132,15 @@ def test_chat_task_answers_gsm8k_numbers_and_lettered_choices():
     assert [(p["answer"], p["choices"]) for p in problems] == [("J", 10), ("B", 3)]
     assert problems[1]["question"] == "2 + 2?\n\nA. 3\nB. 4\nC. 5\n\nAnswer with the letter only."
     assert tasks.letter_answer("J. Saturn", n_choices=10) == "J" and tasks.letter_answer("D", n_choices=3) is None
+
+
+@pytest.mark.slow
+def test_gsm8k_answer_reads_the_number_after_the_last_marker_else_the_last_number():
+    assert tasks.gsm8k_answer("9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == 18.0  # the dataset's own format
+    assert tasks.gsm8k_answer("#### 3\nso #### 1,250 dollars, not 7") == 1250.0  # the last marker, separators out
+    assert tasks.gsm8k_answer("She has 5 apples, then 12 - 5 = 7.") == 7.0  # no marker: the last number
+    assert tasks.gsm8k_answer("#### none\nthe answer is -2.5") == -2.5  # a marker with no number after it
+    assert tasks.gsm8k_answer("no digits here") is None
 
 
 def test_chat_problems_read_gsm8k_splits_and_hellaswag_items(tmp_path):
@@ -352,6 +362,17 @@ def test_resume_without_an_rlvr_run_in_out_dir_is_one_line(arith_ckpt, tmp_path,
     out = det_out if existing else tmp_path / "none"
     proc = run_script("-m", "scripts.rlvr", "--init_from=resume", f"--out_dir={out}", data_dir=root, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_rlvr_never_replaces_a_run_unasked(run, data_root):
+    """A trained run given as --out_dir (here also its --init_from): one line, the run as it was (as convert.py, in
+    test_convert.py, and train.py's "scratch over a trained run")."""
+    before = snapshot(run)
+    proc = run_script("-m", "scripts.rlvr", "--task=letters", f"--init_from={run}", f"--out_dir={run}",
+                      data_dir=data_root, check=False)
+    assert_one_line_error(proc, f"{run} already holds a run ({run / 'ckpt.pt'})", "--overwrite=True")
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow

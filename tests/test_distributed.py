@@ -1,23 +1,90 @@
-"""Scaling up: FSDP2 against one process and DDP, sharded checkpoints and resume (2 gloo processes on a CPU), the dry
-run's numbers, and a dry run of every config file."""
+"""nanolatent/distributed.py and the multi-process runs (2 gloo processes on a CPU, as torchrun or tests/support/
+forkrun.py starts them): DDP and FSDP2 give the weights of one process with the same micro-batches, for every model;
+FSDP's sharded checkpoints resume on 2 processes and on 1 and export as docs/training.md shows; an error is printed
+once, by rank 0; a WORLD_SIZE that is no number of processes is one line."""
 
-import glob
 import json
-import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import FORKRUN, ROOT, TINY, run_script
+from conftest import FORKRUN, ROOT, TINY, assert_one_line_error, run_script, train_det, train_in_process
 
-from nanolatent import ckpt, models
+from nanolatent import ckpt
 
-pytestmark = pytest.mark.slow  # every test here starts processes (python -m pytest -m "not slow" skips them)
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors: one line, printed by rank 0 alone; a WORLD_SIZE that is no number of processes
+
+
+@pytest.mark.parametrize("rank, printed", [("0", "error: no such run\n"), ("3", "")])
+def test_an_error_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys):
+    from nanolatent import common
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit:
+        common.die("no such run")
+    assert exit.value.code == 2 and capsys.readouterr().err == printed
+
+
+@pytest.mark.slow
+def test_an_error_under_torchrun_is_one_line(tmp_path):
+    """Both processes meet the missing dataset; the job fails with one line, rank 0's."""
+    proc = run_script(FORKRUN, "--nproc_per_node=2", "train.py", "--dataset=no_such_data", *TINY,
+                      "--gradient_accumulation_steps=2",
+                      data_dir=tmp_path, check=False, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.count("error: ") == 1, proc.stderr[-2000:]
+    assert "no_such_data" in proc.stderr
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2", "two"])
+def test_a_dry_run_under_a_world_size_that_is_no_number_of_processes_is_one_line(world_size, data_root, tmp_path,
+                                                                                   monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    code, out, err = train_in_process(monkeypatch, capsys, data_root, tmp_path / "fresh", "--dry_run=True")
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), f"WORLD_SIZE={world_size!r}",
+                          "--dry_run_world_size")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DDP: one process's weights, every model
+
+
+@pytest.mark.slow
+def test_two_process_ddp_averages_gradients_like_one_process_with_the_same_micro_batches(data_root, tmp_path):
+    args = ["--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
+    train_det(data_root, tmp_path / "single", *args)
+    run_script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "--model_type=det", f"--out_dir={tmp_path / 'ddp'}", *TINY, *args, data_dir=data_root)
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["free", "eve", "btrans"])
+def test_a_stochastic_model_trains_to_the_same_weights_on_one_and_two_processes(model_type, data_root, tmp_path):
+    """The model's noise is seeded by the micro-batch's index in the step, as its batch is, not by the process: two
+    DDP processes with one micro-batch each train as one process with both (as det does above). B-Trans with noise in
+    training (its default trains on the mean shift, §5); EVE with its controllers, which measure the step's whole batch
+    (model_eve.update_controllers)."""
+    args = [f"--model_type={model_type}", *TINY, "--max_iters=3", "--eval_interval=3", "--gradient_accumulation_steps=2",
+            *{"eve": ["--homeostat_warmup=1", "--homeostat_every=1"], "btrans": ["--train_noise_mode=sequence"]}.get(
+                model_type, [])]
+    run_script("train.py", f"--out_dir={tmp_path / 'single'}", *args, data_dir=data_root)
+    run_script(FORKRUN, "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path / 'ddp'}", *args,
+               data_dir=data_root)
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("single", "ddp"))
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FSDP2: sharded checkpoints, resumed and exported
+
 
 # an evaluation and a checkpoint every 3 steps; 2 micro-batches per step, one per process on 2 processes
 STEPS = ["--eval_interval=3", "--always_save_checkpoint=True", "--gradient_accumulation_steps=2"]
@@ -66,6 +133,7 @@ def det_runs(data_root, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(det_runs, tmp_path):
     assert os.readlink(det_runs / "fsdp" / "ckpt_meta.pt") == os.path.join(ckpt.CHECKPOINTS, "iter_0000006",
                                                                           "ckpt_meta.pt")
@@ -74,6 +142,7 @@ def test_fsdp_gives_the_same_weights_as_one_process_with_the_same_micro_batches(
     assert not os.path.exists(det_runs / "fsdp" / "ckpt.pt")
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_runs, data_root, tmp_path):
     """Each block recomputed in the backward: FSDP x 2 still gives the 1-process weights; EVE under DDP x 2 (noise
     drawn, homeostat statistics all-reduced) the weights of the same run without it."""
@@ -86,6 +155,7 @@ def test_activation_checkpointing_under_fsdp_and_ddp_gives_the_same_weights(det_
     assert_same_weights(plain_weights(tmp_path / "checkpointed"), plain_weights(tmp_path / "plain"))
 
 
+@pytest.mark.slow
 def test_fsdp_meta_checkpoint_holds_plain_types_and_the_run(det_runs):
     meta = torch.load(det_runs / "fsdp" / "ckpt_meta.pt", weights_only=True)
     assert sorted(meta) == ["best_val_loss", "config", "iter_num", "meta", "model_config", "model_type",
@@ -94,6 +164,7 @@ def test_fsdp_meta_checkpoint_holds_plain_types_and_the_run(det_runs):
     assert meta["model_config"]["n_embd"] == 32 and meta["meta"]["vocab_size"] == meta["model_config"]["vocab_size"]
 
 
+@pytest.mark.slow
 def test_fsdp_run_resumed_from_its_sharded_checkpoint_logs_the_same_losses(det_runs, tmp_path):
     full, part = losses(det_runs / "fsdp"), losses(det_runs / "part")
     assert part == full and [i for i, _ in full] == list(range(6))
@@ -101,11 +172,13 @@ def test_fsdp_run_resumed_from_its_sharded_checkpoint_logs_the_same_losses(det_r
                         sharded_weights(det_runs / "fsdp", tmp_path)["model"])
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_of_2_processes_resumes_on_1_with_the_same_weights(det_runs, tmp_path):
     assert_same_weights(sharded_weights(det_runs / "part_on_1", tmp_path)["model"],
                         sharded_weights(det_runs / "fsdp", tmp_path)["model"])
 
 
+@pytest.mark.slow
 def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det_runs, tmp_path):
     """docs/training.md's gathering snippet, run as written in a folder whose out/ is an FSDP run."""
     with open(os.path.join(ROOT, "docs", "training.md")) as f:
@@ -117,6 +190,7 @@ def test_the_docs_export_of_a_sharded_checkpoint_loads_with_the_runs_weights(det
     assert_same_weights(model.state_dict(), sharded_weights(det_runs / "fsdp", tmp_path)["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type,extra", [
     ("eve", ["--homeostat_warmup=1", "--homeostat_every=1", "--beta_control=True"]),  # controllers at every step
     ("free", ["--latent_bits=4"]),  # the encoder block is an FSDP unit, the post-sampler in the root
@@ -130,86 +204,3 @@ def test_fsdp_gives_the_same_weights_as_ddp_for_stochastic_models(model_type, ex
     assert_same_weights(sharded, plain_weights(tmp_path / "ddp"))
     if model_type == "eve":  # three controller updates; the homeostat rescaled sharded weights at steps 1 and 2
         assert int(sharded["ctrl_step"]) == 3
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# dry run
-
-
-def dry_run(*args, data_dir):
-    return run_script("train.py", "--dry_run=True", *args, data_dir=data_dir).stdout
-
-
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_dry_run_prints_the_parameter_count_flops_speed_and_memory_of_its_formulas(fsdp, tmp_path):
-    V, T, L, d, heads, kv, B = 50304, 1024, 8, 1024, 16, 4, 8
-    out = dry_run("--model_type=det", f"--vocab_size={V}", f"--block_size={T}", f"--n_layer={L}", f"--n_embd={d}",
-                  f"--n_head={heads}", f"--n_kv_head={kv}", f"--batch_size={B}", "--gradient_accumulation_steps=8",
-                  f"--fsdp={fsdp}", "--dry_run_world_size=4", "--dry_run_mfu=0.5", "--max_iters=1000",
-                  data_dir=tmp_path)  # an empty data folder: vocab_size is given, nothing is read
-    hd, ffn = d // heads, 32 * math.ceil(int(8 * d / 3) / 32)  # SwiGLU width: 8/3 d rounded up to 32
-    per_block = d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * ffn + 2 * d  # wq wo, wk wv, w1 w2 w3, two norms
-    n_params = V * d + L * per_block + d  # tied embedding and head, final norm
-    flops = 6 * n_params + 12 * L * d * T
-    tokens_per_s = 0.5 * 989e12 / flops
-    saved = B * T * (L * (26 * d + 6 * d + 4 * kv * hd + 8 * ffn + 4 * heads) + 10 * d + 6 * V)  # plan.saved_per_token
-    # FSDP: the root (embedding = head, final norm) and two blocks gathered in bf16; DDP: fp32 buckets and autocast's
-    # bf16 copies of every matmul's weight (the blocks' and the tied head's)
-    gathered = 2 * (V * d + d + 2 * per_block) if fsdp else 4 * n_params + 2 * (n_params - L * 2 * d - d)
-    memory = 16 * n_params / (4 if fsdp else 1) + gathered + saved + 6 * B * T * V
-    assert f"{n_params:,} parameters" in out
-    assert f"{tokens_per_s:,.0f} tokens/s per GPU at 50% MFU of 989 TFLOP/s" in out
-    assert f"{8 * B * T:,} tokens per step: {8 * B * T / (4 * tokens_per_s):.3g} s per step" in out
-    assert f"memory per GPU: {memory / 2**30:.2f} GiB" in out
-
-
-def config_values(path):
-    """What a config file sets, executed as the configurator does (from the repo root, for its exec lines)."""
-    namespace, cwd = {}, os.getcwd()
-    try:
-        os.chdir(ROOT)
-        exec(open(path).read(), namespace)
-    finally:
-        os.chdir(cwd)
-    return namespace
-
-
-def script_of(config):
-    """The script a config file is for: the one its header runs it with (`python -m scripts.rlvr config/rlvr_arith.py`)."""
-    with open(os.path.join(ROOT, config)) as f:
-        scripts = set(re.findall(r"python (\w+\.py|-m scripts\.\w+) " + re.escape(config), f.read()))
-    return "train.py" if not scripts or "train.py" in scripts else scripts.pop()
-
-
-TRAIN_CONFIGS = sorted(c for c in (os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config", "*.py")))
-                       if script_of(c) == "train.py")  # scripts/rlvr.py's configs are tested in test_rlvr.py
-
-
-@pytest.mark.parametrize("config", TRAIN_CONFIGS)
-def test_every_config_parses_and_dry_runs(config, tmp_path):
-    values = config_values(os.path.join(ROOT, config))
-    model_type = values.get("model_type", "free")
-    if "vocab_size" not in values:  # a meta.json is all a dry run reads: no tokens
-        os.makedirs(tmp_path / values["dataset"])
-        (tmp_path / values["dataset"] / "meta.json").write_text(json.dumps({"vocab_size": 65, "tokenizer": "char"}))
-    out = dry_run(config, data_dir=tmp_path)
-    fields = models.config_fields(model_type)
-    model_values = {k: v for k, v in values.items() if k in fields and k not in ("block_size", "vocab_size")}
-    with torch.device("meta"):
-        model = models.build_model(model_type, {**model_values, "vocab_size": values.get("vocab_size", 65),
-                                                "block_size": values.get("block_size", fields["block_size"])})
-    assert f"dry run: {model_type} model, {model.num_params():,} parameters" in out
-
-
-def test_paper_scale_configs_have_the_papers_sizes():
-    """free_8b.py is Llama-3 8B's shape: as a det model with its 128,256-token vocabulary and an untied head, exactly
-    Llama-3 8B's parameter count; free_1b5.py's baseline is 1.5B with the paper's 2^17-token vocabulary (§4.2)."""
-    def det_params(config, vocab_size):
-        values = config_values(os.path.join(ROOT, "config", config))
-        fields = models.config_fields("det")
-        with torch.device("meta"):
-            model = models.build_model("det", {**{k: v for k, v in values.items() if k in fields},
-                                               "vocab_size": vocab_size})
-        return model.num_params()
-    assert det_params("free_8b.py", 128256) + 128256 * 4096 == 8_030_261_248
-    assert 1.45e9 < det_params("free_1b5.py", 2 ** 17) < 1.55e9

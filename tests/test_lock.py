@@ -3,6 +3,7 @@ no lock, so it reads a run that is training; where the filesystem has no flock (
 lockd) flock is made to fail as there, and the lock file that stands in for it is checked in process and against a
 second process."""
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -107,12 +108,19 @@ def test_another_flock_failure_is_one_line(monkeypatch, out_dir, capsys):
     assert stop.value.code == 2 and f"cannot lock out_dir {out_dir}: Input/output error" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
-    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
+@contextlib.contextmanager
+def held(folder):
+    """folder/.lock held as a running train.py holds it."""
+    with open(folder / ".lock", "w") as lock:
         lock.write("train.py (pid 4242)")
         lock.flush()
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+
+
+@pytest.mark.slow
+def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
+    with held(run):
         before = snapshot(run)
         proc = train_det(data_root, run, "--init_from=resume", "--max_iters=6", check=False)
         assert_one_line_error(proc, "is in use by train.py (pid 4242)")
@@ -122,10 +130,7 @@ def test_a_second_writer_stops_at_once_naming_the_first(run, data_root):
 
 @pytest.mark.slow
 def test_eval_only_takes_no_lock_so_it_reads_a_run_that_is_training(run, data_root):
-    with open(run / ".lock", "w") as lock:  # as a running train.py holds it
-        lock.write("train.py (pid 4242)")
-        lock.flush()
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with held(run):
         before = snapshot(run)
         proc = train_det(data_root, run, "--eval_only=True")
         assert "val_loss" in proc.stdout and snapshot(run) == before

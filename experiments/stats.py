@@ -163,10 +163,15 @@ def holm(ps):
     return adjusted
 
 
+def formatted(effect, fmt):
+    """'mean [lo, hi]' of a paired effect, each number in format fmt ('.3f', '+.4f'); the mean alone without an
+    interval (one seed)."""
+    text = format(effect["mean"], fmt)
+    return text if effect["lo"] is None else f"{text} [{effect['lo']:{fmt}}, {effect['hi']:{fmt}}]"
+
+
 def interval(effect):
     """'+0.120 [+0.050, +0.190]': the mean paired difference and its interval (the mean alone for one seed); one
     decimal where the interval reaches 1 or more."""
     digits = 1 if max(abs(v) for v in (effect["mean"], effect["lo"] or 0, effect["hi"] or 0)) >= 1 else 3
-    if effect["lo"] is None:
-        return f"{effect['mean']:+.{digits}f} (one seed)"
-    return f"{effect['mean']:+.{digits}f} [{effect['lo']:+.{digits}f}, {effect['hi']:+.{digits}f}]"
+    return formatted(effect, f"+.{digits}f") + (" (one seed)" if effect["lo"] is None else "")

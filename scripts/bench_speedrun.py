@@ -91,13 +91,6 @@ def summary(runs):
     return out
 
 
-def interval(effect, fmt):
-    """'mean [lo, hi]' of a stats.paired effect ('mean' alone with one turn)."""
-    if effect["lo"] is None:
-        return format(effect["mean"], fmt)
-    return f"{effect['mean']:{fmt}} [{effect['lo']:{fmt}}, {effect['hi']:{fmt}}]"
-
-
 def table(runs):
     """The runs' rows, then each arm's means, then each arm of ours against nanoGPT: the lines the script prints."""
     lines = ["arm | seed | wall s | load before, after | own val | val (whole split)"]
@@ -109,9 +102,9 @@ def table(runs):
         lines.append(f"{arm} | mean of {s['n']} | {s['wall_s']:.1f} |  |  | {s['val_loss']:.4f}")
     for arm, s in arms.items():
         if arm != "nanogpt":
-            lines.append(f"{arm} / nanoGPT time: {interval(s['ratio'], '.3f')}; val {arm} - nanoGPT: "
-                         f"{interval(s['gap'], '+.4f')} (95% t intervals over {s['n']} turns); {s['within']}/{s['n']} "
-                         f"runs within {MARGIN:+} of nanoGPT's loss")
+            lines.append(f"{arm} / nanoGPT time: {stats.formatted(s['ratio'], '.3f')}; val {arm} - nanoGPT: "
+                         f"{stats.formatted(s['gap'], '+.4f')} (95% t intervals over {s['n']} turns); "
+                         f"{s['within']}/{s['n']} runs within {MARGIN:+} of nanoGPT's loss")
     return lines
 
 

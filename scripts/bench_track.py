@@ -91,11 +91,6 @@ def summary(runs):
     return out
 
 
-def shown(effect, fmt):
-    return format(effect["mean"], fmt) + ("" if effect["lo"] is None else
-                                          f" [{effect['lo']:{fmt}}, {effect['hi']:{fmt}}]")
-
-
 def table(runs):
     """The markdown table the script prints (and BENCHMARKS.md holds)."""
     arms_, runs = summary(runs), with_sigma0(runs)
@@ -104,9 +99,10 @@ def table(runs):
              f"loss - {first} |", "|---|---|---|---|---|---|---|"]
     for arm, s in arms_.items():
         lines.append(f"| {arm} ({runs[[r['arm'] for r in runs].index(arm)]['measure']}) | {s['n']} | "
-                     f"{shown(s['wall'], '.1f')} | {shown(s['loss'], '.4f')} | {s['reached']}/{s['n']} | "
-                     f"{shown(s['ratio'], '.3f') if 'ratio' in s else '-'} | "
-                     f"{shown(s['gap'], '+.4f') if 'gap' in s else '-'} |")
+                     f"{stats.formatted(s['wall'], '.1f')} | {stats.formatted(s['loss'], '.4f')} | "
+                     f"{s['reached']}/{s['n']} | "
+                     f"{stats.formatted(s['ratio'], '.3f') if 'ratio' in s else '-'} | "
+                     f"{stats.formatted(s['gap'], '+.4f') if 'gap' in s else '-'} |")
     return lines
 
 

@@ -35,7 +35,7 @@ import gc
 import json
 import os
 import re
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 
 import configurator  # before torch: it answers a bare --help from this file's source
 
@@ -190,14 +190,10 @@ def write_output(path, text, what):
     """A file written after the whole evaluation (which can take an hour), through a temporary file renamed once
     whole. A write that fails (a full disk) keeps the file there as it was and loses nothing: the text goes to
     stdout, then one line says why."""
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with common.replacing(path) as tmp, open(tmp, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
     except OSError as e:
-        with suppress(OSError):
-            os.remove(tmp)
         print(text)
         common.die(f"could not write {path}: {e.strerror or e}{common.free_space(path)}; the {what} are printed "
                    f"above instead, and {path} is as it was")

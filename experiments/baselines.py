@@ -18,7 +18,7 @@ import configurator  # before torch: it answers a bare --help from this file's s
 import numpy as np
 
 from experiments import stats
-from nanolatent import tokendata
+from nanolatent import common, tokendata
 
 evals = ("eve_primary_m1.json", "eve_study_m1.json", "eve_paper_protocol_m1.json",
          "eve_paper_protocol_trained5_m1.json", "eve_paper_protocol_trained16_m1.json", "eve_second_pilot_m1.json",
@@ -50,7 +50,6 @@ for name in evals:
     print(f"{name}: {dataset}, {base['tokens']:,} tokens in {windows} windows of {T}, counted on {len(train):,} "
           f"training tokens: add-one unigram {base['unigram']:.3f}, bigram {base['bigram']:.3f}; discounted unigram "
           f"{base['kn_unigram']:.3f}, Kneser–Ney bigram {base['kn_bigram']:.3f} nats/token")
-with open(path + ".tmp", "w") as f:
+with common.replacing(path) as tmp, open(tmp, "w") as f:
     json.dump(table, f, indent=1)
-os.replace(path + ".tmp", path)
 print(f"wrote {path}")

@@ -265,9 +265,8 @@ with open(json_out + ".lock", "w") as lock:  # two invocations (other seeds) may
     runs = study.earlier_runs(json_out, setup, key=lambda r: r["seed"])  # seeds run at another time join the table
     runs.update(new)
     record = {**setup, "runs": [runs[s] for s in sorted(runs)]}
-    with open(json_out + ".tmp", "w") as f:
+    with common.replacing(json_out) as tmp, open(tmp, "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(json_out + ".tmp", json_out)
 with contextlib.suppress(FileNotFoundError):  # the other invocation may have removed it
     os.remove(json_out + ".lock")
 print(f"wrote {json_out}")

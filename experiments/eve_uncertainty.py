@@ -233,9 +233,8 @@ def measure_run(name, m, streams, texts):
     run["measured"] = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s, "
                        f"load {load:.1f}")
     os.makedirs(parts, exist_ok=True)
-    with open(part + ".tmp", "w") as f:
+    with common.replacing(part) as tmp, open(tmp, "w") as f:
         json.dump({"settings": settings, "run": run}, f)
-    os.replace(part + ".tmp", part)
     return run
 
 
@@ -275,8 +274,7 @@ if __name__ == "__main__":
     if os.path.isdir(results) or not os.path.isdir(os.path.dirname(os.path.abspath(results))):
         common.die(f"--results={results} cannot be written: give a .json file in an existing folder")
     record = measure()
-    with open(results + ".tmp", "w") as f:
+    with common.replacing(results) as tmp, open(tmp, "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(results + ".tmp", results)
     print(f"wrote {results}")
     plot(record)

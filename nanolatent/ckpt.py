@@ -2,14 +2,13 @@
 train.py's save folders found, a run refused unless asked to be replaced. train.py's writes into a run folder (its
 saves, checksums, the best one's link, deletions): saves.py; the lock: lock.py."""
 
-import contextlib
 import os
 import re
 
 import torch
 
 from nanolatent import models
-from nanolatent.common import die, free_space
+from nanolatent.common import die, free_space, replacing
 
 CHECKPOINTS = "checkpoints"  # train.py's saves: out_dir/checkpoints/iter_0000300/, one folder per step
 RUN_FILES = ("ckpt.pt", "ckpt_meta.pt")  # what makes a folder a run (ckpt_meta.pt: train.py under FSDP), as does
@@ -40,23 +39,15 @@ def refuse_nonempty_dir(dst, overwrite, what="--dst"):
 
 
 def save_checkpoint(checkpoint, path):
-    """Write to a temporary file of this process, then rename: a crash mid-write never leaves a truncated checkpoint
-    behind, and two writers never share a temporary file. A write that fails removes its temporary file and stops
-    with one line; the previous checkpoint is untouched."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write in one rename (common.replacing): a crash or a second Ctrl-C mid-write never leaves a truncated
+    checkpoint behind. A write that fails stops with one line; the previous checkpoint is untouched."""
     try:
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            torch.save(checkpoint, tmp)
     except (OSError, RuntimeError) as e:  # a full disk (torch's writer raises RuntimeError), a read-only folder
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:200]
         die(f"could not write {path}: {reason}{free_space(path)}; free some space or choose another out_dir "
             f"(the previous checkpoint there, if any, is unchanged)")
-    except BaseException:  # interrupted (a second Ctrl-C): no half-written file is left behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 def saved_steps(out_dir):

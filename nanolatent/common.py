@@ -1,5 +1,5 @@
 """What every script shares: one-line errors (die), seeded draws, devices, dtypes and autocast, GPUs' peak FLOPs, a
-progress line, matplotlib if present, free disk space, a training loop's stop on a
+progress line, matplotlib if present, free disk space, a file replaced in one rename, a training loop's stop on a
 signal, the CPU's thread count. Model files never import this module."""
 
 import contextlib
@@ -104,6 +104,21 @@ def free_space(path):
         return f", {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2**20:,.0f} MiB free on that disk"
     except OSError:
         return ""
+
+
+@contextlib.contextmanager
+def replacing(path):
+    """A temporary name of this process beside path for the block to write; renamed to path when the block ends (a
+    kill leaves the old file or the new one, never a part, and two writers never share a temporary name), removed
+    when it raises (the error goes on to the caller)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 class Refused(SystemExit):

@@ -1,12 +1,11 @@
 """Run records: metrics.jsonl, one JSON line per evaluation or log step, appended, read, and cut back on resume; and
 the lines train.py prints (its first, each step's and evaluation's, its last)."""
 
-import contextlib
 import json
 import os
 import sys
 
-from nanolatent.common import die, free_space
+from nanolatent.common import die, free_space, replacing
 
 
 def append_record(path, record):
@@ -50,14 +49,10 @@ def refuse_earlier_records(path, overwrite):
 def keep_records(path, before_iter):
     """Rewrite metrics.jsonl with only the records of iterations before `before_iter` (0: none), atomically."""
     kept = [r for r in read_records(path) if r.get("iter", 0) < before_iter] if os.path.exists(path) else []
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with replacing(path) as tmp, open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, path)
     except OSError as e:  # a full disk or a read-only folder: the log stays as it was
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         die(f"could not write {path}: {e.strerror or e}{free_space(path)}; free some space or choose another out_dir "
             f"(the run there is unchanged)")
 

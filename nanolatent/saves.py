@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanolatent import ckpt, lock, models, optim, records
-from nanolatent.common import die
+from nanolatent.common import die, replacing
 
 SUMS = "SHA256SUMS"  # a save's every other file and its SHA-256, as sha256sum writes them (sha256sum -c checks them)
 
@@ -358,11 +358,10 @@ def point(out_dir, name, target):
     out_dir/ckpt.pt sees the previous checkpoint or the new one, never neither. The other name's link, left by the
     run in the other parallel mode (ckpt.pt under DDP, ckpt_meta.pt under FSDP), then goes: one best save."""
     link = os.path.join(out_dir, name)
-    tmp = f"{link}.tmp{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(tmp)
-    os.symlink(os.path.relpath(target, out_dir), tmp)
-    os.replace(tmp, link)
+    with replacing(link) as tmp:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)  # a link of an earlier process with this pid
+        os.symlink(os.path.relpath(target, out_dir), tmp)
     for other in ckpt.RUN_FILES:
         if other != name and os.path.islink(os.path.join(out_dir, other)):
             os.remove(os.path.join(out_dir, other))

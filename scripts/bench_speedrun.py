@@ -219,10 +219,9 @@ def cpu_name():
 def save(runs):
     """--out_json after every run, by one rename: a bench cut short keeps what ran (its summary over the turns so far)."""
     if out_json:
-        with open(f"{out_json}.tmp", "w") as f:
+        with common.replacing(out_json) as tmp, open(tmp, "w") as f:
             json.dump({"config": config, "cpu": cpu_name(), "runs": runs, "summary": summary(runs),
                        "bf16_instructions": torch.ops.mkldnn._is_mkldnn_bf16_supported()}, f, indent=1)
-        os.replace(f"{out_json}.tmp", out_json)
 
 
 def main():

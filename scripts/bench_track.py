@@ -166,9 +166,8 @@ def main():
             print(f"{name} seed {1337 + i}: {wall:.1f} s (load {load[0]:.2f}, {load[1]:.2f}), {HONEST[model]} "
                   f"{runs[-1]['loss']:.4f}", flush=True)
             if out_json:  # after every run, by one rename: a track cut short keeps what ran
-                with open(f"{out_json}.tmp", "w") as f:
+                with common.replacing(out_json) as tmp, open(tmp, "w") as f:
                     json.dump({"config": config, "runs": runs, "summary": summary(runs)}, f, indent=1)
-                os.replace(f"{out_json}.tmp", out_json)
     print("\n".join(table(runs)))
     return {"runs": runs}
 

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+import configurator
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # offline copies of the public data (tokendata.local_data): NANOLATENT_LOCAL_DATA where the user set it (.ci/run does),
 # else ../shared/data, our machines' folder beside the clone; inherited by the scripts the tests run. A test that reads
@@ -233,6 +235,17 @@ def records(out_dir):
     """The run's metrics.jsonl, one dict per line."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def config_values(path):
+    """What a config file sets, as train.py reads it (configurator.read_config_file), from the repository's root,
+    where its exec lines find the config files they read."""
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        return configurator.read_config_file(path)
+    finally:
+        os.chdir(cwd)
 
 
 def write(path, text, mode="w"):

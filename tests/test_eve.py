@@ -14,7 +14,7 @@ from torch.distributions import Normal, kl_divergence
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import model_det  # noqa: E402
 import model_eve  # noqa: E402
-from conftest import records, train_in_process  # noqa: E402
+from conftest import config_values, records, train_in_process  # noqa: E402
 
 SMALL = dict(block_size=32, vocab_size=17, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
@@ -486,20 +486,8 @@ def test_memory_gain_receives_gradient_and_the_loop_stays_stable_for_any_b_and_c
 # The matched comparison (§3.7, §4.1: attention and the head kept fixed) and frozen embeddings (§1).
 
 
-def config_file(path):
-    """The model fields a config file sets (config files are Python, read from the repo root as train.py does)."""
-    root = os.path.join(os.path.dirname(__file__), "..")
-    values, cwd = {}, os.getcwd()
-    try:
-        os.chdir(root)
-        exec(open(path).read(), values)
-    finally:
-        os.chdir(cwd)
-    return {k: v for k, v in values.items() if not k.startswith("__")}
-
-
 def test_the_experiments_twin_differs_from_eve_in_the_feed_forward_neurons_alone():
-    twin_values, eve_values = config_file("config/det_wp_sample.py"), config_file("config/eve_wp_sample.py")
+    twin_values, eve_values = config_values("config/det_wp_sample.py"), config_values("config/eve_wp_sample.py")
     fields = {f.name for f in dataclasses.fields(model_eve.Config)}
     # the same training: data, batches, optimiser, schedule, selection (only the neurons and the folder differ)
     train_keys = set(twin_values) - fields - {"out_dir"}

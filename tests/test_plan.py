@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import ROOT, config_values, run_script
 from nanolatent import eve_bank, models, plan
 
 # small shapes apart from each other and from the defaults: GQA and not, a SwiGLU width of its own
@@ -253,17 +253,6 @@ def test_dry_run_prints_the_parameter_count_flops_speed_and_memory_of_its_formul
     assert f"{tokens_per_s:,.0f} tokens/s per GPU at 50% MFU of 989 TFLOP/s" in out
     assert f"{8 * B * T:,} tokens per step: {8 * B * T / (4 * tokens_per_s):.3g} s per step" in out
     assert f"memory per GPU: {memory / 2**30:.2f} GiB" in out
-
-
-def config_values(path):
-    """What a config file sets, executed as the configurator does (from the repo root, for its exec lines)."""
-    namespace, cwd = {}, os.getcwd()
-    try:
-        os.chdir(ROOT)
-        exec(open(path).read(), namespace)
-    finally:
-        os.chdir(cwd)
-    return namespace
 
 
 def script_of(config):
